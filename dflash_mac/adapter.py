@@ -1,0 +1,109 @@
+"""Target adapter: per-instance capture of decoder-layer outputs, embedding and LM head.
+
+Capture swaps the `__class__` of the selected layer INSTANCES to a cached subclass whose
+`__call__` records the output; the original class is untouched, parameter paths are unchanged
+(quantize / save still work) and leaving the context restores the instances exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .models.dflash import TargetHead
+
+_CAPTURING: dict[type, type] = {}
+
+
+class _Sink:
+    """Holds captured outputs of one layer for the current forward pass."""
+
+    __slots__ = ("out",)
+
+    def __init__(self) -> None:
+        self.out: mx.array | None = None
+
+
+def _capturing_class(cls: type) -> type:
+    if cls not in _CAPTURING:
+
+        def __call__(self, *args, **kwargs):
+            out = cls.__call__(self, *args, **kwargs)
+            self._dflash_sink.out = out[0] if isinstance(out, tuple) else out
+            return out
+
+        _CAPTURING[cls] = type(f"Capturing{cls.__name__}", (cls,), {"__call__": __call__})
+    return _CAPTURING[cls]
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The target's decoder layers (on qwen3_5 `model.layers` is a fresh list of the same
+    module objects, which is all we need)."""
+    layers = getattr(model, "layers", None)
+    if layers is None and hasattr(model, "model"):
+        layers = getattr(model.model, "layers", None)
+    if not layers:
+        raise ValueError("the target model exposes no decoder layers (`model.layers`).")
+    return list(layers)
+
+
+def text_model(model: nn.Module) -> nn.Module:
+    """The language-model part of a (possibly multimodal) mlx-lm model."""
+    return getattr(model, "language_model", model)
+
+
+def target_head(model: nn.Module) -> TargetHead:
+    """The target's token embedding and LM head, with its logit scale / softcap if any."""
+    tm = text_model(model)
+    inner = tm.model
+    embed = inner.embed_tokens
+    args = getattr(tm, "args", None)
+    lm_head = getattr(tm, "lm_head", None)
+    if lm_head is None or getattr(args, "tie_word_embeddings", False):
+        lm_head = embed.as_linear
+    scale = getattr(args, "logits_scaling", None) or 1.0
+    softcap = getattr(args, "final_logit_softcapping", None)
+    return TargetHead(embed, lm_head, 1.0 / scale if scale != 1.0 else 1.0, softcap)
+
+
+class FeatureCapture:
+    """Context manager capturing the outputs of `layer_ids` on this model instance only."""
+
+    def __init__(self, model: nn.Module, layer_ids: list[int]):
+        layers = decoder_layers(model)
+        bad = [i for i in layer_ids if not 0 <= i < len(layers)]
+        if bad:
+            raise ValueError(f"target layer ids {bad} are out of range for {len(layers)} layers.")
+        self.layer_ids = list(layer_ids)
+        self._layers = {i: layers[i] for i in set(layer_ids)}
+        self._orig: dict[int, type] = {}
+
+    def __enter__(self) -> FeatureCapture:
+        for i, layer in self._layers.items():
+            self._orig[i] = type(layer)
+            object.__setattr__(layer, "_dflash_sink", _Sink())
+            layer.__class__ = _capturing_class(type(layer))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+    def remove(self) -> None:
+        """Restore every hooked instance (idempotent)."""
+        for i, cls in self._orig.items():
+            layer = self._layers[i]
+            layer.__class__ = cls
+            object.__delattr__(layer, "_dflash_sink")
+        self._orig.clear()
+
+    def features(self) -> mx.array:
+        """Concatenated features of the last forward pass, `[B, L, n_tgt * H]`."""
+        outs = [self._layers[i]._dflash_sink.out for i in self.layer_ids]
+        return mx.concatenate(outs, axis=-1)
+
+
+def is_hooked(model: nn.Module) -> bool:
+    """True if any decoder layer of `model` still carries a capture hook."""
+    return any(hasattr(layer, "_dflash_sink") for layer in decoder_layers(model))

@@ -1,0 +1,149 @@
+"""The DFlash decode cycle (SPEC §6) as a streaming generator of events."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+from mlx_lm.models.cache import make_prompt_cache
+
+from .adapter import FeatureCapture
+from .rollback import check_rollback_support, trim_caches
+from .sampling import SamplingParams, accept_greedy, accept_sampled, probabilities, sample
+from .stats import DecodeStats
+from .textstream import TextStream
+
+
+@dataclass
+class GenerationConfig:
+    """Per-request settings."""
+
+    max_tokens: int = 256
+    block_size: int | None = None  # None: the pair's default
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    use_eos: bool = True
+    prefill_step_size: int = 2048
+
+
+@dataclass
+class GenerationEvent:
+    """What one step of the stream committed."""
+
+    text: str
+    tokens: list[int]
+    accepted: int  # tokens committed by this cycle incl. the bonus (0 for the prefill token)
+    stats: DecodeStats
+    finish_reason: str | None = None
+
+
+class DecodeState:
+    """Target cache, drafter context cache and the ids they hold (kept by sessions)."""
+
+    def __init__(self, pair: Any):
+        self.target_cache = make_prompt_cache(pair.target)
+        self.draft_cache = pair.drafter.make_cache()
+        self.ids: list[int] = []
+
+    def trim_to(self, n: int) -> None:
+        """Keep the first `n` cached positions in both caches."""
+        extra = len(self.ids) - n
+        if extra > 0:
+            trim_caches(self.target_cache, extra)
+            trim_caches(self.draft_cache, extra)
+            self.ids = self.ids[:n]
+
+
+def prefill(pair: Any, state: DecodeState, ids: list[int], cap: FeatureCapture, step: int):
+    """Run the target on the uncached suffix of `ids` in chunks (as mlx-lm does: all but the last
+    token in chunks, then the last token alone); feed every position's features to the drafter.
+    Returns the last position's logits [V]."""
+    new = ids[len(state.ids) :]
+    assert new, "prefill needs at least one new token"
+    chunks = [new[i : i + step] for i in range(0, len(new) - 1, step)] + [new[-1:]]
+    for chunk in chunks:
+        logits = pair.target(mx.array(chunk)[None], cache=state.target_cache)
+        pair.drafter.extend_context(cap.features(), state.draft_cache)
+        mx.eval([c.state for c in state.target_cache], logits)
+    state.ids = list(ids)
+    return logits[0, -1]
+
+
+def propose(pair: Any, block: mx.array, cache: list, sp: SamplingParams, key: mx.array):
+    """Draft tokens for block positions 1..bs-1 and q (None when greedy), lazily."""
+    logits = pair.drafter(block[None], cache)[0]  # [bs-1, V]
+    if sp.greedy:
+        return mx.argmax(logits, axis=-1), None
+    q = probabilities(logits, sp)
+    return sample(q, key=key), q
+
+
+def speculative_stream(
+    pair: Any,
+    prompt_ids: list[int],
+    cfg: GenerationConfig,
+    state: DecodeState | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> Iterator[GenerationEvent]:
+    """Generate with DFlash: draft a block, verify it in one target pass, commit, roll back."""
+    state = state or DecodeState(pair)
+    check_rollback_support(state.target_cache)
+    bs_max = cfg.block_size or pair.block_size
+    sp = cfg.sampling
+    key = mx.random.key(cfg.seed if cfg.seed is not None else random.getrandbits(32))
+    stats = DecodeStats(bs_max, prompt_tokens=len(prompt_ids), cached_tokens=len(state.ids))
+    out = TextStream(pair.tokenizer, cfg.stop, pair.eos_ids if cfg.use_eos else set())
+    mask_id = pair.drafter.config.mask_token_id
+
+    with FeatureCapture(pair.target, pair.layer_ids) as cap, mx.stream(generation_stream):
+        t0 = time.perf_counter()
+        logits = prefill(pair, state, prompt_ids, cap, cfg.prefill_step_size)
+        if sp.greedy:
+            anchor = mx.argmax(logits).item()
+        else:
+            key, sub = mx.random.split(key)
+            anchor = sample(probabilities(logits, sp), key=sub).item()
+        stats.prefill_time = time.perf_counter() - t0
+        t_decode = time.perf_counter()
+        stats.generation_tokens = 1
+        yield GenerationEvent(out.push([anchor], cfg.max_tokens), [anchor], 0, stats,
+                              out.finish_reason)
+
+        while out.finish_reason is None and not (should_stop and should_stop()):
+            bs = min(bs_max, cfg.max_tokens - out.count)
+            key, k_draft, k_verify = mx.random.split(key, 3)
+            block = mx.array([anchor] + [mask_id] * (bs - 1))
+            if bs > 1:
+                drafts, q = propose(pair, block, state.draft_cache, sp, k_draft)
+            else:  # one token left: a plain target step
+                drafts, q = mx.zeros((0,), mx.int32), mx.zeros((0, 1))
+            logits = pair.target(mx.concatenate([block[:1], drafts])[None],
+                                 cache=state.target_cache)[0]  # [bs, V]
+            if sp.greedy:
+                acc, bonus = accept_greedy(drafts, logits)
+            else:
+                acc, bonus = accept_sampled(drafts, q, probabilities(logits, sp), k_verify)
+            host = mx.concatenate([acc[None], bonus.reshape(1), drafts]).tolist()  # one sync
+            a = host[0]
+            committed = host[2 : 2 + a] + [host[1]]
+            trim_caches(state.target_cache, bs - a - 1)
+            pair.drafter.extend_context(cap.features()[:, : a + 1], state.draft_cache)
+            state.ids += [anchor] + committed[:-1]
+            anchor = committed[-1]
+            stats.acceptance_lengths.append(a + 1)
+            text = out.push(committed, cfg.max_tokens)
+            stats.generation_tokens = out.count
+            stats.decode_time = time.perf_counter() - t_decode
+            yield GenerationEvent(text, committed, a + 1, stats, out.finish_reason)
+
+        if out.finish_reason is None:
+            out.finish_reason = "cancelled"
+            yield GenerationEvent(out.flush(), [], 0, stats, "cancelled")
+    # Caches hold exactly a prefix of prompt + kept output (the last token may be pending).
+    state.trim_to(len(prompt_ids) + out.count)
+    mx.eval([c.state for c in state.target_cache + state.draft_cache if not c.empty()])

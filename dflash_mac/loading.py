@@ -1,0 +1,245 @@
+"""Resolve, validate and load a target + drafter pair."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map
+
+from . import models as _models_pkg
+from .adapter import decoder_layers, target_head
+from .models.config import ConfigError, DraftConfig
+
+PACKAGE_MODELS = Path(_models_pkg.__file__).resolve().parent
+BUNDLED_TARGET = PACKAGE_MODELS / "bundled" / "target"
+BUNDLED_DRAFT = PACKAGE_MODELS / "bundled" / "dflash"
+DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+
+
+class LoadError(RuntimeError):
+    """A pair that cannot be loaded; the message is one sentence for the user."""
+
+
+@dataclass
+class Pair:
+    """A loaded target and its bound drafter."""
+
+    target: nn.Module
+    drafter: nn.Module
+    tokenizer: Any
+    model_id: str
+    draft_id: str
+    block_size: int
+    target_config: dict
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return self.drafter.config.target_layer_ids
+
+    @property
+    def eos_ids(self) -> set[int]:
+        return set(self.tokenizer.eos_token_ids)
+
+    @property
+    def kind(self) -> str:
+        return "DFlash 2" if self.drafter.config.is_dflash2 else "DFlash"
+
+    @property
+    def quantized(self) -> bool:
+        return bool(self.target_config.get("quantization")) or bool(
+            self.drafter.config.quantization
+        )
+
+    @property
+    def context_length(self) -> int:
+        cfg = self.target_config.get("text_config", self.target_config)
+        return int(cfg.get("max_position_embeddings", 32768))
+
+
+def resolve(name: str | os.PathLike) -> Path:
+    """A local folder as is; otherwise a Hub id through `huggingface_hub.snapshot_download`."""
+    path = Path(name).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise LoadError(f"{path} is a file; pass the model folder instead.")
+        return path
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
+
+    try:
+        return Path(snapshot_download(str(name), allow_patterns=DOWNLOAD_PATTERNS))
+    except HFValidationError:
+        raise LoadError(f"'{name}' is neither a local folder nor a valid Hugging Face model id.")
+    except GatedRepoError:
+        raise LoadError(f"'{name}' is gated on the Hub; accept its licence and log in first.")
+    except RepositoryNotFoundError:
+        raise LoadError(f"'{name}' was not found on the Hugging Face Hub.")
+    except LocalEntryNotFoundError:
+        raise LoadError(
+            f"'{name}' is not in the local Hugging Face cache and the Hub cannot be reached "
+            "(offline); download it once with `dflash-mac pull` or pass a local folder."
+        )
+    except OSError as e:
+        raise LoadError(f"could not download '{name}': {e}.")
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise LoadError(f"{path} is missing; the folder is not a complete model.")
+    except json.JSONDecodeError as e:
+        raise LoadError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}).")
+
+
+def validate_pair(tcfg: dict, dcfg: DraftConfig, target: str, draft: str) -> None:
+    """Check hidden size, vocabulary and layer ids before any heavy weights are read."""
+    t = tcfg.get("text_config", tcfg)
+    n_layers, hidden, vocab = t.get("num_hidden_layers"), t.get("hidden_size"), t.get("vocab_size")
+    problems = []
+    if hidden != dcfg.hidden_size:
+        problems.append(f"hidden size {dcfg.hidden_size} vs {hidden}")
+    if vocab != dcfg.vocab_size:
+        problems.append(f"vocabulary {dcfg.vocab_size} vs {vocab}")
+    bad = [i for i in dcfg.target_layer_ids if not 0 <= i < (n_layers or 0)]
+    if bad:
+        problems.append(f"layer ids {bad} beyond the target's {n_layers} layers")
+    if vocab and not 0 <= dcfg.mask_token_id < vocab:
+        problems.append(f"mask token {dcfg.mask_token_id} outside the vocabulary")
+    if problems:
+        raise LoadError(
+            f"drafter '{draft}' does not fit target '{target}' ({'; '.join(problems)}); "
+            "use the drafter trained for this target."
+        )
+
+
+def load_weights(folder: Path) -> dict[str, mx.array]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise LoadError(f"{folder} holds no *.safetensors weights.")
+    weights: dict[str, mx.array] = {}
+    for f in files:
+        try:
+            weights.update(mx.load(str(f)))
+        except Exception as e:  # mlx raises RuntimeError/ValueError on corrupt files
+            raise LoadError(f"{f} is not a readable safetensors file ({e}).")
+    return weights
+
+
+def build_drafter(cfg: DraftConfig) -> nn.Module:
+    if cfg.is_dflash2:
+        from .models.dflash2 import DFlash2DraftModel
+
+        return DFlash2DraftModel(cfg)
+    from .models.dflash import DFlashDraftModel
+
+    return DFlashDraftModel(cfg)
+
+
+def load_drafter(folder: Path, cfg: DraftConfig, dtype: mx.Dtype | None = None) -> nn.Module:
+    """Build the drafter and load its weights strictly (stray embed/lm_head keys dropped)."""
+    model = build_drafter(cfg)
+    weights = {
+        k: v
+        for k, v in load_weights(folder).items()
+        if "embed_tokens" not in k and not k.startswith("lm_head")
+    }
+    weights = model.sanitize(weights)
+    if q := cfg.quantization:
+        nn.quantize(
+            model,
+            group_size=q.get("group_size", 64),
+            bits=q.get("bits", 4),
+            class_predicate=lambda p, m: f"{p}.scales" in weights,
+        )
+    expected = dict(tree_flatten(model.parameters()))
+    missing = sorted(set(expected) - set(weights))
+    extra = sorted(set(weights) - set(expected))
+    if missing or extra:
+        what = (f"missing {missing[:3]}" if missing else "") + (
+            f"{'; ' if missing else ''}unexpected {extra[:3]}" if extra else ""
+        )
+        raise LoadError(f"drafter weights in {folder} do not match its config ({what}).")
+    for k, v in weights.items():
+        if v.shape != expected[k].shape:
+            raise LoadError(
+                f"drafter tensor {k} in {folder} has shape {tuple(v.shape)}, "
+                f"expected {tuple(expected[k].shape)}."
+            )
+    model.load_weights(list(weights.items()))
+    if dtype is not None:
+        cast_floats(model, dtype)
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+def cast_floats(model: nn.Module, dtype: mx.Dtype) -> None:
+    """Cast floating parameters (not quantized integer weights) to `dtype`."""
+    model.update(
+        tree_map(
+            lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p,
+            model.parameters(),
+        )
+    )
+
+
+def default_dtype() -> mx.Dtype | None:
+    """fp32 on the CPU (fp16/bf16 matmuls are slow there); the stored dtype on a GPU."""
+    return mx.float32 if mx.default_device() == mx.cpu else None
+
+
+def load(
+    model: str | os.PathLike | None = None,
+    draft: str | os.PathLike | None = None,
+    *,
+    dtype: mx.Dtype | None | str = "auto",
+    block_size: int | None = None,
+) -> Pair:
+    """Load a target (via mlx-lm) and its DFlash drafter; defaults to the bundled pair."""
+    from mlx_lm.utils import load as mlx_load
+
+    if model is None and draft is None:
+        model, draft = BUNDLED_TARGET, BUNDLED_DRAFT
+        if not (BUNDLED_DRAFT / "config.json").exists():
+            raise LoadError("the bundled pair is not built yet; pass --model and --draft.")
+    if model is None or draft is None:
+        raise LoadError("pass both --model and --draft (or neither, for the bundled pair).")
+    dtype = default_dtype() if dtype == "auto" else dtype
+    tpath, dpath = resolve(model), resolve(draft)
+    tcfg = read_json(tpath / "config.json")
+    try:
+        dcfg = DraftConfig.from_file(dpath / "config.json")
+    except ConfigError as e:
+        raise LoadError(str(e))
+    validate_pair(tcfg, dcfg, str(model), str(draft))
+    try:
+        target, tokenizer = mlx_load(str(tpath))
+    except Exception as e:
+        raise LoadError(f"could not load target '{model}' with mlx-lm ({e}).")
+    if dtype is not None:
+        cast_floats(target, dtype)
+    if len(decoder_layers(target)) != (tcfg.get("text_config", tcfg)).get("num_hidden_layers"):
+        raise LoadError(f"target '{model}' has an unexpected layer layout.")
+    drafter = load_drafter(dpath, dcfg, dtype)
+    drafter.bind(target_head(target))
+    return Pair(
+        target=target,
+        drafter=drafter,
+        tokenizer=tokenizer,
+        model_id=str(model),
+        draft_id=str(draft),
+        block_size=block_size or dcfg.block_size,
+        target_config=tcfg,
+    )

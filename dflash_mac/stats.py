@@ -1,0 +1,110 @@
+"""Decode statistics (SPEC §9): τ, acceptance histogram, per-position acceptance, speeds."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+
+def histogram(lengths: list[int], block_size: int) -> list[int]:
+    """Counts of committed-per-cycle values 1..block_size."""
+    counts = [0] * block_size
+    for a in lengths:
+        counts[min(max(a, 1), block_size) - 1] += 1
+    return counts
+
+
+def survival(lengths: list[int], block_size: int) -> list[float]:
+    """Prefix survival P(A >= k) for k = 1..block_size."""
+    n = len(lengths)
+    return [sum(a >= k for a in lengths) / n if n else 0.0 for k in range(1, block_size + 1)]
+
+
+def position_acceptance(lengths: list[int], block_size: int) -> list[float]:
+    """P(draft position k accepted | positions 1..k-1 accepted), k = 1..block_size-1.
+
+    A cycle committing A tokens accepted A-1 drafts (the last token is the bonus)."""
+    out = []
+    for k in range(1, block_size):
+        reached = sum(a - 1 >= k - 1 for a in lengths)
+        accepted = sum(a - 1 >= k for a in lengths)
+        out.append(accepted / reached if reached else 0.0)
+    return out
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for fewer than two values)."""
+    if not values:
+        return 0.0, 0.0
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+@dataclass
+class DecodeStats:
+    """Running statistics of one generation."""
+
+    block_size: int
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generation_tokens: int = 0
+    acceptance_lengths: list[int] = field(default_factory=list)
+    prefill_time: float = 0.0
+    decode_time: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        a = self.acceptance_lengths
+        return sum(a) / len(a) if a else 0.0
+
+    @property
+    def cycles(self) -> int:
+        return len(self.acceptance_lengths)
+
+    @property
+    def histogram(self) -> list[int]:
+        return histogram(self.acceptance_lengths, self.block_size)
+
+    @property
+    def survival(self) -> list[float]:
+        return survival(self.acceptance_lengths, self.block_size)
+
+    @property
+    def position_acceptance(self) -> list[float]:
+        return position_acceptance(self.acceptance_lengths, self.block_size)
+
+    @property
+    def prefill_tps(self) -> float:
+        n = self.prompt_tokens - self.cached_tokens
+        return n / self.prefill_time if self.prefill_time > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return self.generation_tokens / self.decode_time if self.decode_time > 0 else 0.0
+
+    @property
+    def ttft(self) -> float:
+        return self.prefill_time
+
+    @property
+    def peak_memory_gb(self) -> float:
+        return mx.get_peak_memory() / 1e9
+
+    def as_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "generation_tokens": self.generation_tokens,
+            "block_size": self.block_size,
+            "cycles": self.cycles,
+            "acceptance_lengths": list(self.acceptance_lengths),
+            "tau": self.tau,
+            "histogram": self.histogram,
+            "position_acceptance": self.position_acceptance,
+            "survival": self.survival,
+            "prefill_tps": self.prefill_tps,
+            "decode_tps": self.decode_tps,
+            "ttft_s": self.ttft,
+            "peak_memory_gb": self.peak_memory_gb,
+        }

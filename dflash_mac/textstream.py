@@ -1,0 +1,70 @@
+"""Committed tokens -> streamed text, with EOS, stop strings and the token budget."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class TextStream:
+    """Feeds COMMITTED tokens only; decides when generation ends and what text to emit."""
+
+    def __init__(self, tokenizer: Any, stop: list[str], eos_ids: set[int]):
+        self.detok = tokenizer.detokenizer
+        self.stop = [s for s in stop if s]
+        self.eos = set(eos_ids)
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+        self._emitted = 0
+        self._cut: int | None = None  # text length kept after a stop string
+
+    @property
+    def count(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def text(self) -> str:
+        text = self.detok.text
+        return text if self._cut is None else text[: self._cut]
+
+    def push(self, ids: list[int], max_tokens: int) -> str:
+        """Consume committed ids in order; returns the newly printable text."""
+        for t in ids:
+            if self.finish_reason is not None:
+                break
+            if t in self.eos:
+                self.finish_reason = "stop"
+                break
+            self.tokens.append(t)
+            self.detok.add_token(t)
+            if self.stop and self._find_stop() is not None:
+                self.finish_reason = "stop"
+            elif len(self.tokens) >= max_tokens:
+                self.finish_reason = "length"
+        if self.finish_reason is not None:
+            return self.flush()
+        return self._delta(final=False)
+
+    def flush(self) -> str:
+        """Finish the text (detokenizer tail, stop-string cut) and return what is left."""
+        self.detok.finalize()
+        if self.stop:
+            self._cut = self._find_stop()
+        return self._delta(final=True)
+
+    def _find_stop(self) -> int | None:
+        text = self.detok.text
+        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def _delta(self, final: bool) -> str:
+        text = self.text
+        end = len(text)
+        if not final and self.stop:  # hold back a possible start of a stop string
+            longest = max(len(s) for s in self.stop)
+            for n in range(min(longest - 1, end), 0, -1):
+                if any(s.startswith(text[end - n :]) for s in self.stop):
+                    end -= n
+                    break
+        end = max(end, self._emitted)
+        delta, self._emitted = text[self._emitted : end], end
+        return delta

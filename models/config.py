@@ -1,0 +1,152 @@
+"""Drafter configuration: both z-lab schema generations (SPEC §2)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DFLASH1 = "DFlashDraftModel"
+DFLASH2 = "DFlash2DraftModel"
+
+_REQUIRED_TOP = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "rms_norm_eps",
+    "vocab_size",
+)
+
+
+class ConfigError(ValueError):
+    """A drafter config that cannot be used; the message is one sentence for the user."""
+
+
+@dataclass
+class DraftConfig:
+    """Everything the drafter needs from `config.json`, normalised across schemas."""
+
+    architecture: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    vocab_size: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    block_size: int = 16
+    num_target_layers: int | None = None
+    max_position_embeddings: int = 32768
+    rope_theta: float = 1_000_000.0
+    rope_scaling: dict | None = None
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    layer_causal: list[bool] = field(default_factory=list)
+    sliding_window: int | None = None
+    layer_window: list[int | None] = field(default_factory=list)
+    # DFlash 2 only
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+    quantization: dict | None = None
+    raw: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def is_dflash2(self) -> bool:
+        return self.architecture == DFLASH2
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> DraftConfig:
+        """Parse a z-lab drafter config; errors name the file and the field."""
+
+        def need(d: dict, key: str, where: str = "") -> Any:
+            if key not in d or d[key] is None:
+                raise ConfigError(f"{source} is missing the required field '{where}{key}'.")
+            return d[key]
+
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in (DFLASH1, DFLASH2)), None)
+        if arch is None:
+            raise ConfigError(
+                f"{source} is not a DFlash drafter: 'architectures' must contain "
+                f"{DFLASH1} or {DFLASH2} (found {archs or 'nothing'})."
+            )
+        dcfg = cfg.get("dflash_config")
+        if not isinstance(dcfg, dict):
+            raise ConfigError(f"{source} is missing the required field 'dflash_config'.")
+        top = {k: need(cfg, k) for k in _REQUIRED_TOP}
+        heads = int(top["num_attention_heads"])
+        head_dim = cfg.get("head_dim") or int(top["hidden_size"]) // heads
+
+        rope_params = cfg.get("rope_parameters") or {}
+        rope_theta = rope_params.get("rope_theta", cfg.get("rope_theta", 1_000_000.0))
+        rope_scaling = cfg.get("rope_scaling")
+        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+            rope_scaling = dict(rope_params)
+
+        n_layers = int(top["num_hidden_layers"])
+        causal, windows = _attention_layout(cfg, n_layers, source)
+        block_size = dcfg.get("block_size", cfg.get("block_size", 16))
+        return cls(
+            architecture=arch,
+            head_dim=int(head_dim),
+            target_layer_ids=[int(i) for i in need(dcfg, "target_layer_ids", "dflash_config.")],
+            mask_token_id=int(need(dcfg, "mask_token_id", "dflash_config.")),
+            block_size=int(block_size),
+            num_target_layers=cfg.get("num_target_layers"),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            input_embedding_scale=float(dcfg.get("input_embedding_scale", 1.0)),
+            output_multiplier=float(dcfg.get("output_multiplier", 1.0)),
+            final_logit_softcapping=dcfg.get("final_logit_softcapping"),
+            layer_causal=causal,
+            sliding_window=cfg.get("sliding_window"),
+            layer_window=windows,
+            conv_kernel_size=int(dcfg.get("conv_kernel_size", 2)),
+            conv_group_size=int(dcfg.get("conv_group_size", 16)),
+            selector_rank=int(dcfg.get("selector_rank", 256)),
+            selector_top_k=int(dcfg.get("selector_top_k", 16)),
+            quantization=cfg.get("quantization"),
+            raw=cfg,
+            **{k: (int(v) if k != "rms_norm_eps" else float(v)) for k, v in top.items()},
+        )
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> DraftConfig:
+        path = Path(path)
+        try:
+            cfg = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path} does not exist; a drafter folder needs a config.json.")
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}).")
+        return cls.from_dict(cfg, source=str(path))
+
+
+def _attention_layout(
+    cfg: dict, n_layers: int, source: str
+) -> tuple[list[bool], list[int | None]]:
+    """Per-layer (causal, window): explicit `is_causal` wins; sliding layers are causal."""
+    layer_types = cfg.get("layer_types")
+    window = cfg.get("sliding_window")
+    if layer_types is not None and len(layer_types) != n_layers:
+        raise ConfigError(
+            f"{source} has {len(layer_types)} 'layer_types' for {n_layers} hidden layers."
+        )
+    types = layer_types or ["full_attention"] * n_layers
+    is_causal = cfg.get("is_causal")
+    causal, windows = [], []
+    for t in types:
+        sliding = t == "sliding_attention"
+        causal.append(bool(is_causal) if is_causal is not None else sliding)
+        windows.append(int(window) if sliding and window else None)
+    return causal, windows
