@@ -7,10 +7,8 @@ Capture swaps the `__class__` of the selected layer INSTANCES to a cached subcla
 
 from __future__ import annotations
 
-from typing import Any
-
 import mlx.core as mx
-import mlx.nn as nn
+from mlx import nn
 
 from .models.dflash import TargetHead
 
@@ -87,7 +85,7 @@ class FeatureCapture:
             layer.__class__ = _capturing_class(type(layer))
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.remove()
 
     def remove(self) -> None:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
@@ -65,7 +66,8 @@ def prefill(pair: Any, state: DecodeState, ids: list[int], cap: FeatureCapture, 
     Returns the last position's logits [V]."""
     new = ids[len(state.ids) :]
     assert new, "prefill needs at least one new token"
-    chunks = [new[i : i + step] for i in range(0, len(new) - 1, step)] + [new[-1:]]
+    head = new[:-1]
+    chunks = [head[i : i + step] for i in range(0, len(head), step)] + [new[-1:]]
     for chunk in chunks:
         logits = pair.target(mx.array(chunk)[None], cache=state.target_cache)
         pair.drafter.extend_context(cap.features(), state.draft_cache)
@@ -111,8 +113,8 @@ def speculative_stream(
         stats.prefill_time = time.perf_counter() - t0
         t_decode = time.perf_counter()
         stats.generation_tokens = 1
-        yield GenerationEvent(out.push([anchor], cfg.max_tokens), [anchor], 0, stats,
-                              out.finish_reason)
+        text = out.push([anchor], cfg.max_tokens)
+        yield GenerationEvent(text, out.tokens[:], 0, stats, out.finish_reason)
 
         while out.finish_reason is None and not (should_stop and should_stop()):
             bs = min(bs_max, cfg.max_tokens - out.count)
@@ -136,10 +138,11 @@ def speculative_stream(
             state.ids += [anchor] + committed[:-1]
             anchor = committed[-1]
             stats.acceptance_lengths.append(a + 1)
+            before = out.count
             text = out.push(committed, cfg.max_tokens)
             stats.generation_tokens = out.count
             stats.decode_time = time.perf_counter() - t_decode
-            yield GenerationEvent(text, committed, a + 1, stats, out.finish_reason)
+            yield GenerationEvent(text, out.tokens[before:], a + 1, stats, out.finish_reason)
 
         if out.finish_reason is None:
             out.finish_reason = "cancelled"

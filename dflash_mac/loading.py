@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
+from mlx import nn
 from mlx.utils import tree_flatten, tree_map
 
 from . import models as _models_pkg
@@ -243,3 +243,17 @@ def load(
         block_size=block_size or dcfg.block_size,
         target_config=tcfg,
     )
+
+
+def quantize_drafter(drafter: nn.Module, bits: int, group_size: int = 64) -> None:
+    """Quantize the drafter's linear layers in place; norms and small tensors stay in float."""
+    if bits not in (4, 8):
+        raise LoadError(f"--draft-bits must be 4 or 8 (got {bits}).")
+    nn.quantize(
+        drafter,
+        group_size=group_size,
+        bits=bits,
+        class_predicate=lambda p, m: isinstance(m, nn.Linear)
+        and m.weight.shape[-1] % group_size == 0,
+    )
+    drafter.config.quantization = {"group_size": group_size, "bits": bits}

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 CHATML = (
@@ -81,7 +81,8 @@ def save_model(model, folder: Path, config: dict) -> None:
 
 
 def build_tiny_pair(out: str | Path, seed: int = 0, target_layers: int = 4,
-                    draft_layers: int = 1, block_size: int = 16, **target_kw) -> tuple[Path, Path]:
+                    draft_layers: int = 1, block_size: int = 16, weight_scale: float = 4.0,
+                    **target_kw) -> tuple[Path, Path]:
     """Write a random qwen3 target (with tokenizer) and a matching random DFlash drafter."""
     from mlx_lm.models import qwen3
 
@@ -95,6 +96,8 @@ def build_tiny_pair(out: str | Path, seed: int = 0, target_layers: int = 4,
     tcfg["eos_token_id"] = ids["<|im_end|>"]
     mx.random.seed(seed)
     target = qwen3.Model(qwen3.ModelArgs.from_dict(tcfg))
+    # Random init at scale 1 decodes one token forever; a larger scale gives varied text.
+    target.update(tree_map(lambda p: p * weight_scale if p.ndim == 2 else p, target.parameters()))
     save_model(target, tdir, tcfg)
     dcfg = draft_config(tcfg, ids["<|mask|>"], layers=draft_layers, block_size=block_size)
     drafter = DFlashDraftModel(DraftConfig.from_dict(dcfg))

@@ -1,0 +1,144 @@
+"""Build the bundled default pair: corpus -> tokenizer -> target -> drafter.
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 \\
+        python -m dflash_mac.bundle.build --out models/bundled --stage all --minutes 30
+
+(On Linux, preloading OpenBLAS makes MLX's CPU fp32 matmuls ~30x faster.) Intermediate data
+lives in ``.cache/bundle/`` (gitignored): the tokenised train/eval streams, the drafter-training
+prompts ``.cache/bundle/train_prompts.jsonl`` and the resumable target checkpoint
+``.cache/bundle/target_ckpt/``. Committed outputs: ``<out>/target/``,
+``<out>/eval_prompts.jsonl`` and ``<out>/drafter/`` (after the drafter stage).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from dflash_mac.bundle import corpus
+from dflash_mac.bundle.tokenizer import build_tokenizer, special_ids
+
+CACHE = Path(".cache/bundle")
+STAGES = ("corpus", "tokenizer", "target", "drafter")
+console = Console()
+
+
+def stage_corpus(out: Path, cache: Path) -> None:
+    """Write eval prompts (committed) and drafter-training prompts (cache)."""
+    n_eval = corpus.eval_prompts_jsonl(out / "eval_prompts.jsonl", limit=32)
+    n_train = corpus.train_prompts_jsonl(cache / "train_prompts.jsonl", limit=4000)
+    train, heldout = corpus.split_modules()
+    info = {"train_modules": len(train), "heldout_modules": [m.name for m in heldout],
+            "eval_prompts": n_eval, "train_prompts": n_train}
+    (cache / "corpus.json").write_text(json.dumps(info, indent=1))
+    console.log(f"corpus: {len(train)} train / {len(heldout)} held-out modules, "
+                f"{n_eval} eval prompts, {n_train} drafter-training prompts")
+
+
+def stage_tokenizer(out: Path, cache: Path) -> None:
+    """Train the tokenizer on the training split; tokenise train and held-out streams."""
+    from tokenizers import Tokenizer  # noqa: F401  (import check)
+
+    train, heldout = corpus.split_modules()
+    tok = build_tokenizer(corpus.training_documents(train), out / "target")
+    console.log(f"tokenizer: vocab {tok.get_vocab_size()}, special ids {special_ids(tok)}")
+    for name, mods in (("train", train), ("eval", heldout)):
+        docs = list(corpus.training_documents(mods))
+        if name == "train":
+            order = np.random.default_rng(0).permutation(len(docs))
+            docs = [docs[i] for i in order]
+        ids = np.concatenate([np.array(e.ids, dtype=np.uint16) for e in tok.encode_batch(docs)])
+        np.save(cache / f"{name}_tokens.npy", ids)
+        console.log(f"{name} stream: {len(ids):,} tokens")
+
+
+def stage_target(out: Path, cache: Path, minutes: float) -> None:
+    """Pretrain the target (resumable) and save it as float16 to ``<out>/target``."""
+    from dflash_mac.bundle import pretrain
+
+    tc = pretrain.TrainConfig(minutes=minutes)
+    train_ids = np.load(cache / "train_tokens.npy")
+    eval_ids = np.load(cache / "eval_tokens.npy")
+    cols = [TextColumn("[bold]target"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]:.3f}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
+            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
+    with Progress(*cols, console=console) as bar:
+        task = bar.add_task("train", total=None, loss=float("nan"), tps=0.0)
+
+        def on_step(step: int, total: int, loss: float, tps: float) -> None:
+            bar.update(task, completed=step, total=total or None, loss=loss, tps=tps)
+
+        model, meta = pretrain.pretrain(train_ids, eval_ids, cache / "target_ckpt", tc,
+                                        progress=on_step, log=console.log)
+    pretrain.save_target(model, out / "target")
+    (cache / "target_train.json").write_text(json.dumps(meta, indent=1))
+    last = meta["curve"][-1]
+    console.log(f"target saved: {meta['tokens_trained']:,} tokens, final train loss "
+                f"{last['train_loss']}, eval loss {last['eval_loss']}, {last['seconds']:.0f}s")
+
+
+def stage_drafter(out: Path, cache: Path, minutes: float) -> None:
+    """Train the DFlash drafter on the target's own outputs (``dflash_mac.train``)."""
+    from dflash_mac.train import train_drafter
+
+    prompts = cache / "train_prompts.jsonl"
+    if not prompts.exists():
+        corpus.train_prompts_jsonl(prompts, limit=4000)
+    train_drafter(
+        target=out / "target",
+        prompts=prompts,
+        out_dir=out / "drafter",
+        block_size=8,
+        num_layers=2,
+        target_layer_ids=None,  # None = the uniform default spread over the target's layers
+        max_new_tokens=256,
+        minutes=minutes,
+        cache_dir=cache / "drafter",
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command-line entry point."""
+    ap = argparse.ArgumentParser(prog="python -m dflash_mac.bundle.build", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("models/bundled"))
+    ap.add_argument("--stage", choices=(*STAGES, "all"), default="all")
+    ap.add_argument("--minutes", type=float, default=30.0,
+                    help="wall-clock training budget of the target (and of the drafter)")
+    ap.add_argument("--cache", type=Path, default=CACHE)
+    ap.add_argument("--fresh", action="store_true", help="discard the target checkpoint")
+    args = ap.parse_args(argv)
+    args.cache.mkdir(parents=True, exist_ok=True)
+    if args.fresh:
+        shutil.rmtree(args.cache / "target_ckpt", ignore_errors=True)
+    stages = STAGES if args.stage == "all" else (args.stage,)
+    t0 = time.perf_counter()
+    for st in stages:
+        console.rule(f"stage {st}")
+        if st == "corpus":
+            stage_corpus(args.out, args.cache)
+        elif st == "tokenizer":
+            stage_tokenizer(args.out, args.cache)
+        elif st == "target":
+            stage_target(args.out, args.cache, args.minutes)
+        else:
+            stage_drafter(args.out, args.cache, args.minutes)
+    console.log(f"done in {time.perf_counter() - t0:.0f}s")
+
+
+if __name__ == "__main__":
+    main()

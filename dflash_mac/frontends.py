@@ -1,0 +1,89 @@
+"""Shared helpers for the terminal front ends: loading with a spinner, streaming, stats."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from rich.console import Console
+
+from .generate import GenerationResult, stream_generate
+from .loading import Pair, load, quantize_drafter
+
+err = Console(stderr=True)
+
+
+def block_size_policy(pair: Pair, requested: int | None, warn=err.print) -> int:
+    """Default block size: the drafter's, or min(5, drafter block) when anything is quantized
+    (MLX's quantized matmul loses efficiency at wide verify widths); larger explicit values run
+    with a one-line warning."""
+    drafter_bs = pair.drafter.config.block_size
+    if requested is None:
+        return min(5, drafter_bs) if pair.quantized else drafter_bs
+    if pair.quantized and requested > 5:
+        warn(f"[yellow]warning:[/] block size {requested} > 5 with a quantized model; "
+             "quantized verify is slower at wide blocks (default would be "
+             f"{min(5, drafter_bs)}).")
+    return requested
+
+
+def load_pair(model: str | None, draft: str | None, *, block_size: int | None = None,
+              draft_bits: int | None = None, reasoning: str | None = None) -> Pair:
+    with err.status("Loading model pair…", spinner="dots"):
+        pair = load(model, draft)
+        if draft_bits is not None:
+            quantize_drafter(pair.drafter, draft_bits)
+    pair.block_size = block_size_policy(pair, block_size)
+    return pair
+
+
+def stream_to_terminal(pair: Pair, prompt: Any, echo: bool = True, **kwargs) -> GenerationResult:
+    """Stream committed text to stdout as it arrives; return the whole result."""
+    text, tokens, last = [], [], None
+    for ev in stream_generate(pair, prompt, **kwargs):
+        if echo and ev.text:
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+        text.append(ev.text)
+        tokens += ev.tokens
+        last = ev
+    if echo:
+        sys.stdout.write("\n")
+    return GenerationResult("".join(text), tokens, last.finish_reason, last.stats,
+                            last.stats.prompt_tokens)
+
+
+def bars(counts: list[int], width: int = 30) -> list[str]:
+    """Horizontal bar rows for a histogram 1..n."""
+    top = max(counts) if counts and max(counts) > 0 else 1
+    return [f"{i + 1:>3} │{'█' * round(width * c / top):<{width}} {c}" for i, c in
+            enumerate(counts)]
+
+
+def print_stats(pair: Pair, result: GenerationResult, console: Console = err) -> None:
+    from .platform import blas_in_use, device_name
+
+    s = result.stats
+    try:
+        from .metal_kernels import kernels_in_use
+    except ImportError:  # kernels package not installed in this build
+
+        def kernels_in_use() -> str:
+            return "reference"
+
+    console.print(
+        f"[dim]prompt[/] {s.prompt_tokens} tok ({s.cached_tokens} cached) · "
+        f"prefill {s.prefill_tps:.1f} tok/s · TTFT {s.ttft * 1000:.0f} ms"
+    )
+    console.print(
+        f"[dim]generation[/] {s.generation_tokens} tok · {s.decode_tps:.1f} tok/s · "
+        f"τ {s.tau:.2f} over {s.cycles} cycles · block {s.block_size} · "
+        f"finish {result.finish_reason}"
+    )
+    console.print(
+        f"[dim]drafter[/] {pair.kind} · kernels {kernels_in_use()} · {device_name()} · "
+        f"BLAS {blas_in_use()} · peak memory {s.peak_memory_gb:.3f} GB"
+    )
+    console.print("[dim]acceptance histogram (tokens per cycle)[/]")
+    for row in bars(s.histogram):
+        console.print(row, highlight=False)

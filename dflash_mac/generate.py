@@ -1,0 +1,144 @@
+"""Python API: prompt building, `stream_generate` and `generate` (mirroring mlx-lm's names)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from .engine import DecodeState, GenerationConfig, GenerationEvent, speculative_stream
+from .sampling import SamplingParams
+from .stats import DecodeStats
+
+REASONING_CHOICES = ("on", "off", "low", "medium", "high", "xhigh")
+
+
+class PromptError(ValueError):
+    """A prompt or template option that cannot be used; one sentence for the user."""
+
+
+def reasoning_args(tokenizer: Any, reasoning: str | None) -> dict:
+    """Map --reasoning onto what the chat template understands."""
+    if reasoning is None:
+        return {}
+    if reasoning not in REASONING_CHOICES:
+        raise PromptError(f"--reasoning must be one of {', '.join(REASONING_CHOICES)}.")
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if reasoning in ("on", "off"):
+        if "enable_thinking" in template:
+            return {"enable_thinking": reasoning == "on"}
+        if reasoning == "on" and "reasoning_effort" in template:
+            return {"reasoning_effort": "medium"}
+        raise PromptError(f"this model's chat template has no thinking switch; "
+                          f"--reasoning {reasoning} is not supported.")
+    for key in ("reasoning_effort", "reasoning_strength"):
+        if key in template:
+            return {key: "high" if reasoning == "xhigh" and key == "reasoning_effort"
+                    and "xhigh" not in template else reasoning}
+    raise PromptError(f"this model's chat template has no reasoning levels; "
+                      f"--reasoning {reasoning} is not supported.")
+
+
+def prompt_ids(
+    tokenizer: Any,
+    prompt: str | list[dict],
+    *,
+    system: str | None = None,
+    ignore_chat_template: bool = False,
+    reasoning: str | None = None,
+    chat_template_args: dict | None = None,
+) -> list[int]:
+    """Token ids for a prompt string or a list of chat messages."""
+    if ignore_chat_template or not getattr(tokenizer, "chat_template", None):
+        if not isinstance(prompt, str):
+            raise PromptError("chat messages need a model with a chat template.")
+        return list(tokenizer.encode(prompt))
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if system:
+        messages = [{"role": "system", "content": system}] + messages
+    kwargs = {**reasoning_args(tokenizer, reasoning), **(chat_template_args or {})}
+    return list(
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+    )
+
+
+def make_config(
+    max_tokens: int = 256,
+    block_size: int | None = None,
+    temp: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    seed: int | None = None,
+    stop: list[str] | None = None,
+    use_eos: bool = True,
+) -> GenerationConfig:
+    if max_tokens < 1:
+        raise PromptError(f"--max-tokens must be at least 1 (got {max_tokens}).")
+    if block_size is not None and block_size < 1:
+        raise PromptError(f"--block-size must be at least 1 (got {block_size}).")
+    try:
+        sp = SamplingParams(temp, top_p, top_k, min_p).validate()
+    except ValueError as e:
+        raise PromptError(str(e))
+    return GenerationConfig(max_tokens, block_size, sp, seed, list(stop or []), use_eos)
+
+
+def check_context(pair: Any, ids: list[int], max_tokens: int) -> None:
+    limit = pair.context_length
+    if len(ids) >= limit:
+        raise PromptError(
+            f"the prompt has {len(ids)} tokens but the model's context is {limit} tokens."
+        )
+
+
+def stream_generate(
+    pair: Any,
+    prompt: str | list[dict] | list[int],
+    *,
+    state: DecodeState | None = None,
+    **kwargs: Any,
+) -> Iterator[GenerationEvent]:
+    """Stream DFlash generation events for a prompt (text, messages or token ids)."""
+    template_keys = ("system", "ignore_chat_template", "reasoning", "chat_template_args")
+    tkw = {k: kwargs.pop(k) for k in template_keys if k in kwargs}
+    should_stop = kwargs.pop("should_stop", None)
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        ids = list(prompt)
+    else:
+        ids = prompt_ids(pair.tokenizer, prompt, **tkw)
+    cfg = make_config(**kwargs)
+    check_context(pair, ids, cfg.max_tokens)
+    yield from speculative_stream(pair, ids, cfg, state=state, should_stop=should_stop)
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    stats: DecodeStats
+    prompt_tokens: int = 0
+    events: list[GenerationEvent] = field(default_factory=list, repr=False)
+
+    def as_dict(self) -> dict:
+        s = self.stats
+        return {
+            "text": self.text,
+            "tokens": self.tokens,
+            "finish_reason": self.finish_reason,
+            **s.as_dict(),
+        }
+
+
+def generate(pair: Any, prompt: str | list[dict] | list[int], **kwargs: Any) -> GenerationResult:
+    """Generate a whole completion; see `stream_generate` for the options."""
+    text, tokens, last = [], [], None
+    for ev in stream_generate(pair, prompt, **kwargs):
+        text.append(ev.text)
+        tokens += ev.tokens
+        last = ev
+    return GenerationResult(
+        "".join(text), tokens[: last.stats.generation_tokens], last.finish_reason, last.stats,
+        last.stats.prompt_tokens,
+    )

@@ -1,0 +1,77 @@
+"""Machine facts: BLAS in use (and OpenBLAS preloading on Linux), device, kernels."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from pathlib import Path
+
+OPENBLAS_CANDIDATES = (
+    "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
+    "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
+    "/usr/lib64/libopenblas.so.0",
+)
+
+
+def find_openblas() -> str | None:
+    """Path of an installed OpenBLAS shared library on Linux, if any."""
+    if sys.platform != "linux":
+        return None
+    return next((p for p in OPENBLAS_CANDIDATES if Path(p).exists()), None)
+
+
+def blas_in_use() -> str:
+    """Which BLAS this process runs MLX's CPU matmuls on."""
+    if sys.platform == "darwin":
+        return "Accelerate"
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        maps = ""
+    if "libopenblas" in maps:
+        return "OpenBLAS"
+    return "reference BLAS (MLX wheel)"
+
+
+def maybe_reexec_with_openblas(argv: list[str]) -> None:
+    """On Linux, restart the CLI with OpenBLAS preloaded (fp32 matmul ~30x faster).
+
+    Skipped when OpenBLAS is absent, already loaded, or DFLASH_MAC_BLAS=reference."""
+    lib = find_openblas()
+    if not lib or os.environ.get("DFLASH_MAC_BLAS") == "reference":
+        return
+    if lib in os.environ.get("LD_PRELOAD", "") or os.environ.get("_DFLASH_MAC_REEXEC"):
+        return
+    env = dict(os.environ)
+    env["LD_PRELOAD"] = ":".join(filter(None, [lib, env.get("LD_PRELOAD")]))
+    env["_DFLASH_MAC_REEXEC"] = "1"
+    os.execve(sys.executable, [sys.executable, "-m", "dflash_mac", *argv], env)
+
+
+def device_name() -> str:
+    import mlx.core as mx
+
+    dev = mx.default_device()
+    return "gpu" if dev == mx.gpu else "cpu"
+
+
+def machine_summary() -> dict:
+    import mlx.core as mx
+
+    try:
+        import mlx_lm
+
+        mlx_lm_version = mlx_lm.__version__
+    except Exception:
+        mlx_lm_version = "?"
+    return {
+        "machine": platform.machine(),
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm_version,
+        "device": device_name(),
+        "blas": blas_in_use(),
+        "cpu_count": os.cpu_count(),
+    }

@@ -1,0 +1,18 @@
+"""Shared fixtures: tiny random pairs built once per session (fp32, reference BLAS)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash_mac.loading import load
+from dflash_mac.tiny import build_tiny_pair
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    return build_tiny_pair(tmp_path_factory.mktemp("tiny"), seed=0, target_layers=4)
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tiny_dirs):
+    return load(*tiny_dirs)

@@ -1,0 +1,152 @@
+"""Greedy DFlash output is token-identical to mlx-lm's own greedy decoding of the target."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from doubles import OracleDrafter, with_drafter
+from mlx_lm.generate import generate_step
+
+from dflash_mac.engine import DecodeState, GenerationConfig, speculative_stream
+from dflash_mac.textstream import TextStream
+
+PROMPTS = [
+    "def add(a, b):", "import os", "class Stack:", "hello world", "for i in range(10):",
+    "# utility", "x = [1, 2, 3]", "while True:", "return None", "print('hi')",
+    "from typing import Any", "async def main():", "try:", "with open(p) as f:",
+    "lambda x: x", "if __name__ == '__main__':", "raise ValueError", "yield from it",
+    "assert a == b", "global counter", "a", "The quick brown fox",
+]
+
+
+def baseline(pair, ids: list[int], n: int) -> list[int]:
+    """mlx-lm's plain greedy decoding of the target (no hooks)."""
+    return [t for t, _ in generate_step(mx.array(ids), pair.target, max_tokens=n)]
+
+
+def run(pair, ids, **kw) -> tuple[list[int], list, str]:
+    events = list(speculative_stream(pair, ids, GenerationConfig(**kw)))
+    tokens = [t for e in events for t in e.tokens]
+    return tokens, [e.accepted for e in events[1:]], events[-1].finish_reason
+
+
+@pytest.fixture(scope="module")
+def cases(tiny_pair):
+    out = []
+    for p in PROMPTS:
+        ids = tiny_pair.tokenizer.encode(p)
+        out.append((ids, baseline(tiny_pair, ids, 64)))
+    return out
+
+
+@pytest.mark.parametrize("block_size", [2, 5, 16])
+def test_real_drafter_matches_target(tiny_pair, cases, block_size):
+    for ids, ref in cases:
+        tokens, _, reason = run(tiny_pair, ids, max_tokens=64, block_size=block_size,
+                                use_eos=False)
+        assert tokens == ref
+        assert reason == "length"
+
+
+@pytest.mark.parametrize("block_size", [2, 5, 16])
+def test_partially_right_drafter_matches_target(tiny_pair, cases, block_size):
+    """An oracle drafter wrong 30% of the time exercises partial acceptance and rollback."""
+    for i, (ids, ref) in enumerate(cases):
+        pair = with_drafter(tiny_pair, OracleDrafter(tiny_pair.drafter, ids + ref, 320, 0.3, i))
+        tokens, acc, _ = run(pair, ids, max_tokens=64, block_size=block_size, use_eos=False)
+        assert tokens == ref
+        if block_size > 2:
+            assert 1 < sum(acc) / len(acc) < block_size
+
+
+@pytest.mark.parametrize("max_tokens", [1, 7, 23])
+def test_max_tokens_mid_block(tiny_pair, cases, max_tokens):
+    ids, ref = cases[0]
+    pair = with_drafter(tiny_pair, OracleDrafter(tiny_pair.drafter, ids + ref, 320, 0.0))
+    tokens, _, reason = run(pair, ids, max_tokens=max_tokens, block_size=5, use_eos=False)
+    assert tokens == ref[:max_tokens]
+    assert reason == "length"
+
+
+def test_eos_mid_block_stops_exactly(tiny_pair, cases):
+    for ids, ref in cases[:8]:
+        eos = ref[20]
+        stop_at = ref.index(eos)
+        pair = with_drafter(tiny_pair, OracleDrafter(tiny_pair.drafter, ids + ref, 320, 0.0))
+        old = set(tiny_pair.tokenizer.eos_token_ids)
+        tiny_pair.tokenizer.eos_token_ids = {eos}
+        try:
+            tokens, _, reason = run(pair, ids, max_tokens=64, block_size=16)
+        finally:
+            tiny_pair.tokenizer.eos_token_ids = old
+        assert tokens == ref[:stop_at]
+        assert reason == "stop"
+
+
+def test_mask_token_output_is_kept(tiny_pair, cases):
+    """An output equal to mask_token_id is a legal token and must not be stripped."""
+    ids, ref = cases[1]
+    mask = tiny_pair.drafter.config.mask_token_id
+    seq = ids + ref
+    pair = with_drafter(tiny_pair, OracleDrafter(tiny_pair.drafter, seq, 320, 0.0))
+    tokens, _, _ = run(pair, ids, max_tokens=64, block_size=5, use_eos=False)
+    assert tokens == ref
+    assert mask not in tiny_pair.eos_ids
+    events = list(speculative_stream(pair, ids, GenerationConfig(max_tokens=5, use_eos=False)))
+    assert all(isinstance(t, int) for e in events for t in e.tokens)
+
+
+def test_stop_string_on_committed_text(tiny_pair, cases):
+    checked = 0
+    for ids, ref in cases[:8]:
+        free = TextStream(tiny_pair.tokenizer, [], set())
+        full = free.push(ref, 10**6)
+        starts = [i for i in range(10, len(full) - 2) if full[i : i + 2].isascii()
+                  and full[i : i + 2].isprintable() and full[i : i + 2].strip()]
+        if not starts:
+            continue
+        stop = full[starts[0] : starts[0] + 2]
+        pair = with_drafter(tiny_pair, OracleDrafter(tiny_pair.drafter, ids + ref, 320, 0.0))
+        events = list(speculative_stream(pair, ids, GenerationConfig(
+            max_tokens=64, block_size=16, stop=[stop], use_eos=False)))
+        text = "".join(e.text for e in events)
+        assert events[-1].finish_reason == "stop"
+        assert text == full[: full.find(stop)]
+        checked += 1
+    assert checked >= 3
+
+
+def test_agreeing_drafter_tau_equals_block_size(tiny_pair, cases):
+    ids, ref = cases[2]
+    pair = with_drafter(tiny_pair, OracleDrafter(tiny_pair.drafter, ids + ref, 320, 0.0))
+    tokens, acc, _ = run(pair, ids, max_tokens=1 + 5 * 12, block_size=5, use_eos=False)
+    assert tokens == ref[: 1 + 5 * 12]
+    assert acc == [5] * 12
+
+
+def test_wrong_drafter_tau_is_one(tiny_pair, cases):
+    ids, ref = cases[3]
+    pair = with_drafter(tiny_pair, OracleDrafter(tiny_pair.drafter, ids + ref, 320, 1.0))
+    tokens, acc, _ = run(pair, ids, max_tokens=40, block_size=8, use_eos=False)
+    assert tokens == ref[:40]
+    assert set(acc) == {1}
+
+
+def test_rollback_state_equals_fresh_prefill(tiny_pair, cases):
+    """After forced rejections the cache holds exactly the committed ids, and the next logits
+    equal those of a fresh prefill of that sequence."""
+    ids, ref = cases[4]
+    pair = with_drafter(tiny_pair, OracleDrafter(tiny_pair.drafter, ids + ref, 320, 0.5, 7))
+    state = DecodeState(pair)
+    events = list(speculative_stream(pair, ids, GenerationConfig(max_tokens=30, block_size=8,
+                                                                 use_eos=False), state=state))
+    out = [t for e in events for t in e.tokens]
+    assert any(0 < e.accepted < 8 for e in events[1:])
+    committed = ids + out[:-1]
+    assert state.ids == committed
+    assert all(c.offset == len(committed) for c in state.target_cache)
+    assert state.draft_cache[0].offset == len(committed)
+    nxt = mx.array([[out[-1]]])
+    logits = pair.target(nxt, cache=state.target_cache)[0, -1]
+    fresh = pair.target(mx.array([committed + [out[-1]]]))[0, -1]
+    assert mx.allclose(logits, fresh, atol=1e-5).item()
