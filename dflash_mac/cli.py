@@ -9,10 +9,16 @@ import typer
 from rich.console import Console
 
 from . import __version__
+from .bench import bench_command
+from .chat_cmd import chat
+from .convert import convert as convert_command
+from .doctor import doctor_command
 from .generate import REASONING_CHOICES, PromptError
 from .loading import LoadError
+from .manage import models_command, pull_command
 from .models.config import ConfigError
 from .rollback import RollbackError
+from .train.command import train as train_command
 
 USER_ERRORS: tuple[type[Exception], ...] = (
     LoadError,
@@ -30,8 +36,14 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-MODEL_HELP = "Target model: local folder or Hugging Face id (default: the bundled pair)."
-DRAFT_HELP = "DFlash drafter: local folder or Hugging Face id (default: the bundled pair)."
+MODEL_HELP = (
+    "Target model: local folder, Hugging Face id or pair name from `dflash-mac models` "
+    "(default: the bundled pair)."
+)
+DRAFT_HELP = (
+    "DFlash drafter: local folder, Hugging Face id, or auto (default: the registry's drafter "
+    "for --model; see `dflash-mac models`)."
+)
 BLOCK_HELP = (
     "Block size (draft tokens + 1 per cycle). Default: the drafter's block size, or "
     "min(5, drafter block) when the target or drafter is quantized (quantized matmuls lose "
@@ -129,6 +141,23 @@ def generate(
         typer.echo(json.dumps(result.as_dict()))
     elif verbose:
         print_stats(pair, result, err)
+
+
+app.command("bench")(bench_command)
+
+
+app.command("chat")(chat)
+
+
+app.command("convert")(convert_command)
+
+
+app.command("train")(train_command)
+
+
+app.command("models")(models_command)
+app.command("pull")(pull_command)
+app.command("doctor")(doctor_command)
 
 
 def main() -> None:

@@ -1,0 +1,320 @@
+"""Bench reports: one JSON document, rendered as markdown, JSON, JSONL or CSV; its schema."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+from .frontends import bars
+
+SCHEMA_ID = "dflash-mac-bench/1"
+
+DEFINITIONS = {
+    "decode_tps": "tokens after the first ÷ seconds from the first token to the last, both "
+                  "taken on the host by the bench for baseline and DFlash alike; per trial "
+                  "Σ tokens ÷ Σ seconds over the prompts, then mean ± sample std over trials",
+    "speedup": "DFlash decode tok/s ÷ baseline decode tok/s, per trial, then mean ± std",
+    "tau": "tokens committed per DFlash cycle incl. the bonus (1..block size); mean per "
+           "request, then mean ± std over requests",
+    "ttft": "seconds from the call to the first token on the host (prefill + first sample)",
+    "prefill_tps": "prompt tokens ÷ TTFT",
+    "peak_memory": "mx.get_peak_memory() after mx.reset_peak_memory(), max over runs; the "
+                   "baseline column excludes the drafter's resident weights",
+    "lossless": "greedy only: DFlash token ids equal the baseline's, per prompt and trial",
+    "baseline": "mlx_lm.generate.generate_step on the same target weights, no hooks",
+}
+
+_NUM = {"type": "number"}
+_INT = {"type": "integer"}
+_PAIR = {"type": "array", "items": _NUM, "minItems": 2, "maxItems": 2}
+_INTS = {"type": "array", "items": _INT}
+_NUMS = {"type": "array", "items": _NUM}
+_RUN = {
+    "type": "object",
+    "required": ["generation_tokens", "decode_tokens", "decode_time_s", "decode_tps", "ttft_s",
+                 "prefill_tps", "peak_memory_bytes", "finish_reason", "tokens"],
+    "properties": {"generation_tokens": _INT, "decode_tps": _NUM, "ttft_s": _NUM,
+                   "tokens": _INTS, "finish_reason": {"type": "string"}},
+}
+_DFLASH_RUN = {
+    "type": "object",
+    "required": [*_RUN["required"], "block_size", "tau", "cycles", "acceptance_lengths",
+                 "histogram", "lossless"],
+    "properties": {**_RUN["properties"], "block_size": _INT, "tau": _NUM, "cycles": _INT,
+                   "acceptance_lengths": _INTS, "histogram": _INTS,
+                   "lossless": {"type": ["boolean", "null"]},
+                   "first_diff": {"type": ["integer", "null"]}},
+}
+_ROW = {
+    "type": "object",
+    "required": ["block_size", "suite", "prompts", "trials", "runs", "baseline_tps",
+                 "dflash_tps", "speedup", "tau", "cycles", "histogram", "survival",
+                 "position_acceptance", "baseline_prefill_tps", "dflash_prefill_tps",
+                 "baseline_ttft_ms", "dflash_ttft_ms", "baseline_peak_bytes",
+                 "dflash_peak_bytes", "lossless_equal", "lossless_checked"],
+    "properties": {"block_size": _INT, "suite": {"type": "string"}, "prompts": _INT,
+                   "baseline_tps": _PAIR, "dflash_tps": _PAIR, "speedup": _PAIR, "tau": _PAIR,
+                   "histogram": _INTS, "survival": _NUMS, "position_acceptance": _NUMS,
+                   "lossless_equal": {"type": ["integer", "null"]},
+                   "lossless_checked": {"type": ["integer", "null"]}},
+}
+SCHEMA: dict = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "title": "dflash-mac bench report",
+    "type": "object",
+    "required": ["schema", "header", "config", "rows", "best_block_size", "lossless", "prompts"],
+    "properties": {
+        "schema": {"enum": [SCHEMA_ID]},
+        "header": {
+            "type": "object",
+            "required": ["machine", "os", "mlx", "mlx_lm", "device", "blas", "target", "draft",
+                         "drafter_kind", "target_quantization", "draft_quantization", "dtype",
+                         "drafter_weight_bytes", "date", "dflash_mac", "definitions"],
+            "properties": {"blas": {"type": "string"}, "device": {"type": "string"},
+                           "drafter_weight_bytes": _INT, "definitions": {"type": "object"}},
+        },
+        "config": {
+            "type": "object",
+            "required": ["suite", "prompts_file", "trials", "max_tokens", "block_sizes", "temp",
+                         "seed", "use_eos", "cooldown_s"],
+            "properties": {"block_sizes": _INTS, "trials": _INT, "max_tokens": _INT},
+        },
+        "rows": {"type": "array", "items": _ROW, "minItems": 1},
+        "best_block_size": {"type": ["integer", "null"]},
+        "lossless": {
+            "type": "object",
+            "required": ["checked", "equal", "mismatches"],
+            "properties": {"checked": {"type": ["integer", "null"]},
+                           "equal": {"type": ["integer", "null"]},
+                           "mismatches": {"type": "array", "items": {
+                               "type": "object",
+                               "required": ["id", "trial", "block_size", "first_diff"]}}},
+        },
+        "prompts": {"type": "array", "items": {
+            "type": "object",
+            "required": ["id", "suite", "trial", "position", "prompt_tokens", "baseline",
+                         "dflash"],
+            "properties": {"baseline": _RUN, "dflash": {"type": "array", "items": _DFLASH_RUN}},
+        }},
+    },
+}
+
+_TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None),
+          "integer": int, "number": (int, float)}
+
+
+def validate(doc: Any, schema: dict = SCHEMA, path: str = "$") -> list[str]:
+    """Errors of `doc` against the JSON-schema subset used by SCHEMA (type, enum, required,
+    properties, items, minItems, maxItems)."""
+    errors = []
+    types = schema.get("type")
+    if types is not None:
+        names = types if isinstance(types, list) else [types]
+        ok = any(isinstance(doc, _TYPES[t]) and not (t in ("integer", "number")
+                                                      and isinstance(doc, bool))
+                 for t in names)
+        if not ok:
+            return [f"{path}: expected {'/'.join(names)}, got {type(doc).__name__}"]
+    if "enum" in schema and doc not in schema["enum"]:
+        errors.append(f"{path}: {doc!r} not in {schema['enum']}")
+    if isinstance(doc, dict):
+        errors += [f"{path}: missing {k!r}" for k in schema.get("required", []) if k not in doc]
+        for k, sub in schema.get("properties", {}).items():
+            if k in doc:
+                errors += validate(doc[k], sub, f"{path}.{k}")
+    if isinstance(doc, list):
+        if len(doc) < schema.get("minItems", 0):
+            errors.append(f"{path}: fewer than {schema['minItems']} items")
+        if len(doc) > schema.get("maxItems", len(doc)):
+            errors.append(f"{path}: more than {schema['maxItems']} items")
+        if "items" in schema:
+            for i, item in enumerate(doc):
+                errors += validate(item, schema["items"], f"{path}[{i}]")
+    return errors
+
+
+def record_dict(rec: dict, greedy: bool) -> dict:
+    """A (trial, prompt) record with its runs as plain dicts (lossless per DFlash run)."""
+    from .bench import first_diff
+
+    base = rec["baseline"]
+    dflash = []
+    for bs in sorted(rec["dflash"]):
+        run = rec["dflash"][bs]
+        diff = first_diff(run.tokens, base.tokens) if greedy else None
+        dflash.append({**run.as_dict(), "lossless": diff is None if greedy else None,
+                       "first_diff": diff})
+    return {k: rec[k] for k in ("id", "suite", "trial", "position", "prompt_tokens")} | {
+        "baseline": base.as_dict(), "dflash": dflash}
+
+
+def build_report(header: dict, config: dict, records: list[dict], block_sizes: list[int],
+                 greedy: bool) -> dict:
+    """The whole report document (validates against SCHEMA)."""
+    from .bench import best_block_size, mismatches, summary_rows
+
+    rows = summary_rows(records, block_sizes, greedy)
+    bad = mismatches(records) if greedy else []
+    checked = sum(len(r["dflash"]) for r in records) if greedy else None
+    return {
+        "schema": SCHEMA_ID,
+        "header": {**header, "definitions": DEFINITIONS},
+        "config": config,
+        "rows": rows,
+        "best_block_size": best_block_size(rows),
+        "lossless": {"checked": checked, "equal": None if checked is None else checked - len(bad),
+                     "mismatches": bad},
+        "prompts": [record_dict(r, greedy) for r in records],
+    }
+
+
+# -- renderers ----------------------------------------------------------------------------
+
+
+def _pm(pair: list[float], digits: int = 1) -> str:
+    return f"{pair[0]:.{digits}f} ± {pair[1]:.{digits}f}"
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.3f}" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def lossless_cell(row: dict) -> str:
+    if row["lossless_checked"] is None:
+        return "n/a (sampling)"
+    ok = row["lossless_equal"] == row["lossless_checked"]
+    return f"{row['lossless_equal']}/{row['lossless_checked']}" + ("" if ok else " ✗")
+
+
+def table_cells(row: dict, drafter_bytes: int) -> dict[str, str]:
+    """Markdown/terminal cells of one summary row."""
+    base_peak = max(row["baseline_peak_bytes"] - drafter_bytes, 0)
+    return {
+        "bs": str(row["block_size"]),
+        "suite": row["suite"],
+        "prompts": str(row["prompts"]),
+        "baseline t/s": _pm(row["baseline_tps"]),
+        "DFlash t/s": _pm(row["dflash_tps"]),
+        "speedup": f"{row['speedup'][0]:.2f}× ± {row['speedup'][1]:.2f}",
+        "τ": f"{row['tau'][0]:.2f}",
+        "prefill t/s (base / DFlash)":
+            f"{row['baseline_prefill_tps']:.0f} / {row['dflash_prefill_tps']:.0f}",
+        "TTFT ms (base / DFlash)":
+            f"{row['baseline_ttft_ms']:.1f} / {row['dflash_ttft_ms']:.1f}",
+        "peak mem (base / DFlash)": f"{_gb(base_peak)} / {_gb(row['dflash_peak_bytes'])}",
+        "lossless": lossless_cell(row),
+    }
+
+
+def header_lines(doc: dict) -> list[str]:
+    h, c = doc["header"], doc["config"]
+    quant = f"target {h['target_quantization']}, drafter {h['draft_quantization']}"
+    prompts = c["prompts_file"] or f"suite {c['suite']}"
+    sampling = "greedy" if c["temp"] <= 0 else (
+        f"temp {c['temp']}, top-p {c.get('top_p')}, top-k {c.get('top_k')}, "
+        f"min-p {c.get('min_p')}")
+    return [
+        f"- machine: {h['machine']} · {h.get('cpu', '?')} · {h.get('cpu_count', '?')} CPUs · "
+        f"{h['os']}",
+        f"- MLX {h['mlx']} · mlx-lm {h['mlx_lm']} · device {h['device']} · BLAS {h['blas']} · "
+        f"dflash-mac {h['dflash_mac']}",
+        f"- target `{h['target']}` · drafter `{h['draft']}` ({h['drafter_kind']}) · "
+        f"dtype {h['dtype']} · quantization: {quant}",
+        f"- {prompts} · {c['trials']} trial(s) · max tokens {c['max_tokens']} · {sampling} · "
+        f"EOS {'on' if c['use_eos'] else 'off'} · seed {c['seed']} · cooldown "
+        f"{c['cooldown_s']} s · {h['date']}",
+        f"- decode tok/s: {h['definitions']['decode_tps']}.",
+        f"- peak memory: {h['definitions']['peak_memory']} "
+        f"({_gb(h['drafter_weight_bytes'])}).",
+    ]
+
+
+def to_markdown(doc: dict) -> str:
+    """llama-bench-style report: header, one table row per block size (and suite), then the
+    acceptance picture per block size."""
+    drafter_bytes = doc["header"]["drafter_weight_bytes"]
+    cells = [table_cells(r, drafter_bytes) for r in doc["rows"]]
+    cols = list(cells[0])
+    lines = ["# dflash-mac bench", "", *header_lines(doc), "",
+             "| " + " | ".join(cols) + " |",
+             "| " + " | ".join("---:" if c not in ("suite",) else "---" for c in cols) + " |"]
+    lines += ["| " + " | ".join(c[k] for k in cols) + " |" for c in cells]
+    if len(doc["config"]["block_sizes"]) > 1 and doc["best_block_size"] is not None:
+        lines += ["", f"Best block size on this machine: **{doc['best_block_size']}** "
+                      "(highest DFlash decode tok/s)."]
+    lossless = doc["lossless"]
+    if lossless["mismatches"]:
+        lines += ["", f"**Lossless check failed** for {len(lossless['mismatches'])} of "
+                      f"{lossless['checked']} runs:"]
+        lines += [f"- `{m['id']}` trial {m['trial']} block {m['block_size']}: first "
+                  f"difference at token {m['first_diff']}" for m in lossless["mismatches"][:20]]
+    for row in doc["rows"]:
+        if row["suite"] != "all" and sum(r["block_size"] == row["block_size"]
+                                         for r in doc["rows"]) > 1:
+            continue
+        lines += ["", f"### Acceptance, block size {row['block_size']} "
+                      f"({row['cycles']} cycles, τ {row['tau'][0]:.2f})", "", "```",
+                  "tokens/cycle  histogram"]
+        lines += bars(row["histogram"])
+        lines += ["", "k  P(A ≥ k)  P(pos k accepted | 1..k-1)"]
+        for k, s in enumerate(row["survival"], 1):
+            pa = row["position_acceptance"][k - 1] if k < row["block_size"] else None
+            lines.append(f"{k:<2} {s:8.3f}  {'' if pa is None else f'{pa:8.3f}'}".rstrip())
+        lines.append("```")
+    return "\n".join(lines) + "\n"
+
+
+def flat_rows(doc: dict) -> list[dict]:
+    """One flat dict per summary row with the header fields (JSONL / CSV)."""
+    h, c = doc["header"], doc["config"]
+    keep = ("machine", "cpu", "cpu_count", "os", "mlx", "mlx_lm", "device", "blas", "target",
+            "draft", "drafter_kind", "target_quantization", "draft_quantization", "dtype",
+            "date", "dflash_mac")
+    out = []
+    for r in doc["rows"]:
+        flat = {k: h.get(k) for k in keep}
+        flat.update(max_tokens=c["max_tokens"], temp=c["temp"], seed=c["seed"])
+        for k, v in r.items():
+            if k in ("baseline_tps", "dflash_tps", "speedup", "tau"):
+                flat[f"{k}_mean"], flat[f"{k}_std"] = v
+            else:
+                flat[k] = v
+        out.append(flat)
+    return out
+
+
+def to_json(doc: dict) -> str:
+    return json.dumps(doc, indent=1, ensure_ascii=False) + "\n"
+
+
+def to_jsonl(doc: dict) -> str:
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in flat_rows(doc))
+
+
+def to_csv(doc: dict) -> str:
+    rows = flat_rows(doc)
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: " ".join(map(str, v)) if isinstance(v, list) else v
+                    for k, v in r.items()})
+    return buf.getvalue()
+
+
+RENDERERS = {"md": to_markdown, "json": to_json, "jsonl": to_jsonl, "csv": to_csv}
+
+
+def render(doc: dict, fmt: str) -> str:
+    return RENDERERS[fmt](doc)
+
+
+def append_jsonl(path: str | Path, doc: dict) -> None:
+    """Append the whole report as one JSON line (results accumulate across runs)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(doc, ensure_ascii=False) + "\n")

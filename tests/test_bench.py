@@ -1,0 +1,337 @@
+"""`dflash-mac bench`: statistics on synthetic cycles, report formats and schema, prompt
+suites, the runner on a tiny pair, and a computed (not assumed) lossless column."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+import mlx.core as mx
+import pytest
+from doubles import OracleDrafter, with_drafter
+from mlx_lm.generate import generate_step
+from typer.testing import CliRunner
+
+from dflash_mac import bench, bench_report, engine
+from dflash_mac.bench import BenchConfig, BenchError, BenchPrompt, Run
+from dflash_mac.cli import app
+from dflash_mac.stats import histogram, mean_std, position_acceptance, survival
+
+# -- synthetic data ---------------------------------------------------------------------
+
+
+def run(n_tokens: int, decode_time: float, lengths=(), bs=None, tokens=None, ttft=0.01,
+        peak=1000) -> Run:
+    toks = list(tokens) if tokens is not None else list(range(n_tokens))
+    return Run(toks, 10, ttft, decode_time, peak, "length", bs, list(lengths))
+
+
+def record(pid: str, trial: int, base: Run, dflash: dict[int, Run], suite="s") -> dict:
+    return {"id": pid, "suite": suite, "trial": trial, "position": 0, "prompt_tokens": 10,
+            "baseline": base, "dflash": dflash}
+
+
+def synthetic_records() -> list[dict]:
+    """Two prompts × two trials; baseline 100 / 50 tok/s per trial, DFlash 4 tokens per
+    cycle pattern with a known histogram."""
+    recs = []
+    for trial, (bt, dt) in enumerate([(1.0, 0.5), (2.0, 0.5)]):
+        # 101 tokens → 100 decode tokens per prompt.
+        recs.append(record("a", trial, run(101, bt),
+                           {4: run(101, dt, [4, 4, 2, 1], bs=4, ttft=0.02, peak=1500)}))
+        recs.append(record("b", trial, run(101, bt),
+                           {4: run(101, dt, [3, 1], bs=4, ttft=0.02, peak=1200)}))
+    return recs
+
+
+def test_stats_helpers_on_synthetic_cycles():
+    lengths = [4, 4, 2, 1, 3, 1]
+    assert histogram(lengths, 4) == [2, 1, 1, 2]
+    assert survival(lengths, 4) == [1.0, 4 / 6, 3 / 6, 2 / 6]
+    # draft position 1 accepted in cycles with A >= 2 (4 of 6); position 2 given 1: 3 of 4 …
+    assert position_acceptance(lengths, 4) == [4 / 6, 3 / 4, 2 / 3]
+    assert mean_std([2.0, 4.0]) == (3.0, pytest.approx(2 ** 0.5))
+    assert mean_std([5.0]) == (5.0, 0.0)
+
+
+def test_run_decode_tps_excludes_first_token():
+    r = run(11, 0.5, [3, 3, 4], bs=4)
+    assert r.decode_tokens == 10
+    assert r.decode_tps == pytest.approx(20.0)
+    assert r.tau == pytest.approx(10 / 3)
+    assert r.prefill_tps == pytest.approx(10 / 0.01)
+    assert run(1, 0.0).decode_tps == 0.0
+
+
+def test_trial_tps_is_token_weighted():
+    assert bench.trial_tps([run(11, 1.0), run(101, 1.0)]) == pytest.approx(55.0)
+
+
+def test_summarize_synthetic():
+    row = bench.summarize(synthetic_records(), 4, "s", greedy=True)
+    assert row["prompts"] == 2 and row["trials"] == 2 and row["runs"] == 4
+    assert row["baseline_tps"] == [pytest.approx(75.0), pytest.approx(25 * 2 ** 0.5)]
+    assert row["dflash_tps"] == [pytest.approx(200.0), 0.0]
+    assert row["speedup"] == [pytest.approx(3.0), pytest.approx(2 ** 0.5)]
+    # τ: mean per request (11/4 and 2), then over requests — not the pooled 15/6.
+    assert row["tau"][0] == pytest.approx((11 / 4 + 2) / 2)
+    assert row["cycles"] == 12
+    assert row["histogram"] == [4, 2, 2, 4]
+    assert row["survival"] == pytest.approx([1.0, 8 / 12, 6 / 12, 4 / 12])
+    assert row["position_acceptance"] == pytest.approx([8 / 12, 6 / 8, 4 / 6])
+    assert row["baseline_ttft_ms"] == pytest.approx(10.0)
+    assert row["dflash_peak_bytes"] == 1500
+    assert (row["lossless_equal"], row["lossless_checked"]) == (4, 4)
+    assert bench.summarize(synthetic_records(), 4, "s", greedy=False)["lossless_checked"] is None
+
+
+def test_rows_best_block_size_and_mismatches():
+    recs = synthetic_records()
+    for r in recs:
+        r["dflash"][2] = run(101, 1.0, [2] * 50, bs=2)
+    recs[1]["suite"] = recs[3]["suite"] = "t"
+    recs[3]["dflash"][2] = run(101, 1.0, [2] * 50, bs=2, tokens=[0, 1, 9] + list(range(3, 101)))
+    rows = bench.summary_rows(recs, [2, 4], greedy=True)
+    assert [(r["block_size"], r["suite"]) for r in rows] == [
+        (2, "s"), (2, "t"), (2, "all"), (4, "s"), (4, "t"), (4, "all")]
+    assert bench.best_block_size(rows) == 4
+    assert rows[2]["lossless_equal"] == 3
+    assert bench.mismatches(recs) == [{"id": "b", "trial": 1, "block_size": 2, "first_diff": 2}]
+    assert bench.first_diff([1, 2], [1, 2, 3]) == 2 and bench.first_diff([1], [1]) is None
+
+
+# -- report formats and schema ------------------------------------------------------------
+
+HEADER = {"machine": "x86_64", "cpu": "test cpu", "cpu_count": 2, "os": "Linux", "mlx": "0",
+          "mlx_lm": "0", "device": "cpu", "blas": "OpenBLAS", "python": "3",
+          "target": "t", "draft": "d", "drafter_kind": "DFlash", "target_quantization": "none",
+          "draft_quantization": "none", "dtype": "float32", "target_weight_bytes": 10,
+          "drafter_weight_bytes": 100, "date": "today", "dflash_mac": "0.1.0"}
+CONFIG = {"suite": "math", "prompts_file": None, "limit": None, "trials": 2, "max_tokens": 101,
+          "block_sizes": [4], "temp": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": 0,
+          "use_eos": True, "reasoning": None, "draft_bits": None, "cooldown_s": 0.0}
+
+
+@pytest.fixture
+def doc():
+    return bench_report.build_report(HEADER, CONFIG, synthetic_records(), [4], greedy=True)
+
+
+def test_json_report_passes_schema(doc):
+    assert bench_report.validate(doc) == []
+    loaded = json.loads(bench_report.render(doc, "json"))
+    assert bench_report.validate(loaded) == []
+    p = loaded["prompts"][0]
+    assert p["dflash"][0]["acceptance_lengths"] == [4, 4, 2, 1]
+    assert p["dflash"][0]["histogram"] == [1, 1, 0, 2]
+    assert p["dflash"][0]["lossless"] is True and len(p["baseline"]["tokens"]) == 101
+    assert loaded["lossless"] == {"checked": 4, "equal": 4, "mismatches": []}
+
+
+def test_schema_validator_catches_errors(doc):
+    bad = json.loads(json.dumps(doc))
+    del bad["rows"][0]["tau"]
+    bad["header"]["blas"] = 3
+    bad["prompts"][0]["dflash"][0]["histogram"] = ["x"]
+    errors = bench_report.validate(bad)
+    assert any("missing 'tau'" in e for e in errors)
+    assert any("header.blas" in e for e in errors)
+    assert any("histogram[0]" in e for e in errors)
+
+
+def test_markdown_report(doc):
+    md = bench_report.render(doc, "md")
+    assert "| bs | suite | prompts | baseline t/s | DFlash t/s | speedup | τ |" in md
+    assert "| 4 | s | 2 | 75.0 ± 35.4 | 200.0 ± 0.0 | 3.00× ± 1.41 | 2.38 |" in md
+    assert "| 4/4 |" in md and "BLAS OpenBLAS" in md and "tokens after the first" in md
+    assert "  1 │" in md and "P(A ≥ k)" in md
+
+
+def test_jsonl_and_csv_reports(doc):
+    lines = bench_report.render(doc, "jsonl").splitlines()
+    assert len(lines) == len(doc["rows"]) == 1
+    flat = json.loads(lines[0])
+    assert flat["dflash_tps_mean"] == pytest.approx(200.0) and flat["blas"] == "OpenBLAS"
+    rows = list(csv.DictReader(io.StringIO(bench_report.render(doc, "csv"))))
+    assert len(rows) == 1
+    assert float(rows[0]["speedup_mean"]) == pytest.approx(3.0)
+    assert rows[0]["histogram"] == "4 2 2 4" and rows[0]["lossless_equal"] == "4"
+
+
+def test_out_appends_jsonl(doc, tmp_path):
+    path = tmp_path / "sub" / "results.jsonl"
+    bench_report.append_jsonl(path, doc)
+    bench_report.append_jsonl(path, doc)
+    lines = path.read_text().splitlines()
+    assert len(lines) == 2 and bench_report.validate(json.loads(lines[1])) == []
+
+
+def test_lossless_failure_is_reported_in_markdown(doc):
+    recs = synthetic_records()
+    recs[0]["dflash"][4].tokens[5] = 999
+    d = bench_report.build_report(HEADER, CONFIG, recs, [4], greedy=True)
+    assert d["lossless"]["equal"] == 3 and d["lossless"]["mismatches"][0]["first_diff"] == 5
+    md = bench_report.render(d, "md")
+    assert "3/4 ✗" in md and "Lossless check failed" in md
+
+
+# -- options and prompts ------------------------------------------------------------------
+
+
+def test_parse_block_sizes_and_format():
+    assert bench.parse_block_sizes("5") == [5]
+    assert bench.parse_block_sizes("8,2, 3,2") == [2, 3, 8]
+    assert bench.parse_block_sizes(None) is None
+    for bad in ("2,x", "0", "3,-1", "2,,3"):
+        with pytest.raises(BenchError, match="block-size"):
+            bench.parse_block_sizes(bad)
+    with pytest.raises(BenchError, match="-o must be one of"):
+        bench.check_format("yaml")
+
+
+def test_shipped_suites():
+    for name in ("math", "chat"):
+        ps = bench.suite_prompts(name)
+        assert len(ps) >= 16 and len({p.id for p in ps}) == len(ps)
+        assert all(p.suite == name and p.prompt[0]["role"] == "user" for p in ps)
+
+
+def test_code_suite_missing_falls_back_clearly(monkeypatch, tmp_path):
+    monkeypatch.setattr(bench, "code_suite_path", lambda: tmp_path / "none.jsonl")
+    warnings = []
+    ps = bench.suite_prompts("code", warnings.append)
+    assert {p.suite for p in ps} == {"math"}
+    assert "code suite" in warnings[0] and "missing" in warnings[0]
+    assert {p.suite for p in bench.suite_prompts("all", warnings.append)} == {"math", "chat"}
+
+
+def test_read_prompts_errors(tmp_path):
+    with pytest.raises(BenchError, match="does not exist"):
+        bench.read_prompts(tmp_path / "missing.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{nope\n')
+    with pytest.raises(BenchError, match="line 2 is not valid JSON"):
+        bench.read_prompts(bad)
+    bad.write_text('{"messages": []}\n')
+    with pytest.raises(BenchError, match="line 1 needs"):
+        bench.read_prompts(bad)
+    bad.write_text("\n")
+    with pytest.raises(BenchError, match="holds no prompts"):
+        bench.read_prompts(bad)
+    good = tmp_path / "mine.jsonl"
+    good.write_text('{"prompt": "hi"}\n{"id": "x", "messages": [{"role": "user", '
+                    '"content": "yo"}]}\n')
+    ps = bench.read_prompts(good)
+    assert [(p.id, p.suite) for p in ps] == [("mine-1", "mine"), ("x", "mine")]
+
+
+# -- the runner on a tiny pair ------------------------------------------------------------
+
+
+def test_runner_measures_baseline_and_dflash(tiny_pair):
+    """Baseline = mlx-lm greedy decoding; DFlash via an oracle drafter (30% wrong) gives
+    1 < τ ≤ bs, equal tokens, and the cycle callback sees every cycle."""
+    ids = tiny_pair.tokenizer.encode("def add(a, b):")
+    ref = [t for t, _ in generate_step(mx.array(ids), tiny_pair.target, max_tokens=24)]
+    pair = with_drafter(tiny_pair, OracleDrafter(tiny_pair.drafter, ids + ref, 320, 0.3, 1))
+    cfg = BenchConfig([2, 4], max_tokens=24, trials=2, use_eos=False, warmup_tokens=4)
+    seen: list[tuple[int, int]] = []
+
+    class Obs(bench.Observer):
+        def cycle(self, bs, accepted):
+            seen.append((bs, accepted))
+
+    prompts = [BenchPrompt("p", "s", "unused")]
+    records = bench.run_bench(pair, prompts, [ids], cfg, Obs())
+    assert len(records) == 2
+    for rec in records:
+        assert rec["baseline"].tokens == ref
+        for bs in (2, 4):
+            r = rec["dflash"][bs]
+            assert r.tokens == ref and sum(r.acceptance_lengths) == 23
+            assert r.decode_tps > 0 and r.ttft > 0 and r.peak_memory > 0
+    assert len(seen) == sum(len(r["dflash"][b].acceptance_lengths) for r in records
+                            for b in (2, 4))
+    row = bench.summarize(records, 4, "s", greedy=True)
+    assert 1.0 < row["tau"][0] <= 4 and row["lossless_equal"] == 2
+
+
+def test_seeded_shuffle_is_reproducible(tiny_pair):
+    ids = [tiny_pair.tokenizer.encode(s) for s in ("a", "b", "c", "d")]
+    prompts = [BenchPrompt(s, "s", s) for s in "abcd"]
+    cfg = BenchConfig([2], max_tokens=2, trials=2, seed=3, warmup_tokens=1)
+    orders = [[r["id"] for r in bench.run_bench(tiny_pair, prompts, ids, cfg)]
+              for _ in range(2)]
+    assert orders[0] == orders[1]
+    assert sorted(orders[0][:4]) == sorted(orders[0][4:]) == list("abcd")
+    assert orders[0][:4] != list("abcd") or orders[0][4:] != list("abcd")
+
+
+# -- the command --------------------------------------------------------------------------
+
+runner = CliRunner()
+
+
+def cli(tiny_dirs, *args):
+    t, d = tiny_dirs
+    return runner.invoke(app, ["bench", "-m", str(t), "-d", str(d), "--suite", "math",
+                               "--limit", "2", "-n", "1", "--max-tokens", "8", "--no-live",
+                               *args])
+
+
+def test_cli_json_and_out(tiny_dirs, tmp_path):
+    out = tmp_path / "r.jsonl"
+    res = cli(tiny_dirs, "-b", "2,3", "-o", "json", "--out", str(out))
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert bench_report.validate(doc) == []
+    assert doc["config"]["block_sizes"] == [2, 3] and doc["best_block_size"] in (2, 3)
+    assert doc["lossless"]["checked"] == 4 and doc["lossless"]["equal"] == 4
+    assert len(doc["prompts"]) == 2 and "acceptance histogram" in res.stderr
+    assert json.loads(out.read_text().splitlines()[0])["schema"] == bench_report.SCHEMA_ID
+
+
+@pytest.mark.parametrize("fmt", ["md", "csv", "jsonl"])
+def test_cli_formats(tiny_dirs, fmt):
+    res = cli(tiny_dirs, "-b", "3", "-o", fmt)
+    assert res.exit_code == 0, res.output
+    first = res.stdout.splitlines()[0]
+    assert {"md": "# dflash-mac bench", "csv": "machine,cpu"}.get(fmt, "{") in first
+
+
+def lossy_accept(drafts, logits):
+    """A deliberately lossy verifier: commits every draft token without checking it."""
+    return mx.array(drafts.shape[0]), mx.argmax(logits[-1])
+
+
+def test_lossy_drafter_path_fails_strict(tiny_dirs, monkeypatch):
+    monkeypatch.setattr(engine, "accept_greedy", lossy_accept)
+    res = cli(tiny_dirs, "-b", "4", "--strict")
+    assert res.exit_code == 1
+    assert "lossless check failed" in res.stderr and "differ from the baseline" in res.stderr
+    assert "✗" in res.stdout
+    res = cli(tiny_dirs, "-b", "4", "-o", "json")
+    assert res.exit_code == 0 and "warning" in res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["lossless"]["equal"] < doc["lossless"]["checked"] == 2
+    assert doc["prompts"][0]["dflash"][0]["lossless"] is False
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--block-size", "2,x"], "--block-size must be an integer"),
+    (["-o", "yaml"], "-o must be one of"),
+    (["--prompts", "/nonexistent/p.jsonl"], "does not exist"),
+    (["--suite", "poetry"], "--suite must be one of"),
+])
+def test_cli_errors_are_one_sentence(monkeypatch, capsys, args, msg):
+    from dflash_mac import cli as cli_mod
+
+    monkeypatch.setenv("DFLASH_MAC_BLAS", "reference")
+    monkeypatch.setattr("sys.argv", ["dflash-mac", "bench", *args])
+    with pytest.raises(SystemExit) as e:
+        cli_mod.main()
+    assert e.value.code == 1
+    err = " ".join(capsys.readouterr().err.split())  # rich wraps at the console width
+    assert err.startswith("error: ") and msg in err and "Traceback" not in err
+    assert err.count(".") - err.count("..") <= 3 and err.endswith(".")
