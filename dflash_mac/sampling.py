@@ -88,8 +88,20 @@ def accept_sampled(
 
 
 def scatter_candidates(cand: mx.array, q_cand: mx.array, vocab: int) -> mx.array:
-    """Dense q [n, V] from probabilities over candidate sets (DFlash 2): q(x) = Σ_j q_j [c_j = x]."""
+    """Dense q [n, V] from probabilities over candidate sets (DFlash 2).
+
+    q(x) = Σ_j q_j [c_j = x]."""
     n, k = cand.shape
     dense = mx.zeros((n, vocab), dtype=mx.float32)
     rows = mx.broadcast_to(mx.arange(n)[:, None], (n, k))
     return dense.at[rows, cand].add(q_cand.astype(mx.float32))
+
+
+def accept_sample_match(drafts: mx.array, p: mx.array, key: mx.array) -> tuple[mx.array, mx.array]:
+    """Sample-and-match (what other MLX ports ship): the target samples its own token at every
+    position and a draft is accepted on equality. Lossless but far lower acceptance; kept for
+    comparison only."""
+    n = drafts.shape[0]
+    own = sample(p, key=key)  # [n + 1]
+    acc = mx.cumprod((drafts == own[:n]).astype(mx.int32)).sum()
+    return acc, own[acc]
