@@ -46,7 +46,10 @@ def maybe_reexec_with_openblas(argv: list[str]) -> None:
     env = dict(os.environ)
     env["LD_PRELOAD"] = ":".join(filter(None, [lib, env.get("LD_PRELOAD")]))
     env["_DFLASH_MAC_REEXEC"] = "1"
-    os.execve(sys.executable, [sys.executable, "-m", "dflash_mac", *argv], env)
+    script = sys.argv[0]
+    if script.endswith("__main__.py") or not Path(script).is_file():
+        os.execve(sys.executable, [sys.executable, "-m", "dflash_mac", *argv], env)
+    os.execve(sys.executable, [sys.executable, script, *argv], env)
 
 
 def device_name() -> str:
