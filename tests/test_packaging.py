@@ -48,7 +48,8 @@ def test_wheel_layout_and_cli(wheel, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "generate" in r.stdout
     where = subprocess.check_output(
-        [str(py), "-c", "import dflash_mac.models as m; print(m.__file__)"], text=True, env=env, cwd=tmp_path)
+        [str(py), "-c", "import dflash_mac.models as m; print(m.__file__)"],
+        text=True, env=env, cwd=tmp_path)
     assert where.startswith(str(site))
 
 
