@@ -77,7 +77,11 @@ def prefill(pair: Any, state: DecodeState, ids: list[int], cap: FeatureCapture, 
 
 
 def propose(pair: Any, block: mx.array, cache: list, sp: SamplingParams, key: mx.array):
-    """Draft tokens for block positions 1..bs-1 and q (None when greedy), lazily."""
+    """Draft tokens for block positions 1..bs-1 and q (None when greedy), lazily.
+
+    A drafter with its own `propose` (DFlash 2: the selector walk) drafts itself."""
+    if (own := getattr(pair.drafter, "propose", None)) is not None:
+        return own(block, cache, sp, key)
     logits = pair.drafter(block[None], cache)[0]  # [bs-1, V]
     if sp.greedy:
         return mx.argmax(logits, axis=-1), None
