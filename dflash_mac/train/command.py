@@ -1,0 +1,90 @@
+"""The `dflash-mac train` command (registered in `dflash_mac/cli.py`)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+
+def train(
+    target: str = typer.Option(..., "--target", "-m",
+                               help="Target model: local folder or Hugging Face id (mlx-lm)."),
+    data: Path = typer.Option(..., "--data", help="Prompts JSONL: {\"messages\": [...]} or "
+                              "{\"text\"|\"prompt\": ...} per line; the target answers them."),
+    out: Path = typer.Option(..., "--out", "-o", help="Output drafter folder (z-lab format)."),
+    block_size: int = typer.Option(16, "--block-size", "-b", help="Trained block size."),
+    layers: int = typer.Option(1, "--layers", help="Drafter decoder layers."),
+    target_layer_ids: str | None = typer.Option(
+        None, "--target-layer-ids",
+        help="Comma-separated target layers to read features from (default: uniform "
+        "between layer 1 and L-3)."),
+    arch: str = typer.Option("dflash", "--arch", help="Drafter architecture: dflash."),
+    steps: int | None = typer.Option(None, "--steps", help="Optimizer steps (overrides "
+                                     "--epochs)."),
+    epochs: float = typer.Option(6.0, "--epochs", help="Passes over the sequences."),
+    minutes: float | None = typer.Option(None, "--minutes",
+                                         help="Wall-clock cap on training (fixes the step "
+                                         "count from the first steps' speed)."),
+    lr: float = typer.Option(6e-4, "--lr", help="Peak AdamW learning rate (cosine, 4% warmup)."),
+    batch_size: int = typer.Option(4, "--batch-size", help="Sequences per step."),
+    anchors: int = typer.Option(512, "--anchors", help="Random anchors (blocks) per sequence, "
+                                "at most."),
+    max_length: int = typer.Option(3072, "--max-length", help="Sequence length cap (tokens)."),
+    intermediate_size: int | None = typer.Option(None, "--intermediate-size",
+                                                 help="Drafter MLP width (default: target's)."),
+    mask_token_id: int | None = typer.Option(None, "--mask-token-id",
+                                             help="Mask token id when the tokenizer has no "
+                                             "<|mask|> token."),
+    gen_max_tokens: int = typer.Option(256, "--gen-max-tokens",
+                                       help="Max tokens of each regenerated response."),
+    temp: float = typer.Option(0.0, "--temp", help="Regeneration temperature (0 = greedy)."),
+    gen_batch_size: int = typer.Option(32, "--gen-batch-size",
+                                       help="Prompts decoded together while regenerating."),
+    limit: int | None = typer.Option(None, "--limit", help="Use the first N prompts only."),
+    eval_prompts: Path | None = typer.Option(None, "--eval-prompts",
+                                             help="Held-out prompts JSONL: τ, per-position "
+                                             "acceptance and speedup at the end."),
+    eval_max_tokens: int = typer.Option(256, "--eval-max-tokens"),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the saved checkpoint "
+                                "(weights, optimizer, step, data order)."),
+    save_every: int = typer.Option(100, "--save-every", help="Checkpoint every N steps."),
+    seed: int = typer.Option(0, "--seed"),
+    cache_dir: Path = typer.Option(Path(".cache/dflash-train"), "--cache-dir",
+                                   help="Regenerated data and checkpoints."),
+    dtype: str = typer.Option("float16", "--dtype", help="Saved weights: float16, bfloat16, "
+                              "float32."),
+) -> None:
+    """Train a DFlash drafter for TARGET on the target's own answers to --data prompts."""
+    from ..loading import LoadError
+    from .data import DataError
+    from .trainer import TrainError, train_drafter
+
+    ids = None
+    if target_layer_ids:
+        try:
+            ids = [int(x) for x in target_layer_ids.split(",") if x.strip()]
+        except ValueError:
+            ids = None
+        if not ids:
+            _fail("--target-layer-ids must be comma-separated integers, e.g. 1,9,17.")
+    try:
+        train_drafter(
+            target, data, out, block_size=block_size, num_layers=layers, target_layer_ids=ids,
+            mask_token_id=mask_token_id, arch=arch, steps=steps, epochs=epochs,
+            minutes=minutes, lr=lr, batch_size=batch_size, anchors=anchors,
+            max_length=max_length, intermediate_size=intermediate_size,
+            max_new_tokens=gen_max_tokens, temp=temp, gen_batch_size=gen_batch_size,
+            limit=limit, eval_prompts=eval_prompts, eval_max_tokens=eval_max_tokens,
+            resume=resume, seed=seed, save_every=save_every, cache_dir=cache_dir,
+            save_dtype=dtype,
+        )
+    except (TrainError, DataError, LoadError) as e:
+        _fail(str(e))
+
+
+def _fail(msg: str) -> None:
+    Console(stderr=True).print(f"[bold red]error:[/] {msg}", highlight=False)
+    sys.exit(1)

@@ -1,0 +1,215 @@
+"""Training data: prompts -> the target's OWN responses (SPEC §10), cached on disk.
+
+Prompts come from a JSONL file, one object a line: chat ``{"messages": [...]}`` (trailing
+assistant turns are dropped: the target answers itself) or plain ``{"text": ...}`` /
+``{"prompt": ...}`` (a user turn through the chat template when the tokenizer has one, raw text
+otherwise). The target regenerates every response with its plain decoding (mlx-lm's
+`BatchGenerator`, greedy or sampled). The result is cached as JSONL of token ids under a key
+that hashes the target's files, the prompts file and the generation settings, so a rerun skips
+regeneration; an interrupted regeneration resumes from its ``.partial`` file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+
+class DataError(ValueError):
+    """Unusable training data; the message is one sentence for the user."""
+
+
+@dataclass
+class Sequence:
+    """One training sequence: prompt ids followed by the target's response ids."""
+
+    prompt: list[int]
+    response: list[int]
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt + self.response
+
+
+def read_prompts(path: str | Path) -> list[dict | str]:
+    """Prompts from JSONL: a list of chat messages (dict records) or plain strings."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"the prompts file {path} does not exist.")
+    out: list[dict | str] = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path} line {n} is not valid JSON ({e.msg}).")
+        if isinstance(rec, dict) and isinstance(rec.get("messages"), list):
+            msgs = list(rec["messages"])
+            while msgs and msgs[-1].get("role") == "assistant":
+                msgs.pop()
+            if msgs:
+                out.append({"messages": msgs})
+        elif isinstance(rec, dict) and isinstance(rec.get("text", rec.get("prompt")), str):
+            out.append(rec.get("text", rec.get("prompt")))
+        elif isinstance(rec, str):
+            out.append(rec)
+        else:
+            raise DataError(
+                f"{path} line {n} has neither 'messages' nor 'text' / 'prompt'."
+            )
+    if not out:
+        raise DataError(f"{path} holds no prompts.")
+    return out
+
+
+def encode_prompts(tokenizer: Any, prompts: list[dict | str], max_prompt: int) -> list[list[int]]:
+    """Token ids of each prompt through the chat template (left-truncated to `max_prompt`)."""
+    from ..generate import prompt_ids
+
+    out = []
+    for p in prompts:
+        ids = prompt_ids(tokenizer, p["messages"] if isinstance(p, dict) else p)
+        out.append(ids[-max_prompt:])
+    return out
+
+
+def file_digest(path: Path, h: Any | None = None) -> Any:
+    h = h or hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h
+
+
+def cache_key(target_dir: Path, prompts_path: Path, settings: dict) -> str:
+    """Hash of the target's config/tokenizer/weights, the prompts file and the settings."""
+    h = hashlib.sha256()
+    for f in sorted(target_dir.glob("*.json")) + sorted(target_dir.glob("*.safetensors")):
+        h.update(f.name.encode())
+        file_digest(f, h)
+    file_digest(Path(prompts_path), h)
+    h.update(json.dumps(settings, sort_keys=True).encode())
+    return h.hexdigest()[:16]
+
+
+def regenerate(
+    target: Any,
+    tokenizer: Any,
+    prompts: list[list[int]],
+    max_tokens: int,
+    temp: float = 0.0,
+    seed: int = 0,
+    batch_size: int = 32,
+    on_done: Callable[[int, list[int]], None] | None = None,
+) -> list[list[int]]:
+    """The target's responses (plain decoding, batched). A response keeps its EOS token."""
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.sample_utils import make_sampler
+
+    mx.random.seed(seed)
+    eos = list(tokenizer.eos_token_ids)
+    gen = BatchGenerator(
+        target,
+        stop_tokens=[[t] for t in eos],
+        sampler=make_sampler(temp) if temp > 0 else None,
+        completion_batch_size=batch_size,
+        prefill_batch_size=min(8, batch_size),
+    )
+    uids = gen.insert(prompts, [max_tokens] * len(prompts))
+    index = {u: i for i, u in enumerate(uids)}
+    results: list[list[int]] = [[] for _ in prompts]
+    try:
+        while responses := gen.next_generated():
+            for r in responses:
+                i = index[r.uid]
+                results[i].append(int(r.token))  # the stop token is kept (drafter learns EOS)
+                if r.finish_reason is not None and on_done:
+                    on_done(i, results[i])
+    finally:
+        gen.close()
+    return results
+
+
+def load_or_regenerate(
+    target: Any,
+    tokenizer: Any,
+    target_dir: Path,
+    prompts_path: Path,
+    cache_dir: Path,
+    *,
+    max_tokens: int = 256,
+    temp: float = 0.0,
+    seed: int = 0,
+    max_prompt: int = 1024,
+    limit: int | None = None,
+    batch_size: int = 32,
+    chunk: int = 256,
+    log: Callable[[str], None] = print,
+    progress: Callable[[int, int, int, float], None] | None = None,
+) -> tuple[list[Sequence], Path]:
+    """Cached regenerated sequences (and the cache file's path)."""
+    settings = {"max_tokens": max_tokens, "temp": temp, "seed": seed, "max_prompt": max_prompt,
+                "limit": limit, "dtype": _dtype_name(target), "v": 1}
+    key = cache_key(Path(target_dir), Path(prompts_path), settings)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    final = cache_dir / f"regen-{key}.jsonl"
+    if final.exists():
+        seqs = _read_cache(final)
+        log(f"regenerated data: {len(seqs)} sequences from cache {final}")
+        return seqs, final
+    prompts = read_prompts(prompts_path)[:limit]
+    ids = encode_prompts(tokenizer, prompts, max_prompt)
+    partial = final.with_suffix(".partial")
+    done = _read_cache(partial) if partial.exists() else []
+    _write_cache(partial, done)  # drops a torn last line before appending
+    log(f"regenerating {len(ids) - len(done)} of {len(ids)} responses with the target "
+        f"(max {max_tokens} tokens, temp {temp}) -> {final}")
+    t0, n_tok = time.perf_counter(), sum(len(s.response) for s in done)
+    with partial.open("a", encoding="utf-8") as f:
+        for start in range(len(done), len(ids), chunk):
+            batch = ids[start : start + chunk]
+            resp = regenerate(target, tokenizer, batch, max_tokens, temp, seed + start,
+                              batch_size)
+            for p, r in zip(batch, resp):
+                f.write(json.dumps({"prompt": p, "response": r}) + "\n")
+                done.append(Sequence(p, r))
+                n_tok += len(r)
+            f.flush()
+            if progress:
+                progress(len(done), len(ids), n_tok, time.perf_counter() - t0)
+    partial.rename(final)
+    return done, final
+
+
+def _dtype_name(target: Any) -> str:
+    from mlx.utils import tree_flatten
+
+    floats = [v.dtype for _, v in tree_flatten(target.parameters())
+              if mx.issubdtype(v.dtype, mx.floating)]
+    return str(floats[0]) if floats else "?"
+
+
+def _write_cache(path: Path, seqs: list[Sequence]) -> None:
+    with path.open("w", encoding="utf-8") as f:
+        for s in seqs:
+            f.write(json.dumps({"prompt": s.prompt, "response": s.response}) + "\n")
+
+
+def _read_cache(path: Path) -> list[Sequence]:
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                break  # a torn last line of an interrupted run
+            out.append(Sequence(rec["prompt"], rec["response"]))
+    return out

@@ -1,0 +1,97 @@
+"""Training forward of the DFlash 1 drafter: the inference math, many blocks in one pass.
+
+Layout per sequence (batch row): queries are the blocks laid flat, ``[block 0 | block 1 | ...]``
+(``N·bs`` rows); keys are ``[context positions 0..S-1 | the same flat blocks]``; the block-sparse
+mask (`blocks.dense_block_mask`) lets a block see the context strictly before its anchor and
+itself only. The math is the drafter's own, module by module (SPEC §4):
+`project_context` (fc + hidden_norm); context K/V from each layer's `self_attn.keys_values` at
+absolute positions ``0..S-1``; block queries / K / V with the SAME projections and norms, RoPE at
+``a..a+bs-1`` per block (MLX RoPE takes one offset per batch row, so blocks are rows while RoPE is
+applied); `o_proj`, the layer norms and the MLP as in `DraftLayer`. `tests/test_train.py` checks
+the result equals `drafter(block, cache)` block by block.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+from mlx import nn
+
+from .blocks import dense_block_mask
+
+
+def layer_masks(drafter, anchors: np.ndarray, n_ctx: int, block_size: int) -> list[mx.array]:
+    """Per-layer boolean masks ``[B, 1, N·bs, n_ctx + N·bs]`` for anchors ``[B, N]``."""
+    cfg = drafter.config
+    anchors = np.asarray(anchors).reshape(len(anchors), -1)
+    cache: dict = {}
+    out = []
+    for causal, window in zip(cfg.layer_causal, cfg.layer_window):
+        key = (causal, window)
+        if key not in cache:
+            m = np.stack([dense_block_mask(a, n_ctx, block_size, causal, window)
+                          for a in anchors])
+            cache[key] = mx.array(m)[:, None]
+        out.append(cache[key])
+    return out
+
+
+def _flat(t: mx.array, B: int, N: int) -> mx.array:
+    """[B·N, heads, bs, hd] (blocks as rows) -> [B, heads, N·bs, hd] (blocks laid flat)."""
+    _, nh, bs, hd = t.shape
+    return t.reshape(B, N, nh, bs, hd).transpose(0, 2, 1, 3, 4).reshape(B, nh, N * bs, hd)
+
+
+def _attention(attn, x: mx.array, ctx: mx.array, offsets: mx.array, mask: mx.array, N: int):
+    """`DraftAttention.__call__` for all blocks of a sequence at once (flat layout)."""
+    B, L, H = x.shape
+    bs = L // N
+    xb = x.reshape(B * N, bs, H)
+    q = attn.q_norm(attn.q_proj(xb).reshape(B * N, bs, attn.n_heads, -1)).transpose(0, 2, 1, 3)
+    q = attn.rope(q, offset=offsets)
+    k, v = attn.keys_values(xb, offsets)  # block K/V at a..a+bs-1
+    ctx_k, ctx_v = attn.keys_values(ctx, 0)  # context K/V at 0..S-1
+    keys = mx.concatenate([ctx_k, _flat(k, B, N)], axis=2)
+    values = mx.concatenate([ctx_v, _flat(v, B, N)], axis=2)
+    out = mx.fast.scaled_dot_product_attention(_flat(q, B, N), keys, values, scale=attn.scale,
+                                               mask=mask)
+    return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+def train_hidden(
+    drafter, features: mx.array, block_ids: mx.array, anchors: mx.array, masks: list[mx.array]
+) -> mx.array:
+    """Final-normed drafter hidden states ``[B, N, bs, H]``.
+
+    features ``[B, S, n·H]`` (target features of every position); block_ids ``[B, N, bs]``;
+    anchors ``[B, N]`` (absolute anchor positions); masks from `layer_masks`."""
+    B, N, bs = block_ids.shape
+    ctx = drafter.project_context(features)  # [B, S, H]
+    h = drafter.head.embed(block_ids.reshape(B, N * bs)) * drafter.config.input_embedding_scale
+    offsets = anchors.reshape(-1)
+    for layer, mask in zip(drafter.layers, masks):
+        h = h + _attention(layer.self_attn, layer.input_layernorm(h), ctx, offsets, mask, N)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return drafter.norm(h).reshape(B, N, bs, -1)
+
+
+def dflash_loss(
+    drafter, features, block_ids, labels, anchors, valid, masks, weights: mx.array
+) -> tuple[mx.array, mx.array]:
+    """Position-decayed CE, mean over real blocks of Σ_k w_k·CE_k / Σ_k w_k.
+
+    labels ``[B, N, bs-1]``; valid ``[B, N]`` (0 for padding blocks); weights ``[bs-1]``.
+    Returns (loss, per-position top-1 accuracy ``[bs-1]``, a cheap proxy of acceptance)."""
+    hidden = train_hidden(drafter, features, block_ids, anchors, masks)
+    logits = drafter.logits(hidden[:, :, 1:])  # [B, N, bs-1, V]
+    ce = nn.losses.cross_entropy(logits, labels, reduction="none")  # [B, N, bs-1]
+    n = mx.maximum(valid.sum(), 1)
+    loss = ((ce * weights).sum(axis=-1) * valid).sum() / (n * weights.sum())
+    hit = (mx.argmax(logits, axis=-1) == labels).astype(mx.float32)
+    acc = (hit * valid[..., None]).sum(axis=(0, 1)) / n
+    return loss, mx.stop_gradient(acc)
+
+
+# The per-architecture training loss. DFlash 2 adds its selector loss here (SPEC §10):
+# register "dflash2" with a function of the same signature returning (loss, acc).
+LOSSES = {"dflash": dflash_loss}
