@@ -71,7 +71,7 @@ def selector_loss(selector, hidden: mx.array, logits: mx.array, predecessors: mx
     labels ``[B, N, P]``, valid ``[B, N]``, weights ``[P]``. Positions whose label is not among
     the top-k candidates are left out. Returns (loss, per-position accuracy of the selector's
     teacher-forced choice ``[P]``, 0 where the label is not a candidate)."""
-    unary, cand = selector.candidates(mx.stop_gradient(logits))
+    _, cand = selector.candidates(mx.stop_gradient(logits))
     unary = mx.take_along_axis(logits, cand, axis=-1)  # gradient reaches the backbone
     g = selector.hidden_projection(hidden)  # [B, N, P, R]
     s = selector.scores(unary, cand, g, predecessors)  # [B, N, P, k]
