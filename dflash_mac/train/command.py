@@ -21,7 +21,8 @@ def train(
         None, "--target-layer-ids",
         help="Comma-separated target layers to read features from (default: uniform "
         "between layer 1 and L-3)."),
-    arch: str = typer.Option("dflash", "--arch", help="Drafter architecture: dflash."),
+    arch: str = typer.Option("dflash", "--arch", help="Drafter architecture: dflash or dflash2 "
+                       "(convs + candidate selector, selector loss)."),
     steps: int | None = typer.Option(None, "--steps", help="Optimizer steps (overrides "
                                      "--epochs)."),
     epochs: float = typer.Option(6.0, "--epochs", help="Passes over the sequences."),

@@ -30,9 +30,11 @@ from ..models.config import DraftConfig
 from ..models.dflash import DFlashDraftModel
 from .blocks import block_inputs, decay_gamma, position_weights, sample_anchors
 from .data import Sequence, load_or_regenerate
+from .dflash2_loss import dflash2_config, dflash2_loss
 from .forward import LOSSES, layer_masks
 
-ARCHS = ("dflash",)
+LOSSES.setdefault("dflash2", dflash2_loss)
+ARCHS = ("dflash", "dflash2")
 MASK_TOKEN = "<|mask|>"
 
 
@@ -125,11 +127,13 @@ def drafter_config(tcfg: dict, s: TrainSettings) -> dict:
     }
     if tcfg.get("rope_scaling"):
         cfg["rope_scaling"] = tcfg["rope_scaling"]
-    return cfg
+    return dflash2_config(cfg) if s.arch == "dflash2" else cfg
 
 
 def build_drafter(config: dict, target: nn.Module) -> DFlashDraftModel:
-    drafter = DFlashDraftModel(DraftConfig.from_dict(config))
+    from ..loading import build_drafter as build_class  # DFlash 1 or 2 by `architectures`
+
+    drafter = build_class(DraftConfig.from_dict(config))
     tm = text_model(target)
     final_norm = getattr(getattr(tm, "model", None), "norm", None)
     if final_norm is not None and final_norm.weight.shape == drafter.norm.weight.shape:
@@ -237,11 +241,18 @@ def load_checkpoint(ckpt: Path, drafter, opt) -> dict:
     return meta
 
 
+def export_weights(drafter) -> dict[str, mx.array]:
+    """Parameters under the checkpoint's key names (DFlash 2 codebooks have no `.weight`)."""
+    if hasattr(drafter, "export_weights"):
+        return drafter.export_weights()
+    return dict(tree_flatten(drafter.parameters()))
+
+
 def save_drafter(drafter, config: dict, out_dir: Path, dtype=mx.float16, extra: dict | None = None):
     """The z-lab drafter folder: config.json + model.safetensors (no embed / lm_head)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
-               for k, v in tree_flatten(drafter.parameters())}
+               for k, v in export_weights(drafter).items()}
     config = dict(config, dtype={mx.float16: "float16", mx.bfloat16: "bfloat16"}.get(
         dtype, "float32"))
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights,
