@@ -103,5 +103,10 @@ class FeatureCapture:
 
 
 def is_hooked(model: nn.Module) -> bool:
-    """True if any decoder layer of `model` still carries a capture hook."""
-    return any(hasattr(layer, "_dflash_sink") for layer in decoder_layers(model))
+    """True if any decoder layer of `model` (or a module in it) still carries a DFlash hook:
+    feature capture here, GatedDeltaNet rollback in hybrid.py."""
+    return any(
+        hasattr(m, "_dflash_sink") or hasattr(m, "_dflash_gdn")
+        for layer in decoder_layers(model)
+        for _, m in layer.named_modules()
+    )

@@ -13,7 +13,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
 from .adapter import FeatureCapture
-from .rollback import check_rollback_support, trim_caches
+from .rollback import TargetRollback, trim_caches
 from .sampling import SamplingParams, accept_greedy, accept_sampled, probabilities, sample
 from .stats import DecodeStats
 from .textstream import TextStream
@@ -48,6 +48,7 @@ class DecodeState:
 
     def __init__(self, pair: Any):
         self.target_cache = make_prompt_cache(pair.target)
+        self.rollback = TargetRollback(pair.target, self.target_cache)
         self.draft_cache = pair.drafter.make_cache()
         self.ids: list[int] = []
 
@@ -55,7 +56,7 @@ class DecodeState:
         """Keep the first `n` cached positions in both caches."""
         extra = len(self.ids) - n
         if extra > 0:
-            trim_caches(self.target_cache, extra)
+            self.rollback.trim(extra)  # hybrids: only within the last verify, else RollbackError
             trim_caches(self.draft_cache, extra)
             self.ids = self.ids[:n]
 
@@ -98,7 +99,6 @@ def speculative_stream(
 ) -> Iterator[GenerationEvent]:
     """Generate with DFlash: draft a block, verify it in one target pass, commit, roll back."""
     state = state or DecodeState(pair)
-    check_rollback_support(state.target_cache)
     bs_max = cfg.block_size or pair.block_size
     sp = cfg.sampling
     key = mx.random.key(cfg.seed if cfg.seed is not None else random.getrandbits(32))
@@ -106,7 +106,9 @@ def speculative_stream(
     out = TextStream(pair.tokenizer, cfg.stop, pair.eos_ids if cfg.use_eos else set())
     mask_id = pair.drafter.config.mask_token_id
 
-    with FeatureCapture(pair.target, pair.layer_ids) as cap, mx.stream(generation_stream):
+    rb = state.rollback
+    with FeatureCapture(pair.target, pair.layer_ids) as cap, rb.hooks(), \
+            mx.stream(generation_stream):
         t0 = time.perf_counter()
         logits = prefill(pair, state, prompt_ids, cap, cfg.prefill_step_size)
         if sp.greedy:
@@ -128,6 +130,7 @@ def speculative_stream(
                 drafts, q = propose(pair, block, state.draft_cache, sp, k_draft)
             else:  # one token left: a plain target step
                 drafts, q = mx.zeros((0,), mx.int32), mx.zeros((0, 1))
+            rb.before_verify()
             logits = pair.target(mx.concatenate([block[:1], drafts])[None],
                                  cache=state.target_cache)[0]  # [bs, V]
             if sp.greedy:
@@ -137,7 +140,7 @@ def speculative_stream(
             host = mx.concatenate([acc[None], bonus.reshape(1), drafts]).tolist()  # one sync
             a = host[0]
             committed = host[2 : 2 + a] + [host[1]]
-            trim_caches(state.target_cache, bs - a - 1)
+            rb.rollback(bs - a - 1, a)
             pair.drafter.extend_context(cap.features()[:, : a + 1], state.draft_cache)
             state.ids += [anchor] + committed[:-1]
             anchor = committed[-1]

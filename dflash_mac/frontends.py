@@ -13,7 +13,12 @@ from .loading import Pair, load, quantize_drafter
 err = Console(stderr=True)
 
 
-def block_size_policy(pair: Pair, requested: int | None, warn=err.print) -> int:
+def warn_line(message: str) -> None:
+    """Print a warning on one line (no wrapping at the terminal width)."""
+    err.print(message, soft_wrap=True)
+
+
+def block_size_policy(pair: Pair, requested: int | None, warn=warn_line) -> int:
     """Default block size: the drafter's, or min(5, drafter block) when anything is quantized
     (MLX's quantized matmul loses efficiency at wide verify widths); larger explicit values run
     with a one-line warning."""
@@ -21,9 +26,8 @@ def block_size_policy(pair: Pair, requested: int | None, warn=err.print) -> int:
     if requested is None:
         return min(5, drafter_bs) if pair.quantized else drafter_bs
     if pair.quantized and requested > 5:
-        warn(f"[yellow]warning:[/] block size {requested} > 5 with a quantized model; "
-             "quantized verify is slower at wide blocks (default would be "
-             f"{min(5, drafter_bs)}).")
+        warn(f"[yellow]warning:[/] block size {requested} > 5 is slower with a quantized "
+             f"model (default {min(5, drafter_bs)}).")
     return requested
 
 

@@ -240,9 +240,19 @@ def load(
         tokenizer=tokenizer,
         model_id=str(model),
         draft_id=str(draft),
-        block_size=block_size or dcfg.block_size,
+        block_size=block_size or default_block_size(dcfg, tcfg),
         target_config=tcfg,
     )
+
+
+QUANTIZED_MAX_BLOCK = 5
+
+
+def default_block_size(dcfg: DraftConfig, tcfg: dict) -> int:
+    """The drafter's block size, or min(5, it) when the target or the drafter is quantized:
+    MLX's quantized matmul loses efficiency at wide verify widths (SPEC §8)."""
+    quantized = bool(tcfg.get("quantization")) or bool(dcfg.quantization)
+    return min(QUANTIZED_MAX_BLOCK, dcfg.block_size) if quantized else dcfg.block_size
 
 
 def quantize_drafter(drafter: nn.Module, bits: int, group_size: int = 64) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
+from mlx import nn
 from mlx_lm.models.cache import can_trim_prompt_cache
 
 
@@ -32,3 +34,60 @@ def trim_caches(cache: list[Any], n: int) -> None:
                 f"{type(c).__name__} trimmed {trimmed} of {n} rejected positions; "
                 "the target cache would no longer match the committed tokens."
             )
+
+
+class TargetRollback:
+    """Rolls one target cache back to the committed tokens after each verify.
+
+    Trimmable caches (attention) are trimmed; the GatedDeltaNet caches of hybrid targets are
+    restored by replaying the recurrence over the accepted steps (dflash_mac/hybrid.py). Use:
+    `with rb.hooks(): ... rb.before_verify(); target(block, cache); rb.rollback(rejected, acc)`.
+    No host sync: everything stays lazy on the caller's stream."""
+
+    def __init__(self, model: nn.Module, cache: list[Any], strategy: str = "replay"):
+        from .hybrid import GDNRollback, linear_layers
+
+        self.cache = cache
+        layers = linear_layers(model, cache)
+        fixed = sum(not c.is_trimmable() for c in cache)
+        assert len(layers) == fixed, "every non-trimmable cache needs a captured layer"
+        linear = {i for i, _ in layers}
+        self.trimmable = [c for i, c in enumerate(cache) if i not in linear]
+        self.gdn = GDNRollback(layers, cache, strategy) if layers else None
+
+    @property
+    def hybrid(self) -> bool:
+        return self.gdn is not None
+
+    def hooks(self):
+        """Context manager: per-instance capture hooks for one request (removed on exit)."""
+        return self.gdn if self.gdn is not None else nullcontext()
+
+    def before_verify(self) -> None:
+        if self.gdn is not None:
+            self.gdn.arm()
+
+    def rollback(self, n_rejected: int, acc: int) -> None:
+        """After a verify pass of `acc + 1 + n_rejected` positions keep the first `acc + 1`."""
+        if self.gdn is not None:
+            captured = self.gdn.captured()
+            assert captured == len(self.gdn.records), (
+                f"only {captured} of {len(self.gdn.records)} linear-attention layers were "
+                "captured during verify"
+            )
+            self.gdn.keep(acc + 1)
+        trim_caches(self.trimmable, n_rejected)
+
+    def trim(self, n: int) -> None:
+        """Drop the last `n` cached positions (hybrids: only those of the last verify)."""
+        if n <= 0:
+            return
+        if self.gdn is not None:
+            window = self.gdn.window()
+            if window is None or n > window:
+                raise RollbackError(
+                    f"this hybrid target's linear-attention state cannot be cut back {n} "
+                    "tokens; the prompt must be prefilled again."
+                )
+            self.gdn.keep(window - n)
+        trim_caches(self.trimmable, n)
