@@ -1,0 +1,188 @@
+"""The engine side of the chat app: loading, the plain-decode baseline, per-cycle snapshots.
+
+Nothing here touches widgets; the app runs these in thread workers and posts messages."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..generate import PromptError, reasoning_args
+
+
+@dataclass
+class ChatOptions:
+    """What `dflash-mac chat` was started with."""
+
+    model: str | None = None
+    draft: str | None = None
+    system: str | None = None
+    temp: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    block_size: int | None = None
+    max_tokens: int = 1024
+    reasoning: str | None = None
+    draft_bits: int | None = None
+    seed: int | None = None
+
+    def generation_kwargs(self) -> dict:
+        return {"max_tokens": self.max_tokens, "block_size": self.block_size, "temp": self.temp,
+                "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p, "seed": self.seed}
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """Facts about the loaded pair shown in the side panel."""
+
+    model: str
+    kind: str
+    block_size: int
+    kernels: str
+    plain_tps: float  # the target's plain decode speed (0 = not measured)
+    reasoning: bool  # the chat template has an on/off thinking switch
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """An immutable copy of the running statistics after one event (the engine mutates its
+    DecodeStats in place, so the worker copies what the UI shows)."""
+
+    histogram: tuple[int, ...]
+    tau: float
+    decode_tps: float
+    tokens: int
+    prompt_tokens: int
+    cached_tokens: int
+    block_size: int
+    memory_gb: float
+    finish_reason: str | None = None
+
+    @classmethod
+    def of(cls, stats: Any, finish_reason: str | None = None) -> Snapshot:
+        return cls(tuple(stats.histogram), stats.tau, stats.decode_tps, stats.generation_tokens,
+                   stats.prompt_tokens, stats.cached_tokens, stats.block_size,
+                   float(getattr(stats, "peak_memory_gb", 0.0)), finish_reason)
+
+    def turn_stats(self, plain_tps: float) -> dict:
+        """The numbers stored with an answer and shown in its stats line."""
+        return {"tokens": self.tokens, "tps": round(self.decode_tps, 2), "tau": round(self.tau, 3),
+                "speedup": round(self.decode_tps / plain_tps, 3) if plain_tps else 0.0,
+                "prompt": self.prompt_tokens, "cached": self.cached_tokens,
+                "finish": self.finish_reason}
+
+
+@dataclass
+class Backend:
+    """A session-like object (`stream(prompt, should_stop=..., **kw)`) plus what the UI shows.
+
+    With a tokenizer the prompt is tokenized here: when the new conversation text extends the
+    text of the last turn (prompt + answer), the ids are that turn's prompt ids + the answer's
+    generated ids + the tokenized rest, so exactly the tokens the session has cached are
+    reused even where re-tokenizing the answer would give other ids. A fake session in tests
+    (no tokenizer) receives the message list as is."""
+
+    session: Any
+    info: EngineInfo
+    tokenizer: Any = None
+    warnings: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one engine job at a time
+    last: tuple[str, list[int]] | None = None  # text and ids of the last finished turn
+    pending: tuple[str, list[int]] | None = None  # text and ids of the turn being generated
+
+    def render(self, messages: list[dict], system: str | None, reasoning: str | None) -> str:
+        full = ([{"role": "system", "content": system}] if system else []) + messages
+        return self.tokenizer.apply_chat_template(
+            full, add_generation_prompt=True, tokenize=False,
+            **reasoning_args(self.tokenizer, reasoning))
+
+    def prompt(self, messages: list[dict], system: str | None,
+               reasoning: str | None) -> tuple[Any, bool]:
+        """(prompt for `session.stream`, whether the answer starts inside a thinking section)."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            full = ([{"role": "system", "content": system}] if system else []) + messages
+            return full, False
+        text = self.render(messages, system, reasoning)
+        if self.last and text.startswith(self.last[0]):
+            rest = text[len(self.last[0]):]
+            ids = self.last[1] + list(self.tokenizer.encode(rest, add_special_tokens=False))
+        else:
+            ids = self.session.tokenize(messages, system=system or None, reasoning=reasoning)
+        self.pending = (text, ids)
+        return ids, text.rstrip().endswith("<think>")
+
+    def record(self, answer: str, answer_ids: list[int]) -> None:
+        """Remember a finished turn (its text and ids) for the next turn's prompt."""
+        if self.pending is not None:
+            text, ids = self.pending
+            self.last, self.pending = (text + answer, ids + list(answer_ids)), None
+
+    def stream(self, prompt: Any, should_stop: Callable[[], bool], **kwargs: Any) -> Iterator:
+        return self.session.stream(prompt, should_stop=should_stop, **kwargs)
+
+    def warm(self, messages: list[dict], system: str | None, reasoning: str | None) -> int:
+        """Prefill a resumed conversation while the user types, so that its next turn only
+        prefills the new message; returns the number of cached tokens (0: nothing to do)."""
+        if self.tokenizer is None or not messages or not hasattr(self.session, "state"):
+            return 0
+        prompt, _ = self.prompt(messages, system, reasoning)
+        for _ in self.session.stream(prompt, should_stop=lambda: True, max_tokens=1):
+            pass
+        self.pending = None
+        return len(self.session.state.ids)
+
+
+def kernels_name() -> str:
+    try:
+        from ..metal_kernels import kernels_in_use
+    except ImportError:  # kernels package not part of this build
+        return "reference"
+    try:
+        return str(kernels_in_use())
+    except Exception:
+        return "reference"
+
+
+def has_thinking_switch(tokenizer: Any) -> bool:
+    try:
+        return bool(reasoning_args(tokenizer, "off"))
+    except PromptError:
+        return False
+
+
+def measure_plain_tps(target: Any, tokenizer: Any, tokens: int = 32) -> float:
+    """Plain (non-speculative) decode speed of the target with mlx-lm's generate_step: one
+    over the median time per token (robust to a busy machine), prefill and warm-up excluded."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    prompt = mx.array(tokenizer.encode("def fibonacci(n):\n"))
+    stamps = [time.perf_counter() for _ in generate_step(prompt, target, max_tokens=tokens)]
+    gaps = sorted(b - a for a, b in zip(stamps[2:], stamps[3:]))  # skip prefill and warm-up
+    median = gaps[len(gaps) // 2] if gaps else 0.0
+    return 1.0 / median if median > 0 else 0.0
+
+
+def load_backend(opts: ChatOptions) -> Backend:
+    """Load the pair, measure the plain baseline and open a session (runs in a worker)."""
+    from ..frontends import block_size_policy
+    from ..loading import load, quantize_drafter
+    from ..session import Session
+
+    pair = load(opts.model, opts.draft)
+    if opts.draft_bits is not None:
+        quantize_drafter(pair.drafter, opts.draft_bits)
+    warnings: list[str] = []
+    pair.block_size = block_size_policy(pair, opts.block_size, warn=warnings.append)
+    if opts.reasoning is not None:
+        reasoning_args(pair.tokenizer, opts.reasoning)  # a clear error before the first turn
+    info = EngineInfo(
+        model=str(opts.model or "bundled"), kind=pair.kind, block_size=pair.block_size,
+        kernels=kernels_name(), plain_tps=measure_plain_tps(pair.target, pair.tokenizer),
+        reasoning=has_thinking_switch(pair.tokenizer),
+    )
+    return Backend(Session(pair), info, pair.tokenizer, warnings)

@@ -1,0 +1,336 @@
+"""`dflash-mac chat`: the Textual chat app.
+
+The engine runs in thread workers and never touches widgets: the workers post messages
+(`Loaded`, `TurnStarted`, `Cycle`, `TurnEnded`) and the handlers here update the screen."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+from textual import on
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.message import Message
+from textual.widgets import Footer, Header, Label, ProgressBar, Static
+
+from .backend import Backend, ChatOptions, Snapshot, load_backend
+from .commands import ChatCommands
+from .screens import ChatListScreen
+from .store import Store
+from .text import chat_title
+from .widgets import AssistantMessage, ChatInput, HistogramPanel, UserMessage
+
+PLACEHOLDER = "Message · Enter sends · shift+Enter newline · F1 help"
+
+
+class Loaded(Message):
+    def __init__(self, backend: Backend | None, error: str | None = None) -> None:
+        super().__init__()
+        self.backend, self.error = backend, error
+
+
+class TurnStarted(Message):
+    def __init__(self, thinking: bool) -> None:
+        super().__init__()
+        self.thinking = thinking
+
+
+class Cycle(Message):
+    def __init__(self, text: str, snapshot: Snapshot) -> None:
+        super().__init__()
+        self.text, self.snapshot = text, snapshot
+
+
+class TurnEnded(Message):
+    def __init__(self, snapshot: Snapshot | None, error: str | None = None) -> None:
+        super().__init__()
+        self.snapshot, self.error = snapshot, error
+
+
+class Warmed(Message):
+    def __init__(self, cached: int) -> None:
+        super().__init__()
+        self.cached = cached
+
+
+def error_sentence(e: BaseException) -> str:
+    """The one red sentence the CLI prints for user errors (cli.USER_ERRORS); the exception
+    type and message otherwise."""
+    from ..generate import PromptError
+    from ..loading import LoadError
+    from ..models.config import ConfigError
+    from ..rollback import RollbackError
+
+    user_errors = (LoadError, PromptError, ConfigError, RollbackError)
+    return f"error: {e}" if isinstance(e, user_errors) else f"error: {type(e).__name__}: {e}"
+
+
+@dataclass
+class Turn:
+    """The answer being generated."""
+
+    chat_id: int
+    history: list[dict]
+    widget: AssistantMessage
+    question_id: int  # the stored user message
+    stop: threading.Event = field(default_factory=threading.Event)
+
+
+class ChatApp(ChatCommands, App):
+    """Chat with a DFlash pair: streamed Markdown answers and a live acceptance histogram."""
+
+    CSS_PATH = "chat.tcss"
+    TITLE = "dflash-mac chat"
+    BINDINGS = [
+        Binding("escape", "stop", "Stop"),
+        Binding("ctrl+n", "new_chat", "New chat"),
+        Binding("ctrl+o", "open_chats", "Chats"),
+        Binding("ctrl+t", "toggle_reasoning", "Reasoning"),
+        Binding("f1", "help", "Help"),
+        Binding("y", "copy_code", "Copy code", show=False),
+        Binding("ctrl+q", "quit", "Quit", priority=True),
+    ]
+
+    def __init__(self, opts: ChatOptions | None = None,
+                 loader: Callable[[], Backend] | None = None, store: Store | None = None,
+                 resume: bool = False) -> None:
+        super().__init__()
+        self.opts = opts or ChatOptions()
+        self.loader = loader or partial(load_backend, self.opts)
+        self.store = store or Store()
+        self.backend: Backend | None = None
+        self.reasoning = self.opts.reasoning
+        self.system = self.opts.system or ""
+        self.chat_id: int | None = None
+        self.history: list[dict] = []
+        self.turn: Turn | None = None
+        self.resume_latest = resume
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with Horizontal(id="main"):
+            with Vertical(id="chat-pane"):
+                yield VerticalScroll(id="log")
+                with Horizontal(id="status"):
+                    yield Label(f"Loading {self.opts.model or 'the bundled pair'}…",
+                                id="status-text")
+                    yield ProgressBar(total=None, show_eta=False, show_percentage=False)
+                yield ChatInput(id="input", placeholder=PLACEHOLDER)
+            yield HistogramPanel(id="panel")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one(ChatInput).focus()
+        self.panel.set_info(None, self.reasoning_label)
+        self.run_worker(self._load, thread=True, group="load", name="load")
+        if self.resume_latest and (latest := self.store.latest()):
+            self.call_later(self.open_chat, latest.id)
+
+    # ---- engine side (thread workers) ----
+
+    def _load(self) -> None:
+        try:
+            self.post_message(Loaded(self.loader()))
+        except Exception as e:
+            self.post_message(Loaded(None, error_sentence(e)))
+
+    def _generate(self, turn: Turn, system: str, reasoning: str | None) -> None:
+        backend, snap = self.backend, None
+        try:
+            with backend.lock:  # waits for a warm-up prefill of a resumed chat
+                prompt, thinking = backend.prompt(turn.history, system, reasoning)
+                self.post_message(TurnStarted(thinking))
+                text, ids = [], []
+                for ev in backend.stream(prompt, turn.stop.is_set,
+                                         **self.opts.generation_kwargs()):
+                    snap = Snapshot.of(ev.stats, ev.finish_reason)
+                    text.append(ev.text)
+                    ids += ev.tokens
+                    self.post_message(Cycle(ev.text, snap))
+                backend.record("".join(text), ids)
+        except Exception as e:
+            self.post_message(TurnEnded(snap, error_sentence(e)))
+        else:
+            self.post_message(TurnEnded(snap))
+
+    def _warm(self, history: list[dict], system: str, reasoning: str | None) -> None:
+        try:
+            with self.backend.lock:
+                n = self.backend.warm(history, system, reasoning)
+        except Exception:  # a failed warm-up only costs the next turn a full prefill
+            n = 0
+        self.post_message(Warmed(n))
+
+    def warm_up(self) -> None:
+        """Prefill the shown conversation in the background (resume with prefix reuse)."""
+        if self.backend is not None and self.history and self.turn is None:
+            self.run_worker(partial(self._warm, list(self.history), self.system,
+                                    self.reasoning), thread=True, group="warm", name="warm")
+
+    # ---- UI side ----
+
+    @property
+    def panel(self) -> HistogramPanel:
+        return self.query_one(HistogramPanel)
+
+    @property
+    def log_view(self) -> VerticalScroll:
+        return self.query_one("#log", VerticalScroll)
+
+    @property
+    def reasoning_label(self) -> str:
+        if self.backend and not self.backend.info.reasoning:
+            return self.reasoning or "n/a"
+        return self.reasoning or "default"
+
+    def set_status(self, text: str, busy: bool = False, error: bool = False) -> None:
+        self.query_one("#status-text", Label).update(text)
+        self.query_one("#status").set_class(error, "error")
+        self.query_one(ProgressBar).display = busy
+
+    def on_loaded(self, message: Loaded) -> None:
+        if message.error:
+            self.set_status(message.error, error=True)
+            self.query_one(ChatInput).disabled = True
+            return
+        self.backend = message.backend
+        info = self.backend.info
+        self.panel.set_info(info, self.reasoning_label)
+        plain = f" · plain decode {info.plain_tps:.1f} tok/s" if info.plain_tps else ""
+        self.set_status(f"Ready · {info.kind} · block {info.block_size}{plain}")
+        for w in self.backend.warnings:
+            self.notify(w, severity="warning")
+        self.warm_up()
+
+    def on_warmed(self, message: Warmed) -> None:
+        if message.cached and self.turn is None:
+            self.set_status(f"Ready · {message.cached} tokens of this chat cached.")
+
+    @on(ChatInput.Submitted)
+    async def send(self, message: ChatInput.Submitted) -> None:
+        if self.backend is None:
+            self.notify("The model is still loading.", severity="warning")
+            return
+        if self.turn is not None:
+            self.notify("Still answering; Esc stops it.", severity="warning")
+            return
+        text = message.text.rstrip()
+        self.query_one(ChatInput).clear()
+        if self.chat_id is None:
+            self.chat_id = self.store.create_chat(chat_title(text), self.system)
+            self.sub_title = chat_title(text)
+        question_id = self.store.add_message(self.chat_id, "user", text)
+        self.history.append({"role": "user", "content": text})
+        widget = AssistantMessage()
+        await self.log_view.mount_all([UserMessage(text), widget])
+        self.log_view.scroll_end(animate=False)
+        self.turn = Turn(self.chat_id, self.history, widget, question_id)
+        self.set_status("Generating… (Esc stops)", busy=True)
+        self.run_worker(partial(self._generate, self.turn, self.system, self.reasoning),
+                        thread=True, group="generate", name="generate")
+
+    def on_turn_started(self, message: TurnStarted) -> None:
+        if self.turn:
+            self.turn.widget.splitter.thinking = message.thinking
+
+    async def on_cycle(self, message: Cycle) -> None:
+        self.panel.show(message.snapshot)
+        if self.turn and message.text and self.turn.widget.is_attached:
+            log = self.log_view
+            following = log.scroll_y >= log.max_scroll_y - 1  # unless the user scrolled up
+            await self.turn.widget.feed(message.text)
+            if following:
+                log.scroll_end(animate=False)
+
+    async def on_turn_ended(self, message: TurnEnded) -> None:
+        turn, self.turn = self.turn, None
+        if turn is None:
+            return
+        snap = message.snapshot
+        stats = snap.turn_stats(self.backend.info.plain_tps) if snap else {}
+        if message.error:
+            stats["error"] = message.error
+            self.set_status(message.error, error=True)
+        else:
+            self.set_status("Stopped." if stats.get("finish") == "cancelled" else "Ready.")
+        if turn.widget.is_attached:
+            log = self.log_view
+            following = log.scroll_y >= log.max_scroll_y - 1
+            await turn.widget.finish(stats)
+            if message.error:
+                await turn.widget.mount(Static(message.error, classes="error"))
+            if following:
+                log.scroll_end(animate=False)
+        if snap is None:  # nothing was generated: forget the unanswered question
+            self.store.delete_message(turn.question_id)
+            turn.history.pop()
+            return
+        if self.store.chat(turn.chat_id) is None:  # deleted while it was answering
+            return
+        self.store.add_message(turn.chat_id, "assistant", turn.widget.raw, stats)
+        turn.history.append({"role": "assistant", "content": turn.widget.raw})
+
+    def action_stop(self) -> None:
+        if self.turn is not None:
+            self.turn.stop.set()
+            self.set_status("Stopping…", busy=True)
+
+    async def action_quit(self) -> None:
+        if self.turn is not None:
+            self.turn.stop.set()
+        self.exit()
+
+    async def clear_chat(self) -> None:
+        self.action_stop()  # a running turn still ends (and is saved) at its next cycle
+        self.chat_id, self.history, self.sub_title = None, [], ""
+        self.system = self.opts.system or ""
+        await self.log_view.remove_children()
+
+    async def action_new_chat(self) -> None:
+        await self.clear_chat()
+        self.query_one(ChatInput).focus()
+        if self.backend is not None:
+            self.set_status("New chat.")
+
+    def action_open_chats(self) -> None:
+        def chosen(chat_id: int | None) -> None:
+            if chat_id is not None:
+                self.call_later(self.open_chat, chat_id)
+
+        self.push_screen(ChatListScreen(self.store.chats()), chosen)
+
+    async def open_chat(self, chat_id: int) -> None:
+        """Show a saved chat; the next turn continues it (reusing the cached prefix)."""
+        info = self.store.chat(chat_id)
+        if info is None:
+            return
+        await self.clear_chat()
+        self.chat_id, self.system, self.sub_title = info.id, info.system, info.title
+        for m in self.store.messages(chat_id):
+            self.history.append({"role": m.role, "content": m.content})
+            if m.role == "user":
+                await self.log_view.mount(UserMessage(m.content))
+            else:
+                widget = AssistantMessage()
+                await self.log_view.mount(widget)
+                await widget.show(m.content, m.stats)
+        self.log_view.scroll_end(animate=False)
+        self.query_one(ChatInput).focus()
+        self.warm_up()
+
+    def action_toggle_reasoning(self) -> None:
+        if self.backend is None:
+            return
+        if not self.backend.info.reasoning:
+            self.notify("This model's chat template has no thinking switch.", severity="warning")
+            return
+        self.reasoning = "off" if self.reasoning in (None, "on") else "on"
+        self.panel.set_info(self.backend.info, self.reasoning_label)
+        self.notify(f"Reasoning {self.reasoning}.")
+
+    def on_unmount(self) -> None:
+        self.store.close()

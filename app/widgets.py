@@ -1,0 +1,223 @@
+"""Chat widgets: the input box, messages (streamed Markdown), the stats line, the side panel."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual import events
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.message import Message
+from textual.widgets import Collapsible, Markdown, Static, TextArea
+from textual.widgets.markdown import MarkdownFence, MarkdownStream
+
+from .backend import EngineInfo, Snapshot
+from .text import ThinkSplitter, close_fences, printable, split_think
+
+EIGHTHS = " ▏▎▍▌▋▊▉█"
+
+
+class ChatInput(TextArea):
+    """Multi-line prompt box: Enter sends, shift+Enter or ctrl+j inserts a newline."""
+
+    class Submitted(Message):
+        def __init__(self, text: str) -> None:
+            super().__init__()
+            self.text = text
+
+    async def _on_key(self, event: events.Key) -> None:
+        if event.key == "enter":
+            event.stop()
+            event.prevent_default()
+            if self.text.strip():
+                self.post_message(self.Submitted(self.text))
+            return
+        if event.key in ("shift+enter", "ctrl+j"):
+            event.stop()
+            event.prevent_default()
+            self.insert("\n")
+            return
+        await super()._on_key(event)
+
+
+class CopyCode(Message):
+    """Asks the app to copy a code block to the clipboard."""
+
+    def __init__(self, code: str) -> None:
+        super().__init__()
+        self.code = code
+
+
+class CodeFence(MarkdownFence):
+    """A syntax-highlighted code block; a click copies it."""
+
+    def on_click(self, event: events.Click) -> None:
+        event.stop()
+        self.post_message(CopyCode(self.code))
+
+
+class ChatMarkdown(Markdown):
+    """Markdown whose code blocks can be copied."""
+
+    BLOCKS = {**Markdown.BLOCKS, "fence": CodeFence, "code_block": CodeFence}
+
+    def code_blocks(self) -> list[str]:
+        return [f.code for f in self.query(CodeFence)]
+
+
+def turn_line(stats: dict) -> str:
+    """`412 tok · 96 tok/s · τ 4.6 · 1.9× · prefill 35 new + 120 cached`."""
+    if "tokens" not in stats:  # failed before the first token
+        return ""
+    speed = f"{stats['speedup']:.1f}×" if stats.get("speedup") else "–×"
+    new = stats.get("prompt", 0) - stats.get("cached", 0)
+    line = (f"{stats['tokens']} tok · {stats['tps']:.0f} tok/s · τ {stats['tau']:.1f} · {speed}"
+            f" · prefill {new} new + {stats.get('cached', 0)} cached")
+    finish = stats.get("finish")
+    if finish == "cancelled":
+        line += " · stopped"
+    elif finish == "length":
+        line += " · max tokens"
+    return line
+
+
+class UserMessage(Static):
+    """What the user typed (shown as typed, not rendered)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(Text(printable(text)), classes="user")
+
+
+class AssistantMessage(Vertical):
+    """An answer: a collapsed thinking section (if any), the Markdown body appended as it
+    streams (no re-render of what is already shown), and a stats line."""
+
+    def __init__(self, thinking: bool = False) -> None:
+        super().__init__(classes="assistant")
+        self.raw = ""
+        self.answer = ""
+        self.splitter = ThinkSplitter(thinking=thinking)
+        self._streams: dict[str, MarkdownStream] = {}
+        self.finished = False
+
+    def compose(self) -> ComposeResult:
+        yield ChatMarkdown(id="answer")
+        yield Static("", classes="stats-line")
+
+    async def _stream(self, kind: str) -> MarkdownStream:
+        if kind not in self._streams:
+            if kind == "thinking":
+                md = ChatMarkdown(classes="thinking")
+                await self.mount(Collapsible(md, title="Thinking", collapsed=True),
+                                 before=self.query_one("#answer"))
+            else:
+                md = self.query_one("#answer", ChatMarkdown)
+            self._streams[kind] = Markdown.get_stream(md)
+        return self._streams[kind]
+
+    async def feed(self, text: str) -> None:
+        """Append a streamed chunk."""
+        self.raw += text
+        await self._write(self.splitter.feed(printable(text)))
+
+    async def _write(self, parts: list[tuple[str, str]]) -> None:
+        for kind, fragment in parts:
+            if kind == "answer":
+                self.answer += fragment
+            await (await self._stream(kind)).write(fragment)
+
+    async def finish(self, stats: dict) -> None:
+        """End of the turn: flush, close an unclosed code fence, show the stats line."""
+        await self._write(self.splitter.flush())
+        for stream in self._streams.values():
+            await stream.stop()
+        md = self.query_one("#answer", ChatMarkdown)
+        if suffix := close_fences(self.answer):
+            self.answer += suffix
+            await md.append(suffix)
+        if not self.answer.strip():
+            await md.update("*(no answer)*" if stats.get("finish") != "cancelled"
+                            else "*(stopped)*")
+        self.query_one(".stats-line", Static).update(turn_line(stats))
+        self.finished = True
+
+    async def show(self, raw: str, stats: dict) -> None:
+        """Render a stored answer at once."""
+        self.raw = raw
+        thinking, answer = split_think(printable(raw))
+        if thinking:
+            md = ChatMarkdown(thinking, classes="thinking")
+            await self.mount(Collapsible(md, title="Thinking", collapsed=True),
+                             before=self.query_one("#answer"))
+        self.answer = answer + close_fences(answer)
+        await self.query_one("#answer", ChatMarkdown).update(self.answer)
+        self.query_one(".stats-line", Static).update(turn_line(stats))
+        self.finished = True
+
+
+def bar(value: int, top: int, width: int) -> str:
+    """A horizontal bar with eighth-block resolution."""
+    eighths = round(8 * width * value / top) if top else 0
+    eighths = max(eighths, 1) if value else 0
+    full, part = divmod(eighths, 8)
+    return ("█" * full + (EIGHTHS[part] if part else "")).ljust(width)
+
+
+def memory(gb: float) -> str:
+    return f"{gb:.2f} GB peak" if gb >= 1 else f"{gb * 1000:.0f} MB peak"
+
+
+class HistogramPanel(Static):
+    """Acceptance histogram 1..block size and the live decode numbers."""
+
+    BAR_WIDTH = 18
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.info: EngineInfo | None = None
+        self.snapshot: Snapshot | None = None
+        self.reasoning = "default"
+
+    def set_info(self, info: EngineInfo | None, reasoning: str = "default") -> None:
+        self.info, self.reasoning = info, reasoning
+        self.refresh_panel()
+
+    def show(self, snapshot: Snapshot) -> None:
+        self.snapshot = snapshot
+        self.refresh_panel()
+
+    def refresh_panel(self) -> None:
+        self.update(self.render_panel())
+
+    def render_panel(self) -> Text:
+        info, s = self.info, self.snapshot
+        bs = (s.block_size if s else None) or (info.block_size if info else 0)
+        hist = list(s.histogram) if s else [0] * bs
+        top = max(hist) if hist and max(hist) else 0
+        out = Text()
+        out.append("Acceptance", style="bold")
+        out.append("  tokens per cycle\n", style="dim")
+        for i, count in enumerate(hist):
+            out.append(f"{i + 1:>2} ", style="dim")
+            out.append(bar(count, top, self.BAR_WIDTH), style="cyan")
+            out.append(f" {count}\n")
+        out.append("\n")
+        plain = info.plain_tps if info else 0.0
+        rows = [
+            ("τ", f"{s.tau:.2f}" if s and s.tau else "–"),
+            ("decode", f"{s.decode_tps:.1f} tok/s" if s and s.decode_tps else "–"),
+            ("plain", f"{plain:.1f} tok/s" if plain else "–"),
+            ("speedup", f"{s.decode_tps / plain:.2f}×" if s and plain and s.decode_tps else "–"),
+            ("tokens", str(s.tokens) if s else "–"),
+            ("prefill", f"{s.prompt_tokens - s.cached_tokens} new + {s.cached_tokens} cached"
+             if s else "–"),
+            ("block", str(bs or "–")),
+            ("drafter", info.kind if info else "–"),
+            ("kernels", info.kernels if info else "–"),
+            ("memory", memory(s.memory_gb) if s else "–"),
+            ("reasoning", self.reasoning),
+        ]
+        for name, value in rows:
+            out.append(f"{name:<10}", style="dim")
+            out.append(value + "\n")
+        out.rstrip()
+        return out

@@ -1,0 +1,375 @@
+"""The chat app driven by a scripted fake engine (Pilot), one real pair end to end, snapshots."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from chat_fakes import ANSWER, FakeSession, fake_backend
+from dflash_mac.app.backend import ChatOptions, Snapshot
+from dflash_mac.app.chat_app import ChatApp
+from dflash_mac.app.screens import ChatListScreen, HelpScreen, InputScreen
+from dflash_mac.app.store import Store
+from dflash_mac.app.text import ThinkSplitter, close_fences, printable, split_think
+from dflash_mac.app.widgets import (
+    AssistantMessage,
+    ChatInput,
+    ChatMarkdown,
+    CodeFence,
+    HistogramPanel,
+    UserMessage,
+)
+from textual.app import App, ComposeResult
+from textual.widgets import Collapsible, Input
+
+from dflash_mac.generate import PromptError
+from dflash_mac.loading import BUNDLED_DRAFT, BUNDLED_TARGET, LoadError
+
+SIZE = (120, 40)
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_MAC_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def make_app(session: FakeSession | None = None, reasoning: bool = False, **kw) -> ChatApp:
+    backend = fake_backend(session, reasoning=reasoning)
+    return ChatApp(ChatOptions(), loader=lambda: backend, **kw)
+
+
+async def until(pilot, cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        await pilot.pause(0.01)
+
+
+async def loaded(pilot) -> None:
+    await until(pilot, lambda: pilot.app.backend is not None)
+
+
+async def ask(pilot, text: str, wait: bool = True) -> AssistantMessage:
+    before = len(pilot.app.query(AssistantMessage))
+    pilot.app.query_one(ChatInput).text = text
+    await pilot.press("enter")
+    await until(pilot, lambda: len(pilot.app.query(AssistantMessage)) > before)
+    widget = pilot.app.query(AssistantMessage).last()
+    if wait:
+        await until(pilot, lambda: widget.finished and pilot.app.turn is None)
+        await pilot.pause()
+    return widget
+
+
+def answer_source(widget: AssistantMessage) -> str:
+    return widget.query_one("#answer", ChatMarkdown).source
+
+
+def stats_text(widget: AssistantMessage) -> str:
+    return str(widget.query_one(".stats-line").render())
+
+
+# ---- text helpers ----
+
+
+def test_think_splitter_handles_tags_cut_between_chunks():
+    s = ThinkSplitter()
+    parts = []
+    for chunk in ["<thi", "nk>plan it", "</th", "ink>\n\nThe answer", " <think> stays"]:
+        parts += s.feed(chunk)
+    parts += s.flush()
+    assert "".join(t for k, t in parts if k == "thinking") == "plan it"
+    assert "".join(t for k, t in parts if k == "answer") == "The answer <think> stays"
+    assert split_think("opened in the prompt</think>\nanswer") == ("opened in the prompt",
+                                                                   "answer")
+
+
+def test_control_characters_never_reach_the_terminal():
+    assert printable("a\x1b[2Jb\x00\x7f\n\tc") == "a␛[2Jb␀␡\n\tc"
+
+
+def test_close_fences():
+    assert close_fences("```python\nx = 1\n") == "```\n"
+    assert close_fences("```python\nx = 1") == "\n```\n"
+    assert close_fences("```\nx\n```\ntext") == ""
+    assert close_fences("~~~~\n```\n") == "~~~~\n"
+
+
+# ---- the app with the fake engine ----
+
+
+@pytest.mark.anyio
+async def test_streams_answer_with_stats_and_histogram():
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        widget = await ask(pilot, "Reverse a string in Python")
+        expected = "".join(t for t, _ in ANSWER)
+        assert answer_source(widget) == expected
+        assert widget.query_one(CodeFence).code.startswith("def reverse")
+        panel = app.query_one(HistogramPanel)
+        assert panel.snapshot.histogram == (0, 1, 1, 0, 1, 1, 0, 0)
+        assert panel.snapshot.tau == pytest.approx(4.0)
+        # 17 tokens, 80 tok/s, τ 4.0, 80/40 = 2.0x; the first turn has nothing cached.
+        assert stats_text(widget) == ("17 tok · 80 tok/s · τ 4.0 · 2.0× · prefill "
+                                      f"{panel.snapshot.prompt_tokens} new + 0 cached")
+        saved = app.store.messages(app.chat_id)
+        assert [m.role for m in saved] == ["user", "assistant"]
+        assert saved[1].content == expected and saved[1].stats["tau"] == 4.0
+
+
+@pytest.mark.anyio
+async def test_histogram_moves_every_cycle():
+    session = FakeSession(hold_at=3)
+    app = make_app(session)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        await ask(pilot, "go", wait=False)
+        await until(pilot, lambda: session.held.is_set())
+        panel = app.query_one(HistogramPanel)
+        await until(pilot, lambda: panel.snapshot and panel.snapshot.tokens == 9)
+        assert panel.snapshot.histogram == (0, 0, 1, 0, 1, 0, 0, 0)
+        assert "4.00" in str(panel.render())
+        session.release.set()
+        await until(pilot, lambda: app.turn is None)
+        assert panel.snapshot.histogram == (0, 1, 1, 0, 1, 1, 0, 0)
+
+
+@pytest.mark.anyio
+async def test_escape_stops_mid_stream_and_repairs_the_fence():
+    session = FakeSession(hold_at=2)
+    app = make_app(session)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        widget = await ask(pilot, "go", wait=False)
+        await until(pilot, lambda: session.held.is_set())
+        await pilot.press("escape")
+        await until(pilot, lambda: app.turn is None)
+        await pilot.pause()
+        source = answer_source(widget)
+        assert source == ANSWER[0][0] + ANSWER[1][0] + "```\n"  # the open fence was closed
+        assert "stopped" in stats_text(widget)
+        assert app.store.messages(app.chat_id)[1].stats["finish"] == "cancelled"
+        # The conversation goes on after a stop.
+        session.hold_at = None
+        second = await ask(pilot, "again")
+        assert "stopped" not in stats_text(second)
+        assert len(session.prompts[-1]) == 3
+
+
+@pytest.mark.anyio
+async def test_thinking_section_is_collapsed_and_separate():
+    script = [("<think>", 0), ("Let me plan.", 3), ("</think>\n\n", 2), ("Done.", 4)]
+    app = make_app(FakeSession(script))
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        widget = await ask(pilot, "think")
+        box = widget.query_one(Collapsible)
+        assert box.collapsed
+        assert box.query_one(ChatMarkdown).source == "Let me plan."
+        assert answer_source(widget) == "Done."
+
+
+@pytest.mark.anyio
+async def test_keybindings():
+    app = make_app(reasoning=True)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        box = app.query_one(ChatInput)
+        await pilot.press("a", "ctrl+j", "b", "shift+enter", "c")
+        assert box.text == "a\nb\nc" and app.chat_id is None  # nothing was sent
+        box.text = ""
+        await pilot.press("f1")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        assert not isinstance(app.screen, HelpScreen)
+        await pilot.press("ctrl+t")
+        assert app.reasoning == "off" and "off" in str(app.query_one(HistogramPanel).render())
+        await pilot.press("ctrl+t")
+        assert app.reasoning == "on"
+        await ask(pilot, "code please")
+        app.query_one("#log").focus()
+        await pilot.press("y")
+        assert app.clipboard.startswith("def reverse(s: str)")
+        app.copy_to_clipboard("")
+        await pilot.click(CodeFence)
+        assert app.clipboard.endswith("return s[::-1]")
+        await pilot.press("ctrl+n")
+        await pilot.pause()
+        assert not app.query(UserMessage) and app.chat_id is None
+
+
+@pytest.mark.anyio
+async def test_palette_commands_rename_system_export_delete(tmp_path):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        await ask(pilot, "first question")
+        chat_id = app.chat_id
+        await pilot.press("ctrl+p")
+        await pilot.press(*"rename")
+        await pilot.pause(0.3)
+        await pilot.press("enter")
+        await until(pilot, lambda: isinstance(app.screen, InputScreen) and app.screen.query(Input))
+        app.screen.query_one(Input).value = "Renamed"
+        await pilot.press("enter")
+        assert app.store.chat(chat_id).title == "Renamed" and app.sub_title == "Renamed"
+        app.action_system_prompt()
+        await until(pilot, lambda: isinstance(app.screen, InputScreen) and app.screen.query(Input))
+        app.screen.query_one(Input).value = "Be terse."
+        await pilot.press("enter")
+        assert app.store.chat(chat_id).system == "Be terse."
+        out = tmp_path / "chat.md"
+        app.action_export()
+        await until(pilot, lambda: isinstance(app.screen, InputScreen) and app.screen.query(Input))
+        app.screen.query_one(Input).value = str(out)
+        await pilot.press("enter")
+        text = out.read_text()
+        assert text.startswith("# Renamed") and "**System:** Be terse." in text
+        assert "## Assistant" in text and "return s[::-1]" in text
+        app.action_delete()
+        await pilot.pause()
+        await pilot.press("y")
+        await until(pilot, lambda: app.chat_id is None)
+        assert app.store.chat(chat_id) is None
+
+
+@pytest.mark.anyio
+async def test_history_survives_a_restart(home):
+    session = FakeSession()
+    async with make_app(session).run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        await ask(pilot, "question one")
+        await ask(pilot, "question two")
+    assert (home / "chats.sqlite3").exists()
+    again = FakeSession()
+    app = make_app(again)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        await pilot.press("ctrl+o")
+        await until(pilot, lambda: isinstance(app.screen, ChatListScreen))
+        await pilot.press("enter")
+        await until(pilot, lambda: len(app.query(AssistantMessage)) == 2)
+        shown = [str(w.render()) for w in app.query(UserMessage)]
+        assert shown == ["question one", "question two"]
+        assert "τ 4.0" in stats_text(app.query(AssistantMessage).last())
+        await ask(pilot, "question three")
+        assert [m["content"] for m in again.prompts[0]][::2] == [
+            "question one", "question two", "question three"]
+    assert len(Store().messages(1)) == 6
+
+
+@pytest.mark.anyio
+async def test_load_error_is_shown_in_the_app():
+    def fail():
+        raise LoadError("the bundled pair is not built yet; pass --model and --draft.")
+
+    app = ChatApp(ChatOptions(), loader=fail)
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.query_one(ChatInput).disabled)
+        status = str(app.query_one("#status-text").render())
+        assert status == "error: the bundled pair is not built yet; pass --model and --draft."
+
+
+@pytest.mark.anyio
+async def test_prompt_error_is_shown_and_the_question_forgotten():
+    class TooLong(FakeSession):
+        def stream(self, prompt, should_stop=None, **kwargs):
+            raise PromptError("the prompt has 9000 tokens but the model's context is 4096 tokens.")
+
+    app = make_app(TooLong())
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        widget = await ask(pilot, "a very long question")
+        error = "error: the prompt has 9000 tokens but the model's context is 4096 tokens."
+        assert str(widget.query_one(".error").render()) == error
+        assert app.history == [] and app.store.messages(app.chat_id) == []
+
+
+def test_chat_command_is_registered():
+    from typer.testing import CliRunner
+
+    from dflash_mac.cli import app as cli
+
+    result = CliRunner().invoke(cli, ["chat", "--help"])
+    assert result.exit_code == 0 and "--resume" in result.output
+
+
+# ---- a real pair through the app ----
+
+
+@pytest.fixture(scope="module")
+def real_dirs(tmp_path_factory):
+    if (BUNDLED_DRAFT / "config.json").exists():
+        return BUNDLED_TARGET, BUNDLED_DRAFT
+    from dflash_mac.tiny import build_tiny_pair
+
+    return build_tiny_pair(tmp_path_factory.mktemp("chat-tiny"), seed=0)
+
+
+@pytest.mark.anyio
+async def test_real_pair_end_to_end_second_turn_prefills_only_new_tokens(real_dirs):
+    model, draft = real_dirs
+    app = ChatApp(ChatOptions(str(model), str(draft), max_tokens=12))
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.backend is not None, timeout=60)
+        assert app.backend.info.plain_tps > 0
+        await ask(pilot, "def add(a, b):")
+        await ask(pilot, "and subtract?")
+        first, second = [m.stats for m in app.store.messages(app.chat_id)[1::2]]
+        assert first["cached"] == 0 and first["tokens"] >= 1
+        tail = 0 if first["finish"] == "stop" else 1  # the last answer token is not cached
+        assert second["cached"] == first["prompt"] + first["tokens"] - tail
+        shown = stats_text(app.query(AssistantMessage).last())
+        new = second["prompt"] - second["cached"]
+        assert f"prefill {new} new + {second['cached']} cached" in shown
+        chat_id = app.chat_id
+    # Restart and resume: the history is prefilled while the user types, so the next turn
+    # prefills little more than the new message.
+    app = ChatApp(ChatOptions(str(model), str(draft), max_tokens=4))
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.backend is not None, timeout=60)
+        await app.open_chat(chat_id)
+        await until(pilot, lambda: "cached" in str(app.query_one("#status-text").render()))
+        await ask(pilot, "and multiply?")
+        third = app.store.messages(chat_id)[-1].stats
+        tok, history = app.backend.tokenizer, app.history[:-2]
+        before = tok.apply_chat_template(history, add_generation_prompt=False)
+        assert third["prompt"] == len(tok.apply_chat_template(app.history[:-1],
+                                                              add_generation_prompt=True))
+        assert third["cached"] >= len(before)  # only the new message is prefilled
+
+
+# ---- snapshots ----
+
+
+def test_snapshot_main_screen(snap_compare):
+    async def run_before(pilot):
+        await loaded(pilot)
+        pilot.app.query_one(ChatInput).cursor_blink = False
+        await ask(pilot, "Write a Python function that reverses a string")
+
+    assert snap_compare(make_app(), terminal_size=SIZE, run_before=run_before)
+
+
+class PanelApp(App):
+    CSS = "HistogramPanel { width: 36; height: 1fr; }"
+
+    def compose(self) -> ComposeResult:
+        yield HistogramPanel()
+
+    def on_mount(self) -> None:
+        panel = self.query_one(HistogramPanel)
+        panel.set_info(fake_backend().info, "off")
+        panel.show(Snapshot((3, 5, 9, 14, 11, 6, 2, 1), 4.21, 96.4, 412, 180, 150, 8, 1.37))
+
+
+def test_snapshot_histogram_panel(snap_compare):
+    assert snap_compare(PanelApp(), terminal_size=(36, 28))
+
