@@ -18,6 +18,7 @@ from .loading import LoadError
 from .manage import models_command, pull_command
 from .models.config import ConfigError
 from .rollback import RollbackError
+from .serve_cmd import serve as serve_command
 from .train.command import train as train_command
 
 USER_ERRORS: tuple[type[Exception], ...] = (
@@ -158,6 +159,9 @@ app.command("train")(train_command)
 app.command("models")(models_command)
 app.command("pull")(pull_command)
 app.command("doctor")(doctor_command)
+
+
+app.command("serve")(serve_command)
 
 
 def main() -> None:

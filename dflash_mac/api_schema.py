@@ -1,0 +1,245 @@
+"""OpenAI request validation for `dflash-mac serve`: JSON bodies -> `GenRequest`, or `APIError`.
+
+Everything a request asks for is either honoured or refused with a 400 that says why; nothing
+is silently dropped (unknown, harmless fields such as `user` or `metadata` are ignored)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+ROLES = {"system", "developer", "user", "assistant"}
+REASONING_EFFORT = {"none": "off", "minimal": "off", "low": "low", "medium": "medium",
+                    "high": "high"}
+
+
+class APIError(Exception):
+    """An HTTP error with an OpenAI-shaped body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = (
+            status, message, param, code, kind)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
+
+
+def bad(param: str, message: str) -> APIError:
+    return APIError(400, message, param=param)
+
+
+@dataclass
+class GenRequest:
+    """A validated generation request (chat or completion)."""
+
+    kind: str  # "chat" | "completion"
+    prompt: str | list[dict] | list[int]
+    stream: bool = False
+    include_usage: bool = False
+    max_tokens: int = 0
+    model: str | None = None
+    sampling: dict = field(default_factory=dict)  # temp, top_p, top_k, min_p, seed, stop, use_eos
+    template: dict = field(default_factory=dict)  # reasoning, chat_template_args, ...
+
+
+def number(body: dict, name: str, default: float, lo: float, hi: float,
+           lo_open: bool = False, hi_open: bool = False) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise bad(name, f"'{name}' must be a number.")
+    if value < lo or value > hi or (lo_open and value == lo) or (hi_open and value == hi):
+        low = f"> {lo}" if lo_open else f">= {lo}"
+        high = f"< {hi}" if hi_open else f"<= {hi}"
+        raise bad(name, f"'{name}' must be {low} and {high} (got {value}).")
+    return float(value)
+
+
+def integer(body: dict, name: str, default: int | None, lo: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad(name, f"'{name}' must be an integer.")
+    if lo is not None and value < lo:
+        raise bad(name, f"'{name}' must be at least {lo} (got {value}).")
+    return value
+
+
+def flag(body: dict, name: str, default: bool = False) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad(name, f"'{name}' must be true or false.")
+    return value
+
+
+def stop_strings(body: dict) -> list[str]:
+    value = body.get("stop")
+    if value is None:
+        return []
+    values = [value] if isinstance(value, str) else value
+    if not isinstance(values, list) or not all(isinstance(s, str) for s in values):
+        raise bad("stop", "'stop' must be a string or a list of strings.")
+    if len(values) > 16:
+        raise bad("stop", "'stop' takes at most 16 strings.")
+    return [s for s in values if s]
+
+
+def unsupported(body: dict) -> None:
+    """400 for features this server does not implement, when a request actually asks for them."""
+    def refuse(name: str, what: str) -> None:
+        raise bad(name, f"'{name}' is not supported by dflash-mac serve ({what}).")
+
+    if body.get("n") not in (None, 1):
+        refuse("n", "one choice per request; send n=1 or leave it out")
+    if body.get("best_of") not in (None, 1):
+        refuse("best_of", "one choice per request")
+    if body.get("logprobs") not in (None, False, 0):
+        refuse("logprobs", "no log-probabilities are returned")
+    if body.get("top_logprobs") not in (None, 0):
+        refuse("top_logprobs", "no log-probabilities are returned")
+    for name in ("tools", "functions"):
+        if body.get(name):
+            refuse(name, "no tool / function calling yet; describe tools in the prompt instead")
+    if body.get("tool_choice") not in (None, "none"):
+        refuse("tool_choice", "no tool calling yet")
+    if body.get("function_call") not in (None, "none"):
+        refuse("function_call", "no function calling yet")
+    fmt = body.get("response_format")
+    if fmt not in (None, {"type": "text"}):
+        refuse("response_format", "only plain text output; json_object / json_schema are not "
+               "enforced")
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = body.get(name)
+        if value not in (None, 0, 0.0):
+            refuse(name, "penalties would change the target distribution; leave it at 0")
+    if body.get("repetition_penalty") not in (None, 1, 1.0):
+        refuse("repetition_penalty", "leave it at 1")
+    if body.get("logit_bias"):
+        refuse("logit_bias", "logits are not biased")
+    if body.get("modalities") not in (None, ["text"]):
+        refuse("modalities", "text only")
+    for name in ("audio", "prediction", "web_search_options"):
+        if body.get(name):
+            refuse(name, "not implemented")
+
+
+def common(body: dict, kind: str, prompt: Any, default_max: int, cap: int,
+           default_temp: float) -> GenRequest:
+    """The fields chat and completion requests share."""
+    unsupported(body)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("model", "'model' must be a string.")
+    stream = flag(body, "stream")
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise bad("stream_options", "'stream_options' must be an object.")
+    include_usage = flag(opts or {}, "include_usage")
+    max_tokens = integer(body, "max_completion_tokens", None, lo=1)
+    max_tokens = integer(body, "max_tokens", max_tokens, lo=1)
+    max_tokens = min(max_tokens or default_max, cap)
+    top_k = integer(body, "top_k", 0, lo=-1)
+    sampling = {
+        "temp": number(body, "temperature", default_temp, 0.0, 2.0),
+        "top_p": number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        "top_k": max(top_k, 0),  # -1 means "off" in vLLM-style clients
+        "min_p": number(body, "min_p", 0.0, 0.0, 1.0, hi_open=True),
+        "seed": integer(body, "seed", None),
+        "stop": stop_strings(body),
+        "use_eos": not flag(body, "ignore_eos"),
+    }
+    if sampling["seed"] is not None:
+        sampling["seed"] %= 2**32
+    return GenRequest(kind, prompt, stream, stream and include_usage, max_tokens, model,
+                      sampling)
+
+
+def message_text(i: int, content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(
+                    part.get("text"), str):
+                raise bad(f"messages[{i}].content",
+                          "only text content parts are supported (no images or audio).")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad(f"messages[{i}].content", "message content must be a string or a list of text "
+              "parts.")
+
+
+def chat_messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", "'messages' must be a non-empty list.")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}]", "each message must be an object.")
+        role = m.get("role")
+        if role in ("tool", "function") or m.get("tool_calls") or m.get("function_call"):
+            raise bad(f"messages[{i}]", "tool messages and tool calls are not supported yet.")
+        if role not in ROLES:
+            raise bad(f"messages[{i}].role", f"unknown role {role!r}; use system, developer, "
+                      "user or assistant.")
+        content = m.get("content")
+        text = "" if content is None and role == "assistant" else message_text(i, content)
+        out.append({"role": "system" if role == "developer" else role, "content": text})
+    return out
+
+
+def parse_chat(body: Any, default_max: int, cap: int, default_temp: float = 0.0) -> GenRequest:
+    """Validate a /v1/chat/completions body."""
+    if not isinstance(body, dict):
+        raise bad("body", "the request body must be a JSON object.")
+    req = common(body, "chat", chat_messages(body), default_max, cap, default_temp)
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in REASONING_EFFORT:
+            raise bad("reasoning_effort", f"'reasoning_effort' must be one of "
+                      f"{', '.join(REASONING_EFFORT)}.")
+        req.template["reasoning"] = REASONING_EFFORT[effort]
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None:
+        if not isinstance(kwargs, dict):
+            raise bad("chat_template_kwargs", "'chat_template_kwargs' must be an object.")
+        req.template["chat_template_args"] = kwargs
+    return req
+
+
+def completion_prompt(value: Any) -> str | list[int]:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]  # a batch of one
+    if isinstance(value, str) and value:
+        return value
+    if isinstance(value, list) and value and all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+        return value
+    raise bad("prompt", "'prompt' must be a non-empty string or list of token ids (one prompt "
+              "per request).")
+
+
+def parse_completion(body: Any, default_max: int, cap: int,
+                     default_temp: float = 0.0) -> GenRequest:
+    """Validate a /v1/completions body (raw text, no chat template)."""
+    if not isinstance(body, dict):
+        raise bad("body", "the request body must be a JSON object.")
+    if flag(body, "echo"):
+        raise bad("echo", "'echo' is not supported by dflash-mac serve.")
+    if body.get("suffix"):
+        raise bad("suffix", "'suffix' (fill-in-the-middle) is not supported by dflash-mac "
+                  "serve.")
+    prompt = completion_prompt(body.get("prompt"))
+    req = common(body, "completion", prompt, default_max, cap, default_temp)
+    req.template["ignore_chat_template"] = True
+    return req

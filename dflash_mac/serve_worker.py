@@ -1,0 +1,170 @@
+"""The one generation thread behind `dflash-mac serve`, its jobs and its metrics.
+
+All MLX work (tokenizing, prefill, decode) runs on this thread, one request at a time, in
+arrival order; request handlers talk to it through `Job` queues on the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .api_schema import APIError, GenRequest
+from .generate import PromptError
+from .serve_metrics import Metrics, summary
+from .session import Session
+from .think import prompt_opens_think
+
+log = logging.getLogger("dflash_mac.serve")
+
+
+@dataclass
+class Ready:
+    """Sent once the prompt is tokenized and fits: the response can start."""
+
+    prompt_tokens: int
+    think_open: bool
+
+
+class Job:
+    """One request's link to the worker: a cancel flag and a queue of (kind, payload) items.
+
+    Kinds: "ready" (Ready), "text" ((text, finish_reason)), "done" (summary dict),
+    "error" (APIError), then always "end"."""
+
+    def __init__(self, req: GenRequest, loop: asyncio.AbstractEventLoop):
+        self.req = req
+        self.loop = loop
+        self.items: asyncio.Queue = asyncio.Queue()
+        self.cancelled = threading.Event()
+        self.checked = time.monotonic()  # last client-disconnect check (event loop side)
+
+    def emit(self, kind: str, payload: Any = None) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.items.put_nowait, (kind, payload))
+        except RuntimeError:  # the event loop is gone (server shut down)
+            self.cancelled.set()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class Worker:
+    """Runs jobs on one thread against one `Session` (prefix reuse across requests)."""
+
+    def __init__(self, session: Session, block_size: int | None = None):
+        self.session = session
+        self.block_size = block_size
+        self.metrics = Metrics()
+        self.current: Job | None = None
+        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._stopping = threading.Event()
+        self._idle = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="dflash-generate", daemon=True)
+        self._thread.start()
+
+    @property
+    def queued(self) -> int:
+        return self._jobs.qsize()
+
+    @property
+    def busy(self) -> bool:
+        return self.current is not None
+
+    def submit(self, job: Job) -> None:
+        if self._stopping.is_set():
+            raise APIError(503, "the server is shutting down.", kind="server_error")
+        self.metrics.count("requests")
+        self._jobs.put(job)
+
+    def stop(self) -> None:
+        """Cancel the running job at its next cycle and refuse queued ones."""
+        self._stopping.set()
+        if job := self.current:
+            job.cancel()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop taking jobs; wait (bounded) until the running one has ended."""
+        self.stop()
+        self._jobs.put(None)
+        self._idle.wait(timeout)
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            self.current = job
+            try:
+                self._run(job)
+            finally:
+                self.current = None
+                job.emit("end")
+        while not self._jobs.empty():  # refuse what is still queued
+            if (job := self._jobs.get_nowait()) is not None:
+                job.emit("error", APIError(503, "the server is shutting down.",
+                                           kind="server_error"))
+                job.emit("end")
+        self._idle.set()
+        # Park instead of returning: MLX aborts the process at exit ("terminate called without
+        # an active exception") when a thread that ran mx.compile'd functions has ended.
+        threading.Event().wait()
+
+    def _should_stop(self, job: Job) -> bool:
+        return job.cancelled.is_set() or self._stopping.is_set()
+
+    def _prepare(self, req: GenRequest) -> list[int]:
+        pair = self.session.pair
+        try:
+            ids = self.session.tokenize(req.prompt, **req.template)
+        except PromptError as e:
+            raise APIError(400, str(e))
+        except Exception as e:  # template errors: the request's messages don't fit the template
+            raise APIError(400, f"could not build the prompt: {e}")
+        vocab = pair.target_config.get("text_config", pair.target_config).get("vocab_size")
+        if vocab and any(not 0 <= t < vocab for t in ids):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab}).", param="prompt")
+        if len(ids) >= pair.context_length:
+            raise APIError(400, f"the prompt has {len(ids)} tokens but the model's context is "
+                           f"{pair.context_length} tokens.", code="context_length_exceeded")
+        return ids
+
+    def _run(self, job: Job) -> None:
+        if self._should_stop(job):
+            self.metrics.count("cancelled")
+            job.emit("error", APIError(499, "cancelled before it started."))
+            return
+        req, pair = job.req, self.session.pair
+        try:
+            ids = self._prepare(req)
+            tail = pair.tokenizer.decode(ids[-16:]) if req.kind == "chat" else ""
+            job.emit("ready", Ready(len(ids), prompt_opens_think(tail)))
+            budget = min(req.max_tokens, pair.context_length - len(ids))
+            last = None
+            for ev in self.session.stream(ids, should_stop=lambda: self._should_stop(job),
+                                          max_tokens=budget, block_size=self.block_size,
+                                          **req.sampling):
+                job.emit("text", (ev.text, ev.finish_reason))
+                last = ev
+        except APIError as e:
+            self.metrics.count("failed")
+            job.emit("error", e)
+            return
+        except PromptError as e:
+            self.metrics.count("failed")
+            job.emit("error", APIError(400, str(e)))
+            return
+        except Exception as e:  # a bug: keep serving, from a clean state
+            log.exception("generation failed")
+            self.metrics.count("failed")
+            self.session.reset()
+            job.emit("error", APIError(500, f"generation failed: {e}", kind="server_error"))
+            return
+        result = summary(last, req.kind)
+        self.metrics.record(result)
+        job.emit("done", result)
+        u, d = result["usage"], result["dflash"]
+        log.info("%s: prompt %d tok (%d cached), %d tok out, %.1f tok/s, tau %.2f, %s",
+                 req.kind, u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"],
+                 u["completion_tokens"], d["decode_tps"], d["tau"], result["finish_reason"])

@@ -1,0 +1,130 @@
+"""The SwiftBar / xbar plugin (POSIX sh + curl) against a stopped and a running server."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+PLUGIN = Path(__file__).resolve().parents[1] / "app" / "menubar" / "dflash-mac.5s.sh"
+ACTION = re.compile(r'^[^|]+\| bash="[^"]+" param1=[a-z-]+ terminal=false refresh=true$')
+
+pytestmark = pytest.mark.skipif(not shutil.which("curl"), reason="the plugin needs curl")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def env(tmp_path, tiny_dirs):
+    """Plugin settings: a temp data dir, the tiny pair, `python -m dflash_mac` as the command,
+    and fake pbcopy / osascript that record what they were given."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("pbcopy", "osascript"):
+        fake = bin_dir / name
+        fake.write_text(f'#!/bin/sh\n{{ echo "$@"; cat; }} > "{tmp_path}/{name}.out"\n')
+        fake.chmod(0o755)
+    port = free_port()
+    return {**os.environ, "DFLASH_MAC_HOME": str(tmp_path / "home"),
+            "DFLASH_MAC_CMD": f"{sys.executable} -m dflash_mac", "DFLASH_MAC_PORT": str(port),
+            "DFLASH_MAC_BLAS": "reference",  # skip the OpenBLAS re-exec: one import, not two
+            "DFLASH_MAC_MODEL": str(tiny_dirs[0]), "DFLASH_MAC_DRAFT": str(tiny_dirs[1]),
+            "PATH": f"{bin_dir}:{os.environ['PATH']}", "TMP_OUT": str(tmp_path)}
+
+
+def plugin(env: dict, *args: str) -> str:
+    r = subprocess.run(["sh", str(PLUGIN), *args], env=env, capture_output=True, text=True,
+                       timeout=30, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def check_format(out: str) -> list[str]:
+    lines = out.splitlines()
+    assert lines[0] and not lines[0].startswith("-") and "|" not in lines[0]  # the title
+    assert lines[1] == "---"
+    actions = [line for line in lines if "bash=" in line]
+    assert actions and all(ACTION.match(line.removeprefix("--")) for line in actions), actions
+    return lines
+
+
+def wait_for(predicate, seconds: float) -> bool:
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def healthy(port: str) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def alive(pid: int) -> bool:
+    """A running (not zombie) process."""
+    r = subprocess.run(["ps", "-p", str(pid), "-o", "stat="], capture_output=True, text=True)
+    return r.returncode == 0 and "Z" not in r.stdout
+
+
+def test_stopped_menu_and_simple_actions(env, tmp_path):
+    lines = check_format(plugin(env))
+    assert "stopped" in lines[0]
+    assert any(line.startswith("Start server |") for line in lines)
+    assert not any(line.startswith("Stop server") for line in lines)
+    url = f"http://127.0.0.1:{env['DFLASH_MAC_PORT']}/v1"
+    plugin(env, "copy-url")
+    assert (tmp_path / "pbcopy.out").read_text().strip() == url
+    plugin(env, "chat")
+    assert "dflash_mac chat --model" in (tmp_path / "osascript.out").read_text()
+    home = Path(env["DFLASH_MAC_HOME"])
+    home.mkdir()
+    (home / "serve.pid").write_text("999999\n")  # stale: no such process
+    assert "stopped" in plugin(env).splitlines()[0]
+
+
+def test_start_and_stop_really_run_the_server(env):
+    port, home = env["DFLASH_MAC_PORT"], Path(env["DFLASH_MAC_HOME"])
+    started = time.time()
+    assert "started" in plugin(env, "start")
+    assert time.time() - started < 5  # backgrounded, no terminal
+    pid = int((home / "serve.pid").read_text())
+    try:
+        assert plugin(env).splitlines()[0] in ("◐ dflash starting", "● dflash running")
+        assert wait_for(lambda: healthy(port), 60), (home / "serve.log").read_text()
+        assert int((home / "serve.pid").read_text()) == pid
+        lines = check_format(plugin(env))
+        assert lines[0] == "● dflash running"
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                "ignore_eos": True}
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 200
+        lines = check_format(plugin(env))
+        assert re.fullmatch(r"● dflash [\d.]+ tok/s · τ [\d.]+", lines[0]), lines[0]
+        assert any(line.startswith("Server: running") for line in lines)
+        assert any(line.startswith("Stop server |") for line in lines)
+        assert any(line.startswith("Model: ") and "DFlash" in line for line in lines)
+        assert any("chat: prompt" in line for line in lines)  # recent log
+        assert "stopped" in plugin(env, "stop")
+        assert not alive(pid) and not (home / "serve.pid").exists()
+        assert not healthy(port)
+        assert "stopped" in check_format(plugin(env))[0]
+    finally:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)

@@ -1,0 +1,52 @@
+"""`dflash-mac serve` plumbing: PID file, port check, clean CLI errors (no model needed)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+
+import pytest
+from typer.testing import CliRunner
+
+from dflash_mac.cli import app
+from dflash_mac.serve_cmd import PidFile, ServeError, check_free, data_dir
+
+
+def test_data_dir_honours_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_MAC_HOME", str(tmp_path / "h"))
+    assert data_dir() == tmp_path / "h" and data_dir().is_dir()
+
+
+def test_pid_file_written_and_removed(tmp_path):
+    with PidFile(tmp_path, "http://127.0.0.1:1/v1"):
+        assert (tmp_path / "serve.pid").read_text().strip() == str(os.getpid())
+        assert (tmp_path / "serve.url").read_text().strip() == "http://127.0.0.1:1/v1"
+    assert not (tmp_path / "serve.pid").exists() and not (tmp_path / "serve.url").exists()
+
+
+def test_pid_file_refuses_a_live_server(tmp_path):
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        (tmp_path / "serve.pid").write_text(f"{other.pid}\n")
+        with pytest.raises(ServeError, match="already running"), PidFile(tmp_path, "u"):
+            pass
+        assert (tmp_path / "serve.pid").read_text().strip() == str(other.pid)  # left alone
+    finally:
+        other.kill()
+        other.wait()
+    with PidFile(tmp_path, "u"):  # a dead PID is stale: taken over
+        pass
+
+
+def test_busy_port_is_one_clean_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_MAC_HOME", str(tmp_path))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(ServeError, match="cannot listen"):
+            check_free("127.0.0.1", port)
+        result = CliRunner().invoke(app, ["serve", "--port", str(port)])
+    assert result.exit_code == 1
+    assert "cannot listen" in result.output and "Traceback" not in result.output
