@@ -160,7 +160,7 @@ def serve(
                 "serving %s + %s at %s (block %d, pid %d)", pair.model_id, pair.draft_id, url,
                 pair.block_size, os.getpid())
             err.print(f"dflash-mac serve: {url}  (model {app.state.model_name}, log "
-                      f"{log_path})", highlight=False)
+                      f"{log_path})", highlight=False, soft_wrap=True)
             run_server(app, host, port)
     except ServeError as e:
         err.print(f"[bold red]error:[/] {e}", highlight=False)
