@@ -20,10 +20,14 @@ from ..metal_kernels import reference
 from .forward import _attention, dflash_loss
 
 
-def dflash2_config(cfg: dict, kernel_size: int = 2, group_size: int = 16, rank: int = 256,
-                   top_k: int = 16) -> dict:
-    """Turn a DFlash 1 drafter config.json dict into DFlash 2's (z-lab field names)."""
+def dflash2_config(cfg: dict, kernel_size: int = 2, group_size: int = 16,
+                   rank: int | None = None, top_k: int = 16) -> dict:
+    """Turn a DFlash 1 drafter config.json dict into DFlash 2's (z-lab field names).
+
+    Default selector rank: the published 256, scaled down for narrow drafters (``H / 8``, at
+    least 16) so the two ``[V, rank]`` codebooks do not outweigh a small drafter."""
     H = cfg["hidden_size"]
+    rank = rank or min(256, max(16, H // 8))
     while group_size > 1 and H % group_size:
         group_size //= 2
     out = dict(cfg, architectures=["DFlash2DraftModel"])
