@@ -484,6 +484,27 @@ def header(pair: Any) -> dict:
     }
 
 
+def load_average() -> float | None:
+    """1-minute load average (None where the OS has none)."""
+    import os
+
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+def busy_warning(warn: Callable[[str], Any]) -> float | None:
+    """Warn when other processes already keep the CPUs busy; return the load average."""
+    import os
+
+    load, cpus = load_average(), os.cpu_count() or 1
+    if load is not None and load > 0.5 * cpus:
+        warn(f"the machine is busy (load average {load:.1f} on {cpus} CPUs); timings will be "
+             "slower and noisier than on an idle machine.")
+    return load
+
+
 def limit_per_suite(prompts: list[BenchPrompt], limit: int | None) -> list[BenchPrompt]:
     """The first `limit` prompts of each suite (all when None)."""
     if not limit:
@@ -562,6 +583,7 @@ def bench_command(
         check_context(pair, i, max_tokens)
     cfg = BenchConfig(sizes, max_tokens, trials, temp, top_p, top_k, min_p, seed, not no_eos,
                       cooldown)
+    load_start = busy_warning(warn)
     with BenchView(err, len(prompts) * trials, sizes, live) as view:
         records = run_bench(pair, prompts, ids, cfg, view)
     config = {"suite": None if prompts_file else suite, "prompts_file":
@@ -569,7 +591,8 @@ def bench_command(
               "max_tokens": max_tokens, "block_sizes": sizes, "temp": temp, "top_p": top_p,
               "top_k": top_k, "min_p": min_p, "seed": seed, "use_eos": not no_eos,
               "reasoning": reasoning, "draft_bits": draft_bits, "cooldown_s": cooldown}
-    doc = build_report(header(pair), config, records, sizes, cfg.greedy)
+    load = [load_start, load_average()]
+    doc = build_report(header(pair) | {"load_avg": load}, config, records, sizes, cfg.greedy)
     print_acceptance(err, doc)
     typer.echo(render(doc, fmt), nl=False)
     if out:

@@ -211,6 +211,7 @@ def table_cells(row: dict, drafter_bytes: int) -> dict[str, str]:
 
 def header_lines(doc: dict) -> list[str]:
     h, c = doc["header"], doc["config"]
+    load = h.get("load_avg")
     quant = f"target {h['target_quantization']}, drafter {h['draft_quantization']}"
     prompts = c["prompts_file"] or f"suite {c['suite']}"
     sampling = "greedy" if c["temp"] <= 0 else (
@@ -218,7 +219,7 @@ def header_lines(doc: dict) -> list[str]:
         f"min-p {c.get('min_p')}")
     return [
         f"- machine: {h['machine']} · {h.get('cpu', '?')} · {h.get('cpu_count', '?')} CPUs · "
-        f"{h['os']}",
+        f"{h['os']}" + (f" · load average {load[0]} → {load[1]}" if load else ""),
         f"- MLX {h['mlx']} · mlx-lm {h['mlx_lm']} · device {h['device']} · BLAS {h['blas']} · "
         f"dflash-mac {h['dflash_mac']}",
         f"- target `{h['target']}` · drafter `{h['draft']}` ({h['drafter_kind']}) · "
@@ -272,7 +273,7 @@ def flat_rows(doc: dict) -> list[dict]:
     h, c = doc["header"], doc["config"]
     keep = ("machine", "cpu", "cpu_count", "os", "mlx", "mlx_lm", "device", "blas", "target",
             "draft", "drafter_kind", "target_quantization", "draft_quantization", "dtype",
-            "date", "dflash_mac")
+            "date", "dflash_mac", "load_avg")
     out = []
     for r in doc["rows"]:
         flat = {k: h.get(k) for k in keep}
