@@ -8,7 +8,7 @@ from typing import Any
 from rich.console import Console
 
 from .generate import GenerationResult, stream_generate
-from .loading import Pair, load, quantize_drafter
+from .loading import LoadError, Pair, load, quantize_drafter
 
 err = Console(stderr=True)
 
@@ -38,7 +38,26 @@ def load_pair(model: str | None, draft: str | None, *, block_size: int | None = 
         if draft_bits is not None:
             quantize_drafter(pair.drafter, draft_bits)
     pair.block_size = block_size_policy(pair, block_size)
+    warn_thinking_mismatch(pair, reasoning)
     return pair
+
+
+_thinking_warned: set[tuple[str, bool]] = set()
+
+
+def warn_thinking_mismatch(pair: Pair, reasoning: str | None, warn=err.print) -> None:
+    """Warn once when --reasoning (or the template default) contradicts how the drafter was
+    trained (thinking on/off): acceptance collapses in that case (SPEC §8)."""
+    from .registry import pair_for, thinking_warning
+
+    try:
+        entry = pair_for(pair.model_id, pair.draft_id)
+    except LoadError:  # an unreadable registry must not stop generation
+        return
+    msg = thinking_warning(entry, reasoning, pair.tokenizer)
+    if msg and (key := (pair.draft_id, reasoning != "off")) not in _thinking_warned:
+        _thinking_warned.add(key)
+        warn(f"[yellow]warning:[/] {msg}")
 
 
 def stream_to_terminal(pair: Pair, prompt: Any, echo: bool = True, **kwargs) -> GenerationResult:

@@ -69,6 +69,12 @@ def resolve(name: str | os.PathLike) -> Path:
         if not path.is_dir():
             raise LoadError(f"{path} is a file; pass the model folder instead.")
         return path
+    return download(str(name))
+
+
+def download(name: str, **kwargs: Any) -> Path:
+    """`huggingface_hub.snapshot_download` (resumable; cache first when offline) with its
+    errors mapped onto one-sentence `LoadError`s; kwargs go to snapshot_download."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -78,7 +84,8 @@ def resolve(name: str | os.PathLike) -> Path:
     )
 
     try:
-        return Path(snapshot_download(str(name), allow_patterns=DOWNLOAD_PATTERNS))
+        kwargs.setdefault("allow_patterns", DOWNLOAD_PATTERNS)
+        return Path(snapshot_download(name, **kwargs))
     except HFValidationError:
         raise LoadError(f"'{name}' is neither a local folder nor a valid Hugging Face model id.")
     except GatedRepoError:
@@ -88,7 +95,7 @@ def resolve(name: str | os.PathLike) -> Path:
     except LocalEntryNotFoundError:
         raise LoadError(
             f"'{name}' is not in the local Hugging Face cache and the Hub cannot be reached "
-            "(offline); download it once with `dflash-mac pull` or pass a local folder."
+            f"(offline); connect once and run `dflash-mac pull {name}`, or pass a local folder."
         )
     except OSError as e:
         raise LoadError(f"could not download '{name}': {e}.")
@@ -210,12 +217,15 @@ def load(
     """Load a target (via mlx-lm) and its DFlash drafter; defaults to the bundled pair."""
     from mlx_lm.utils import load as mlx_load
 
+    from .registry import resolve_pair
+
+    model, draft = resolve_pair(model, draft)  # pair names; --draft auto from the registry
     if model is None and draft is None:
         model, draft = BUNDLED_TARGET, BUNDLED_DRAFT
         if not (BUNDLED_DRAFT / "config.json").exists():
             raise LoadError("the bundled pair is not built yet; pass --model and --draft.")
     if model is None or draft is None:
-        raise LoadError("pass both --model and --draft (or neither, for the bundled pair).")
+        raise LoadError("pass --model with --draft (or neither, for the bundled pair).")
     dtype = default_dtype() if dtype == "auto" else dtype
     tpath, dpath = resolve(model), resolve(draft)
     tcfg = read_json(tpath / "config.json")

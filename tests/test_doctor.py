@@ -1,0 +1,192 @@
+"""`dflash-mac doctor`: every check's pass / warn / fail path, the self-test, the exit code."""
+
+from __future__ import annotations
+
+import json
+from collections import namedtuple
+from dataclasses import replace
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from typer.testing import CliRunner
+
+from dflash_mac import cli, doctor, loading
+from dflash_mac.doctor import FAIL, PASS, WARN, Facts
+from dflash_mac.registry import load_registry
+
+runner = CliRunner()
+GB = 10**9
+
+
+@pytest.fixture
+def mac(tmp_path) -> Facts:
+    return Facts(system="darwin", machine="arm64", chip="Apple M3 Pro", macos="15.1",
+                 mlx="0.32.4", mlx_lm="0.32.2", metal=True, kernels="metal", kernels_error="",
+                 blas="Accelerate", memory_bytes=36 * GB, budget_bytes=27 * GB,
+                 hf_cache=tmp_path / "hub", offline=False)
+
+
+def status(check) -> str:
+    assert check.message
+    if check.status != PASS:
+        assert check.advice  # every warning and failure says what to do
+    return check.status
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({}, PASS),
+    ({"macos": "13.6"}, WARN),
+    ({"macos": "13.0"}, FAIL),
+    ({"machine": "x86_64"}, FAIL),
+    ({"system": "linux", "machine": "x86_64", "macos": ""}, WARN),
+    ({"system": "win32"}, FAIL),
+])
+def test_platform(mac, change, expected):
+    assert status(doctor.check_platform(replace(mac, **change))) == expected
+
+
+@pytest.mark.parametrize("mlx_lm, expected", [("0.32.2", PASS), ("0.29.1", FAIL),
+                                              ("missing", FAIL)])
+def test_mlx(mac, mlx_lm, expected):
+    assert status(doctor.check_mlx(replace(mac, mlx_lm=mlx_lm))) == expected
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({}, PASS), ({"system": "linux", "metal": False}, WARN), ({"metal": False}, FAIL)])
+def test_metal(mac, change, expected):
+    assert status(doctor.check_metal(replace(mac, **change))) == expected
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({}, PASS),
+    ({"kernels": "reference", "metal": False}, PASS),
+    ({"kernels": "reference"}, WARN),
+    ({"kernels": "error", "kernels_error": "DFLASH_MAC_KERNELS='x' is not valid"}, FAIL),
+])
+def test_kernels(mac, change, expected):
+    assert status(doctor.check_kernels(replace(mac, **change))) == expected
+
+
+def test_kernels_fallback_when_the_package_is_missing(monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_kernels(name, globals=None, locals=None, fromlist=(), level=0):
+        if "metal_kernels" in name or "metal_kernels" in (fromlist or ()):
+            raise ImportError(name)
+        return real(name, globals, locals, fromlist, level)
+
+    monkeypatch.setattr(builtins, "__import__", no_kernels)
+    assert doctor._kernels() == ("reference", "")
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({}, PASS),
+    ({"system": "linux", "blas": "OpenBLAS"}, PASS),
+    ({"system": "linux", "blas": "reference BLAS (MLX wheel)"}, WARN),
+])
+def test_blas(mac, change, expected):
+    assert status(doctor.check_blas(replace(mac, **change))) == expected
+
+
+def test_memory_estimate():
+    q8 = load_registry().get("qwen3-8b")
+    need = doctor.memory_need_gb(q8, 8192)
+    assert need["target"] == q8.mlx_4bit_gb and need["drafter"] == q8.draft_gb
+    assert need["kv"] == pytest.approx(144 * 1024 * 8192 / 1e9)
+    assert need["total"] == pytest.approx(sum(v for k, v in need.items() if k != "total"))
+    assert doctor.memory_need_gb(q8, 8192, full=True)["target"] == q8.target_gb
+
+
+@pytest.mark.parametrize("pair, context, memory, expected", [
+    ("qwen3-8b", 4096, 36, PASS),
+    ("qwen3-8b", 4096, 8, WARN),        # fits the RAM, not the GPU budget
+    ("qwen3.5-27b", 32768, 16, FAIL),
+    ("qwen3-8b", 4096, 0, WARN),         # memory size unknown
+])
+def test_memory(mac, pair, context, memory, expected):
+    f = replace(mac, memory_bytes=memory * GB, budget_bytes=int(0.75 * memory * GB))
+    check = doctor.check_memory(f, load_registry().get(pair), context)
+    assert status(check) == expected
+    assert pair in check.message
+
+
+def test_hf_cache(mac, monkeypatch):
+    entry = load_registry().get("qwen3-8b")
+    check = doctor.check_hf_cache(mac, entry)
+    assert status(check) == PASS and str(mac.hf_cache) in check.message
+    assert status(doctor.check_hf_cache(replace(mac, offline=True), entry)) == WARN
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(doctor.shutil, "disk_usage", lambda p: Usage(10 * GB, 9 * GB, GB))
+    assert status(doctor.check_hf_cache(mac, entry)) == WARN
+    assert status(doctor.check_hf_cache(mac, load_registry().get("bundled"))) == PASS
+    monkeypatch.setattr(doctor.os, "access", lambda p, mode: False)
+    assert status(doctor.check_hf_cache(mac, entry)) == FAIL
+
+
+@pytest.fixture
+def tiny_loader(tiny_dirs):
+    def loader(tmp: str):
+        return loading.load(*tiny_dirs, dtype=mx.float32), True
+
+    return loader
+
+
+def test_selftest_pass(tiny_loader):
+    check = doctor.check_selftest(tiny_loader, n=12)
+    assert status(check) == PASS and "losslessly" in check.message
+
+
+def test_selftest_warns_and_builds_a_tiny_pair_without_the_bundle(monkeypatch, tmp_path):
+    monkeypatch.setattr(loading, "BUNDLED_DRAFT", tmp_path / "absent")
+    check = doctor.check_selftest(n=8)
+    assert status(check) == WARN and "tiny random pair" in check.message
+
+
+def test_selftest_fails_on_divergence(tiny_loader, monkeypatch):
+    real = doctor.reference_tokens
+    monkeypatch.setattr(doctor, "reference_tokens",
+                        lambda pair, ids, n: [t + 1 for t in real(pair, ids, n)])
+    check = doctor.check_selftest(tiny_loader, n=8)
+    assert status(check) == FAIL and "differs from mlx-lm at token 0" in check.message
+
+
+def test_selftest_fails_when_the_pair_cannot_load():
+    def broken(tmp: str):
+        raise loading.LoadError("weights missing")
+
+    check = doctor.check_selftest(broken)
+    assert status(check) == FAIL and "weights missing" in check.message
+
+
+def test_run_checks_on_this_machine():
+    checks = doctor.run_checks("qwen3-4b", 2048, selftest=False)
+    assert [c.name for c in checks] == ["platform", "mlx", "metal", "kernels", "blas",
+                                        "memory", "hf cache"]
+    assert all(c.status in (PASS, WARN, FAIL) for c in checks)
+    unknown = doctor.run_checks("no-such-pair", selftest=False)
+    assert [c.status for c in unknown if c.name == "memory"] == [FAIL]
+
+
+def test_doctor_command_json_and_exit_code(mac, monkeypatch):
+    monkeypatch.setattr(doctor, "gather_facts", lambda: mac)
+    res = runner.invoke(cli.app, ["doctor", "--json", "--no-selftest", "--pair", "qwen3-8b"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    assert data["ok"] and {c["status"] for c in data["checks"]} == {PASS}
+    assert data["facts"]["chip"] == "Apple M3 Pro"
+    monkeypatch.setattr(doctor, "gather_facts", lambda: replace(mac, mlx_lm="0.20.0"))
+    res = runner.invoke(cli.app, ["doctor", "--no-selftest"])
+    assert res.exit_code == 1
+    assert "✗ mlx" in res.output and "1 failed" in res.output
+    res = runner.invoke(cli.app, ["doctor", "--no-selftest", "--pair", "qwen3.5-27b",
+                                  "--context", "500000"])
+    assert res.exit_code == 1 and "does not fit" in res.output
+
+
+def test_facts_of_this_machine():
+    f = doctor.gather_facts()
+    assert f.mlx == mx.__version__ and f.memory_bytes > 0
+    assert isinstance(f.hf_cache, Path) and f.kernels in ("metal", "reference", "error")
