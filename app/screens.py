@@ -2,41 +2,45 @@
 
 from __future__ import annotations
 
+from rich.table import Table
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
 from textual.content import Content
 from textual.screen import ModalScreen
-from textual.widgets import Input, Label, Markdown, OptionList
+from textual.widgets import Input, Label, Markdown, OptionList, Static
 from textual.widgets.option_list import Option
 
 from .store import ChatInfo
 
-HELP = """\
-# dflash-mac chat
+KEYS = [
+    ("Enter", "send the message"),
+    ("shift+Enter, ctrl+j", "new line in the message"),
+    ("Esc", "stop the answer (at the next decode cycle)"),
+    ("ctrl+n", "new chat"),
+    ("ctrl+o", "open a saved chat (resume it)"),
+    ("ctrl+p", "commands: new, open, rename, delete, export, system prompt, reasoning"),
+    ("ctrl+t", "toggle reasoning (when the chat template has a switch)"),
+    ("y / click", "copy the last code block / the clicked one"),
+    ("tab, shift+tab", "move focus between the input and the conversation"),
+    ("F1", "this help"),
+    ("ctrl+q", "quit"),
+]
+ABOUT = """\
+The side panel shows, every decode cycle, the acceptance histogram (tokens committed per
+cycle, 1..block size), τ (their mean), the decode speed and the speed-up over the target's
+plain decode speed (measured at start-up). The line under each answer counts its prefill:
+*new* tokens ran through the model, *cached* ones were reused from earlier turns.
+Chats are saved in SQLite under the data directory (`DFLASH_MAC_HOME` overrides it)."""
 
-| key | what it does |
-|---|---|
-| **Enter** | send the message |
-| **shift+Enter**, **ctrl+j** | new line in the message |
-| **Esc** | stop the answer being generated (at the next decode cycle) |
-| **ctrl+n** | new chat |
-| **ctrl+o** | open a saved chat (resume it) |
-| **ctrl+p** | command palette: new, rename, delete, export, system prompt, reasoning |
-| **ctrl+t** | toggle reasoning (thinking) when the chat template supports it |
-| **y** / click a code block | copy the last code block / the clicked one |
-| **tab**, **shift+tab** | move focus between the input and the conversation |
-| **F1** | this help |
-| **ctrl+q** | quit |
 
-The side panel shows, every decode cycle, how many tokens each cycle committed
-(acceptance histogram 1..block size), τ (mean tokens per cycle), the decode speed and the
-speed-up over the target's plain decode speed (measured once at start-up). The line under
-each answer counts its prefill tokens: *new* were run through the model, *cached* were
-reused from the previous turn.
-
-Chats are saved in SQLite under the data directory (`DFLASH_MAC_HOME` overrides it).
-"""
+def keys_table() -> Table:
+    table = Table.grid(padding=(0, 2))
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column()
+    for key, what in KEYS:
+        table.add_row(key, what)
+    return table
 
 
 class InputScreen(ModalScreen[str | None]):
@@ -116,9 +120,14 @@ class HelpScreen(ModalScreen[None]):
 
     BINDINGS = [Binding("escape,f1,q", "close", "Close")]
 
+    def __init__(self) -> None:
+        super().__init__(classes="dialog")
+
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog-box help"):
-            yield Markdown(HELP)
+            yield Label("dflash-mac chat · keys", classes="dialog-title")
+            yield Static(keys_table())
+            yield Markdown(ABOUT)
             yield Label("Esc to close", classes="dialog-hint")
 
     def action_close(self) -> None:

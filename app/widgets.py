@@ -7,6 +7,7 @@ from textual import events
 from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.message import Message
+from textual.widget import Widget
 from textual.widgets import Collapsible, Markdown, Static, TextArea
 from textual.widgets.markdown import MarkdownFence, MarkdownStream
 
@@ -166,8 +167,10 @@ def memory(gb: float) -> str:
     return f"{gb:.2f} GB peak" if gb >= 1 else f"{gb * 1000:.0f} MB peak"
 
 
-class HistogramPanel(Static):
-    """Acceptance histogram 1..block size and the live decode numbers."""
+class HistogramPanel(Widget):
+    """Acceptance histogram 1..block size and the live decode numbers. `show` only stores the
+    snapshot; the panel is drawn when the screen refreshes (at most once a frame), so a fast
+    decode loop does not pay for a redraw per cycle."""
 
     BAR_WIDTH = 18
 
@@ -179,14 +182,14 @@ class HistogramPanel(Static):
 
     def set_info(self, info: EngineInfo | None, reasoning: str = "default") -> None:
         self.info, self.reasoning = info, reasoning
-        self.refresh_panel()
+        self.refresh()
 
     def show(self, snapshot: Snapshot) -> None:
         self.snapshot = snapshot
-        self.refresh_panel()
+        self.refresh()
 
-    def refresh_panel(self) -> None:
-        self.update(self.render_panel())
+    def render(self) -> Text:
+        return self.render_panel()
 
     def render_panel(self) -> Text:
         info, s = self.info, self.snapshot
