@@ -61,7 +61,7 @@ def tau_run(pair, prompts, bs: int, temp: float, max_tokens: int, refs=None) -> 
 
 
 def cycle_times(pair, ids: list[int], bs: int, temp: float, reps: int = 30) -> dict:
-    """Median seconds of one proposal and of one verify pass at block size `bs`."""
+    """Seconds of one proposal and of one verify pass at block size `bs` (median and min)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(pair.target)
@@ -86,7 +86,8 @@ def cycle_times(pair, ids: list[int], bs: int, temp: float, reps: int = 30) -> d
         if r >= 3:
             draft_t.append(t1 - t0)
             verify_t.append(t2 - t1)
-    return {"draft_s": statistics.median(draft_t), "verify_s": statistics.median(verify_t)}
+    return {"draft_s": statistics.median(draft_t), "verify_s": statistics.median(verify_t),
+            "draft_min_s": min(draft_t), "verify_min_s": min(verify_t)}
 
 
 def main(argv: list[str] | None = None) -> None:
