@@ -169,7 +169,7 @@ def measure_plain_tps(target: Any, tokenizer: Any, tokens: int = 32) -> float:
 
 def load_backend(opts: ChatOptions) -> Backend:
     """Load the pair, measure the plain baseline and open a session (runs in a worker)."""
-    from ..frontends import block_size_policy
+    from ..frontends import block_size_policy, warn_thinking_mismatch
     from ..loading import load, quantize_drafter
     from ..session import Session
 
@@ -180,6 +180,7 @@ def load_backend(opts: ChatOptions) -> Backend:
     pair.block_size = block_size_policy(pair, opts.block_size, warn=warnings.append)
     if opts.reasoning is not None:
         reasoning_args(pair.tokenizer, opts.reasoning)  # a clear error before the first turn
+    warn_thinking_mismatch(pair, opts.reasoning, warn=warnings.append)
     info = EngineInfo(
         model=str(opts.model or "bundled"), kind=pair.kind, block_size=pair.block_size,
         kernels=kernels_name(), plain_tps=measure_plain_tps(pair.target, pair.tokenizer),

@@ -5,6 +5,7 @@ The engine runs in thread workers and never touches widgets: the workers post me
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,6 +50,11 @@ class TurnEnded(Message):
     def __init__(self, snapshot: Snapshot | None, error: str | None = None) -> None:
         super().__init__()
         self.snapshot, self.error = snapshot, error
+
+
+def plain_warning(text: str) -> str:
+    """A CLI warning (Rich markup, `[yellow]warning:[/] ...`) as plain text for a toast."""
+    return re.sub(r"^\[yellow\]warning:\[/\]\s*", "", text)
 
 
 class Warmed(Message):
@@ -203,7 +209,7 @@ class ChatApp(ChatCommands, App):
         plain = f" · plain decode {info.plain_tps:.1f} tok/s" if info.plain_tps else ""
         self.set_status(f"Ready · {info.kind} · block {info.block_size}{plain}")
         for w in self.backend.warnings:
-            self.notify(w, severity="warning")
+            self.notify(plain_warning(w), severity="warning", timeout=10)
         self.warm_up()
 
     def on_warmed(self, message: Warmed) -> None:
@@ -331,6 +337,11 @@ class ChatApp(ChatCommands, App):
         self.reasoning = "off" if self.reasoning in (None, "on") else "on"
         self.panel.set_info(self.backend.info, self.reasoning_label)
         self.notify(f"Reasoning {self.reasoning}.")
+        if pair := getattr(self.backend.session, "pair", None):  # drafter trained the other way?
+            from ..frontends import warn_thinking_mismatch
+
+            warn_thinking_mismatch(pair, self.reasoning, warn=lambda w: self.notify(
+                plain_warning(w), severity="warning", timeout=10))
 
     def on_unmount(self) -> None:
         self.store.close()
