@@ -101,6 +101,47 @@ def test_close_fences():
     assert close_fences("~~~~\n```\n") == "~~~~\n"
 
 
+class CharTokenizer:
+    """One id per character; a template that opens <think> in the prompt when thinking."""
+
+    chat_template = "... enable_thinking ..."
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True,
+                            enable_thinking=True):
+        text = "".join(f"<{m['role']}>{m['content']}</>" for m in messages)
+        text += "<assistant>" + ("<think>\n" if enable_thinking else "")
+        return text if not tokenize else self.encode(text)
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+
+class TokenizingSession:
+    def tokenize(self, messages, system=None, reasoning=None):
+        full = ([{"role": "system", "content": system}] if system else []) + messages
+        kw = {} if reasoning is None else {"enable_thinking": reasoning == "on"}
+        return CharTokenizer().apply_chat_template(full, **kw)
+
+
+def test_backend_prompt_detects_open_think_and_splices_generated_ids():
+    backend = fake_backend()
+    backend.session, backend.tokenizer = TokenizingSession(), CharTokenizer()
+    history = [{"role": "user", "content": "hi"}]
+    ids, thinking = backend.prompt(history, "sys", None)
+    assert thinking and ids == CharTokenizer().apply_chat_template(
+        [{"role": "system", "content": "sys"}] + history)
+    assert backend.prompt(history, None, "off")[1] is False
+    ids, _ = backend.prompt(history, None, "off")
+    generated = [7, 8, 9]  # ids the model produced; re-tokenizing "ok!" would differ
+    backend.record("ok!", generated)
+    history += [{"role": "assistant", "content": "ok!"}, {"role": "user", "content": "more"}]
+    ids2, _ = backend.prompt(history, None, "off")
+    assert ids2[: len(ids) + 3] == ids + generated  # the cached ids, as generated
+    assert ids2[len(ids) + 3:] == CharTokenizer().encode("</><user>more</><assistant>")
+    ids3, _ = backend.prompt(history, "a new system prompt", "off")  # no longer a prefix
+    assert ids3 == TokenizingSession().tokenize(history, "a new system prompt", "off")
+
+
 # ---- the app with the fake engine ----
 
 
