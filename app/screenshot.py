@@ -46,13 +46,14 @@ def main() -> None:
     ap.add_argument("--draft")
     ap.add_argument("--max-tokens", type=int, default=160)
     args = ap.parse_args()
-    os.environ["DFLASH_MAC_HOME"] = tempfile.mkdtemp(prefix="dflash-chat-shot-")
-    model, draft = args.model, args.draft
-    if model is None and not (BUNDLED_DRAFT / "config.json").exists():
-        from ..tiny import build_tiny_pair
+    with tempfile.TemporaryDirectory(prefix="dflash-chat-shot-") as home:
+        os.environ["DFLASH_MAC_HOME"] = home
+        model, draft = args.model, args.draft
+        if model is None and not (BUNDLED_DRAFT / "config.json").exists():
+            from ..tiny import build_tiny_pair
 
-        model, draft = map(str, build_tiny_pair(Path(os.environ["DFLASH_MAC_HOME"]) / "tiny"))
-    asyncio.run(shoot(Path(args.out), model, draft, args.max_tokens))
+            model, draft = map(str, build_tiny_pair(Path(home) / "tiny"))
+        asyncio.run(shoot(Path(args.out), model, draft, args.max_tokens))
     print(f"wrote {args.out}")
 
 
