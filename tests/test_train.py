@@ -208,3 +208,24 @@ def test_resume_continues_the_same_trajectory(tiny_dirs, prompts_file, tmp_path)
                            resume=True)
     assert len(rest) == 8 and summary["steps"] == 12
     assert np.allclose(first + rest, full, rtol=1e-4, atol=1e-5)
+
+
+def test_regeneration_is_cached_and_limit_spreads(tiny_pair, tiny_dirs, prompts_file, tmp_path,
+                                                  monkeypatch):
+    from dflash_mac.train import data
+
+    args = dict(max_tokens=8, limit=3, log=lambda m: None)
+    seqs, path = data.load_or_regenerate(tiny_pair.target, tiny_pair.tokenizer, tiny_dirs[0],
+                                         prompts_file, tmp_path, **args)
+    want = [data.encode_prompts(tiny_pair.tokenizer, [p], 4096)[0]
+            for p in np.array(read_prompts(prompts_file), dtype=object)[[0, 4, 7]]]
+    assert [s.prompt for s in seqs] == want  # evenly spread: first, middle, last
+    assert all(1 <= len(s.response) <= 8 for s in seqs)
+
+    def boom(*a, **k):
+        raise AssertionError("regenerated again")
+
+    monkeypatch.setattr(data, "regenerate", boom)
+    again, path2 = data.load_or_regenerate(tiny_pair.target, tiny_pair.tokenizer, tiny_dirs[0],
+                                           prompts_file, tmp_path, **args)
+    assert path2 == path and [s.ids for s in again] == [s.ids for s in seqs]

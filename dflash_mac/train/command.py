@@ -44,7 +44,8 @@ def train(
     temp: float = typer.Option(0.0, "--temp", help="Regeneration temperature (0 = greedy)."),
     gen_batch_size: int = typer.Option(32, "--gen-batch-size",
                                        help="Prompts decoded together while regenerating."),
-    limit: int | None = typer.Option(None, "--limit", help="Use the first N prompts only."),
+    limit: int | None = typer.Option(None, "--limit",
+                                     help="Use N prompts, evenly spread over the file."),
     eval_prompts: Path | None = typer.Option(None, "--eval-prompts",
                                              help="Held-out prompts JSONL: τ, per-position "
                                              "acceptance and speedup at the end."),

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 
 class DataError(ValueError):
@@ -165,7 +166,10 @@ def load_or_regenerate(
         seqs = _read_cache(final)
         log(f"regenerated data: {len(seqs)} sequences from cache {final}")
         return seqs, final
-    prompts = read_prompts(prompts_path)[:limit]
+    prompts = read_prompts(prompts_path)
+    if limit is not None and limit < len(prompts):  # evenly spread over the file
+        prompts = [prompts[i] for i in np.linspace(0, len(prompts) - 1, limit).round()
+                   .astype(int)]
     ids = encode_prompts(tokenizer, prompts, max_prompt)
     partial = final.with_suffix(".partial")
     done = _read_cache(partial) if partial.exists() else []

@@ -438,6 +438,12 @@ def train_drafter(
                 budget_fixed = True
             bar.update(task, completed=step, loss=float(np.mean(losses[-20:])), tps=tps,
                        acc=float(acc[0].item()))
+            if not con.is_terminal and (step % 10 == 0 or step == total):  # logs, nohup
+                run_s = time.perf_counter() - t_run
+                eta = run_s / max(step - start, 1) * (total - step)
+                con.log(f"step {step}/{total} loss {np.mean(losses[-10:]):.3f} acc "
+                        + " ".join(f"{a:.2f}" for a in acc.tolist())
+                        + f" | {tps:,.0f} tok/s | ETA {eta / 60:.1f} min")
             if step % save_every == 0 or step == total:
                 save_checkpoint(ckpt, drafter, opt, meta_now(step))
             if on_step:
