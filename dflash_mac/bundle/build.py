@@ -7,7 +7,7 @@
 lives in ``.cache/bundle/`` (gitignored): the tokenised train/eval streams, the drafter-training
 prompts ``.cache/bundle/train_prompts.jsonl`` and the resumable target checkpoint
 ``.cache/bundle/target_ckpt/``. Committed outputs: ``<out>/target/``,
-``<out>/eval_prompts.jsonl`` and ``<out>/drafter/`` (after the drafter stage).
+``<out>/eval_prompts.jsonl`` and ``<out>/dflash/`` (after the drafter stage).
 """
 
 from __future__ import annotations
@@ -66,14 +66,17 @@ def stage_tokenizer(out: Path, cache: Path) -> None:
         console.log(f"{name} stream: {len(ids):,} tokens")
 
 
-def stage_target(out: Path, cache: Path, minutes: float) -> None:
+def stage_target(out: Path, cache: Path, minutes: float, **overrides: object) -> None:
     """Pretrain the target (resumable) and save it as float16 to ``<out>/target``."""
     from dflash_mac.bundle import pretrain
 
     tc = pretrain.TrainConfig(minutes=minutes)
+    for k, v in overrides.items():
+        if v is not None:
+            setattr(tc, k, v)
     train_ids = np.load(cache / "train_tokens.npy")
     eval_ids = np.load(cache / "eval_tokens.npy")
-    cols = [TextColumn("[bold]target"), BarColumn(), MofNCompleteColumn(),
+    cols = [TextColumn("[bold]target tokens"), BarColumn(), MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]:.3f}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
             TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
     with Progress(*cols, console=console) as bar:
@@ -85,10 +88,35 @@ def stage_target(out: Path, cache: Path, minutes: float) -> None:
         model, meta = pretrain.pretrain(train_ids, eval_ids, cache / "target_ckpt", tc,
                                         progress=on_step, log=console.log)
     pretrain.save_target(model, out / "target")
+    meta.update(sample_and_time(out / "target", out / "eval_prompts.jsonl"))
     (cache / "target_train.json").write_text(json.dumps(meta, indent=1))
     last = meta["curve"][-1]
     console.log(f"target saved: {meta['tokens_trained']:,} tokens, final train loss "
                 f"{last['train_loss']}, eval loss {last['eval_loss']}, {last['seconds']:.0f}s")
+
+
+def sample_and_time(target: Path, prompts: Path, n: int = 3, max_tokens: int = 96) -> dict:
+    """Greedy-decode ``n`` held-out prompts with mlx_lm (prints them); return decode tok/s."""
+    import mlx.core as mx
+    from mlx_lm import load, stream_generate
+
+    model, tok = load(str(target))
+    model.set_dtype(mx.float32)
+    rows = [json.loads(x) for x in prompts.read_text().splitlines()][:n]
+    speeds = []
+    for row in rows:
+        prompt = tok.apply_chat_template(row["messages"], add_generation_prompt=True)
+        text, last = "", None
+        for last in stream_generate(model, tok, prompt, max_tokens=max_tokens):
+            text += last.text
+        console.rule(row["id"])
+        console.print(row["messages"][0]["content"], style="bold", markup=False)
+        console.print(text, markup=False, highlight=False)
+        if last is not None:
+            speeds.append(last.generation_tps)
+    res = {"decode_tok_per_s_fp32": round(float(np.median(speeds)), 1) if speeds else None}
+    console.log(res)
+    return res
 
 
 def stage_drafter(out: Path, cache: Path, minutes: float) -> None:
@@ -98,16 +126,22 @@ def stage_drafter(out: Path, cache: Path, minutes: float) -> None:
     prompts = cache / "train_prompts.jsonl"
     if not prompts.exists():
         corpus.train_prompts_jsonl(prompts, limit=4000)
-    train_drafter(
+    train_drafter(  # == `dflash-mac train` with the flags listed in MODEL_CARD.md
         target=out / "target",
         prompts=prompts,
-        out_dir=out / "drafter",
+        out_dir=out / "dflash",
         block_size=8,
-        num_layers=2,
-        target_layer_ids=None,  # None = the uniform default spread over the target's layers
+        num_layers=1,
+        target_layer_ids=[1, 3, 5],  # 6-layer target: spread over the full depth
         max_new_tokens=256,
+        limit=600,
+        gen_batch_size=64,
+        lr=2e-3,
+        batch_size=4,
+        anchors=128,
         minutes=minutes,
         cache_dir=cache / "drafter",
+        eval_prompts=out / "eval_prompts.jsonl",
     )
 
 
@@ -121,6 +155,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="wall-clock training budget of the target (and of the drafter)")
     ap.add_argument("--cache", type=Path, default=CACHE)
     ap.add_argument("--fresh", action="store_true", help="discard the target checkpoint")
+    ap.add_argument("--batch-size", type=int, default=None, help="target batch (sequences)")
+    ap.add_argument("--lr", type=float, default=None, help="target peak learning rate")
+    ap.add_argument("--recalibrate", action="store_true",
+                    help="on resume, re-measure tokens/s and refit the token budget to --minutes")
     args = ap.parse_args(argv)
     args.cache.mkdir(parents=True, exist_ok=True)
     if args.fresh:
@@ -134,7 +172,8 @@ def main(argv: list[str] | None = None) -> None:
         elif st == "tokenizer":
             stage_tokenizer(args.out, args.cache)
         elif st == "target":
-            stage_target(args.out, args.cache, args.minutes)
+            stage_target(args.out, args.cache, args.minutes, batch_size=args.batch_size,
+                         lr=args.lr, recalibrate=args.recalibrate or None)
         else:
             stage_drafter(args.out, args.cache, args.minutes)
     console.log(f"done in {time.perf_counter() - t0:.0f}s")

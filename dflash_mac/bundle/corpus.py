@@ -106,7 +106,10 @@ def _signature(node: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
     return f"{node.name}({ast.unparse(node.args)})"
 
 
-def _iter_functions(tree: ast.Module) -> Iterator[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+FuncNode = ast.FunctionDef | ast.AsyncFunctionDef
+
+
+def _iter_functions(tree: ast.Module) -> Iterator[tuple[str, FuncNode]]:
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             yield "", node

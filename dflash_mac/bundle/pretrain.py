@@ -26,7 +26,7 @@ TARGET_CONFIG: dict = {
     "model_type": "qwen3",
     "architectures": ["Qwen3ForCausalLM"],
     "hidden_size": 256,
-    "num_hidden_layers": 8,
+    "num_hidden_layers": 6,
     "intermediate_size": 768,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
@@ -49,17 +49,19 @@ TARGET_CONFIG: dict = {
 class TrainConfig:
     """Hyper-parameters of the pretraining run."""
 
-    seq_len: int = 512
-    batch_size: int = 8
-    lr: float = 1.5e-3
+    seq_len: int = 256
+    batch_size: int = 12
+    lr: float = 2e-3
     min_lr_frac: float = 0.1
     warmup_frac: float = 0.04
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     minutes: float = 30.0
     calib_steps: int = 6
-    ckpt_every: int = 100
+    ckpt_every: int = 50
     seed: int = 0
+    compile: bool = False
+    recalibrate: bool = False
 
 
 def build_model(config: dict | None = None, seed: int = 0) -> qwen3.Model:
@@ -71,7 +73,8 @@ def build_model(config: dict | None = None, seed: int = 0) -> qwen3.Model:
     params = []
     for name, p in tree_flatten(model.parameters()):
         if p.ndim == 2:
-            s = std / math.sqrt(2 * n_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else std
+            out_proj = name.endswith(("o_proj.weight", "down_proj.weight"))
+            s = std / math.sqrt(2 * n_layers) if out_proj else std
             p = s * mx.random.normal(p.shape)
         params.append((name, p))
     model.update(tree_unflatten(params))
@@ -96,19 +99,20 @@ def loss_fn(model: nn.Module, batch: mx.array) -> mx.array:
     return nn.losses.cross_entropy(logits, batch[:, 1:], reduction="mean")
 
 
-def lr_at(step: int, total: int, tc: TrainConfig) -> float:
-    """Linear warmup then cosine decay to ``min_lr_frac * lr``."""
+def lr_at(tokens: int, total: int, tc: TrainConfig) -> float:
+    """Linear warmup then cosine decay to ``min_lr_frac * lr``, in units of tokens."""
     warm = max(1, int(tc.warmup_frac * total))
-    if step < warm:
-        return tc.lr * (step + 1) / warm
-    t = min(1.0, (step - warm) / max(1, total - warm))
+    if tokens < warm:
+        return tc.lr * max(tokens, 1) / warm
+    t = min(1.0, (tokens - warm) / max(1, total - warm))
     return tc.lr * (tc.min_lr_frac + (1 - tc.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
 def save_ckpt(model: nn.Module, opt: optim.Optimizer, meta: dict, ckpt_dir: Path) -> None:
     """Write weights, optimizer state and meta (atomic-ish: meta written last)."""
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(ckpt_dir / "weights.safetensors"), dict(tree_flatten(model.parameters())))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(ckpt_dir / "weights.safetensors"), weights)
     mx.save_safetensors(str(ckpt_dir / "optimizer.safetensors"), dict(tree_flatten(opt.state)))
     tmp = ckpt_dir / "meta.json.tmp"
     tmp.write_text(json.dumps(meta, indent=1))
@@ -132,7 +136,7 @@ def evaluate(model: nn.Module, tokens: np.ndarray, seq_len: int, n_batches: int 
     return float(np.mean(losses)) if losses else float("nan")
 
 
-Progress = Callable[[int, int, float, float], None]  # (step, total, loss, tokens_per_s)
+Progress = Callable[[int, int, float, float], None]  # (tokens, total, loss, tokens_per_s)
 
 
 def pretrain(
@@ -145,61 +149,68 @@ def pretrain(
 ) -> tuple[nn.Module, dict]:
     """Train (or resume) the target; return the model and the run's meta/figures."""
     model = build_model(seed=tc.seed)
-    opt = optim.AdamW(learning_rate=tc.lr, betas=[0.9, 0.95], eps=1e-8, weight_decay=tc.weight_decay)
+    opt = optim.AdamW(
+        learning_rate=tc.lr, betas=[0.9, 0.95], eps=1e-8, weight_decay=tc.weight_decay
+    )
     meta = load_ckpt(model, opt, ckpt_dir) or {
-        "step": 0, "total_steps": None, "train_seconds": 0.0, "curve": [], "train": asdict(tc),
+        "step": 0, "windows": 0, "total_tokens": None, "train_seconds": 0.0, "curve": [],
         "n_params": sum(v.size for _, v in tree_flatten(model.parameters())),
         "config": TARGET_CONFIG,
     }
+    meta["train"] = asdict(tc)
     if meta["step"]:
-        log(f"resumed from step {meta['step']} / {meta['total_steps']}")
+        log(f"resumed at step {meta['step']}, {meta['windows'] * tc.seq_len:,} tokens")
+        if tc.recalibrate:
+            meta["total_tokens"] = None
     state = [model.state, opt.state, mx.random.state]
 
-    @partial(mx.compile, inputs=state, outputs=state)
     def step_fn(batch: mx.array) -> mx.array:
         loss, grads = nn.value_and_grad(model, loss_fn)(model, batch)
         grads, _ = optim.clip_grad_norm(grads, tc.grad_clip)
         opt.update(model, grads)
         return loss
 
+    if tc.compile:
+        step_fn = partial(mx.compile, inputs=state, outputs=state)(step_fn)
     order = batch_windows(train_tokens, tc.seq_len, tc.seed)
     per_step = tc.batch_size * tc.seq_len
-    steps_per_epoch = len(order) // tc.batch_size
-    step, t_mark, tok_mark, ema = meta["step"], time.perf_counter(), 0, None
+    t_mark, tok_mark, ema, n_here = time.perf_counter(), 0, None, 0
     t_start = time.perf_counter() - meta["train_seconds"]
-    while meta["total_steps"] is None or step < meta["total_steps"]:
-        total = meta["total_steps"] or 10**9
-        opt.learning_rate = mx.array(lr_at(step, total, tc))
-        i = step % steps_per_epoch
-        starts = order[i * tc.batch_size : (i + 1) * tc.batch_size]
-        loss = step_fn(get_batch(train_tokens, starts, tc.seq_len))
+    while meta["total_tokens"] is None or meta["windows"] * tc.seq_len < meta["total_tokens"]:
+        tokens = meta["windows"] * tc.seq_len
+        opt.learning_rate = mx.array(lr_at(tokens, meta["total_tokens"] or 10**12, tc))
+        idx = np.arange(meta["windows"], meta["windows"] + tc.batch_size) % len(order)
+        loss = step_fn(get_batch(train_tokens, order[idx], tc.seq_len))
         mx.eval(state, loss)
-        step += 1
+        meta["step"] += 1
+        meta["windows"] += tc.batch_size
+        n_here += 1
         lv = loss.item()
-        ema = lv if ema is None else 0.95 * ema + 0.05 * lv
+        ema = lv if ema is None else 0.9 * ema + 0.1 * lv
         tok_mark += per_step
         elapsed = time.perf_counter() - t_start
         tps = tok_mark / max(1e-9, time.perf_counter() - t_mark)
-        if meta["total_steps"] is None and step == tc.calib_steps:
+        if meta["total_tokens"] is None and n_here == tc.calib_steps:
             t_mark, tok_mark = time.perf_counter(), 0  # first steps include compile time
-        if meta["total_steps"] is None and step == 2 * tc.calib_steps:
+        if meta["total_tokens"] is None and n_here == 2 * tc.calib_steps:
             remaining = tc.minutes * 60 - elapsed
-            meta["total_steps"] = step + max(1, int(remaining * tps / per_step))
-            log(f"measured {tps:.0f} tok/s -> total_steps={meta['total_steps']} "
-                f"({meta['total_steps'] * per_step / 1e6:.2f}M tokens)")
+            meta["total_tokens"] = tokens + per_step + max(per_step, int(remaining * tps))
+            log(f"measured {tps:.0f} tok/s -> total {meta['total_tokens'] / 1e6:.2f}M tokens")
+        done_tokens = meta["windows"] * tc.seq_len
         if progress:
-            progress(step, meta["total_steps"] or 0, ema, tps)
-        done = meta["total_steps"] is not None and step >= meta["total_steps"]
-        if step % tc.ckpt_every == 0 or done:
+            progress(done_tokens, meta["total_tokens"] or 0, ema, tps)
+        done = meta["total_tokens"] is not None and done_tokens >= meta["total_tokens"]
+        if meta["step"] % tc.ckpt_every == 0 or done:
             ev = evaluate(model, eval_tokens, tc.seq_len)
-            meta["curve"].append({"step": step, "tokens": step * per_step, "train_loss": round(ema, 4),
-                                  "eval_loss": round(ev, 4), "seconds": round(elapsed, 1),
-                                  "tok_per_s": round(tps, 1)})
-            meta.update(step=step, train_seconds=elapsed)
+            meta["curve"].append({
+                "step": meta["step"], "tokens": done_tokens, "train_loss": round(ema, 4),
+                "eval_loss": round(ev, 4), "seconds": round(elapsed, 1), "tok_per_s": round(tps, 1),
+            })
+            meta["train_seconds"] = elapsed
             save_ckpt(model, opt, meta, ckpt_dir)
             log(json.dumps(meta["curve"][-1]))
-    meta["tokens_trained"] = step * per_step
-    meta["epochs"] = round(step / steps_per_epoch, 3)
+    meta["tokens_trained"] = meta["windows"] * tc.seq_len
+    meta["epochs"] = round(meta["windows"] / len(order), 3)
     return model, meta
 
 
