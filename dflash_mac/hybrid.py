@@ -138,8 +138,8 @@ def _hooked_class(cls: type) -> type:
         project = SUPPORTED[cls]
 
         def __call__(self, inputs, mask=None, cache=None):
-            rec = self._dflash_gdn
-            if not rec.armed or cache is not rec.cache:
+            rec = self._dflash_gdn.get(id(cache))  # the record of the request owning `cache`
+            if rec is None or not rec.armed:
                 return cls.__call__(self, inputs, mask, cache)
             rec.take(cache, inputs, mask)
             if rec.strategy == "rerun":
@@ -161,7 +161,7 @@ def linear_layers(model: nn.Module, cache: list[Any]) -> list[tuple[int, nn.Modu
         layers = decoder_layers(model)
         mods = []
         if len(layers) == len(cache):
-            mods = [m for _, m in layers[i].named_modules() if type(m) in SUPPORTED]
+            mods = [m for _, m in layers[i].named_modules() if _base_class(m) in SUPPORTED]
         if len(mods) != 1:
             raise RollbackError(
                 f"this target keeps a non-trimmable {type(c).__name__} in layer {i} that DFlash "
@@ -211,28 +211,32 @@ class GDNRollback:
         self.modules = [m for _, m in layers]
         self.records = [GDNRecord(cache[i], strategy) for i, _ in layers]
         self.strategy = strategy
-        self._orig: list[type] = []
+        self.active = False
 
     def __enter__(self) -> GDNRollback:
+        """Hook the layer instances (shared by requests with other caches on the same model)."""
         for m, rec in zip(self.modules, self.records):
-            if hasattr(m, "_dflash_gdn"):
-                raise RuntimeError("this target is already hooked by another DFlash request.")
-            self._orig.append(type(m))
-            object.__setattr__(m, "_dflash_gdn", rec)
-            m.__class__ = _hooked_class(type(m))
+            if not hasattr(m, "_dflash_gdn"):
+                object.__setattr__(m, "_dflash_gdn", {})
+                m.__class__ = _hooked_class(type(m))
+            m._dflash_gdn[id(rec.cache)] = rec
+        self.active = True
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
 
     def remove(self) -> None:
-        """Restore every hooked instance (idempotent)."""
-        for m, cls in zip(self.modules, self._orig):
-            m.__class__ = cls
-            object.__delattr__(m, "_dflash_gdn")
-        self._orig.clear()
-        for rec in self.records:
+        """Unhook; the last request using an instance restores its class (idempotent)."""
+        if not self.active:
+            return
+        for m, rec in zip(self.modules, self.records):
             rec.armed = False
+            m._dflash_gdn.pop(id(rec.cache), None)
+            if not m._dflash_gdn:
+                m.__class__ = _base_class(m)
+                object.__delattr__(m, "_dflash_gdn")
+        self.active = False
 
     def arm(self) -> None:
         """Record the next forward pass of every layer on its own cache."""

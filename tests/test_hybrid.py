@@ -149,6 +149,25 @@ def test_hooks_are_per_instance_and_removed(pair, cases):
     assert baseline(pair, ids, N) == ref
 
 
+def test_two_caches_share_the_hooked_instances(pair, cases):
+    """Two requests with their own caches on one model: each records and rolls back its own
+    cache; the last one out restores the class."""
+    ids, ref = cases[0]
+    states = [DecodeState(pair), DecodeState(pair)]
+    with states[0].rollback.hooks():
+        with states[1].rollback.hooks():
+            for st, (n, keep) in zip(states, [(5, 2), (3, 3)]):
+                pair.target(mx.array([ids]), cache=st.target_cache)
+                st.rollback.before_verify()
+                pair.target(mx.array([ref[:n]]), cache=st.target_cache)
+                st.rollback.rollback(n - keep, keep - 1)
+                st.ids = ids + ref[:keep]
+        assert adapter.is_hooked(pair.target)
+        for st in states:
+            assert_cache_equals_fresh_prefill(pair, st)
+    assert not adapter.is_hooked(pair.target)
+
+
 def test_hooked_forward_is_bit_exact():
     """The recording forward computes exactly what mlx-lm's layer computes (both variants)."""
     for model_type in ("qwen3_5", "qwen3_next"):

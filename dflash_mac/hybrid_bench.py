@@ -1,0 +1,168 @@
+"""Rollback strategies for hybrid targets, measured per decode cycle (docs/rollback.md).
+
+    python -m dflash_mac.hybrid_bench [--hidden 512] [--layers 8] [--tokens 160]
+
+Builds a random qwen3_5 target (GatedDeltaNet + attention) in memory, decodes with a drafter
+that knows the target's greedy text but is wrong 30% of the time (so rejections happen), and
+times the rollback of each strategy: `replay` (recurrence over the accepted steps from the
+saved state) and `rerun` (the accepted inputs through the whole layer again). The rollback is
+evaluated on its own (one extra sync) so that its cost is not hidden in the next verify.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+
+from .adapter import target_head
+from .engine import DecodeState, GenerationConfig, speculative_stream
+from .loading import Pair
+from .models.config import DraftConfig
+from .models.dflash import DFlashDraftModel
+from .rollback import TargetRollback
+from .tiny import draft_config
+from .tiny_hybrid import build_hybrid_target, hybrid_text_config
+
+
+@dataclass
+class Timing:
+    rollback: list[float] = field(default_factory=list)  # seconds, cycles with a rejection
+    cycle: list[float] = field(default_factory=list)  # seconds, every cycle (rollback included)
+
+
+class TimedRollback(TargetRollback):
+    def __init__(self, *args, timing: Timing, **kw):
+        super().__init__(*args, **kw)
+        self.timing = timing
+
+    def rollback(self, n_rejected: int, acc: int) -> None:
+        t0 = time.perf_counter()
+        super().rollback(n_rejected, acc)
+        if n_rejected:
+            mx.eval([c.state for c in self.cache])
+            self.timing.rollback.append(time.perf_counter() - t0)
+
+
+class Oracle:
+    """The greedy continuation, each token wrong with probability `error` (seeded)."""
+
+    def __init__(self, real, sequence: list[int], vocab: int, error: float, seed: int = 0):
+        import random
+
+        self.config, self.seq, self.vocab, self.error = real.config, sequence, vocab, error
+        self.rng = random.Random(seed)
+
+    def make_cache(self) -> list:
+        from mlx_lm.models.cache import KVCache
+
+        return [KVCache()]
+
+    def extend_context(self, features: mx.array, cache: list) -> None:
+        cache[0].offset += features.shape[1]
+
+    def __call__(self, block: mx.array, cache: list) -> mx.array:
+        start, bs = cache[0].offset, block.shape[1]
+        rows = []
+        for pos in range(start + 1, start + bs):
+            tok = self.seq[pos] if pos < len(self.seq) else 0
+            if self.rng.random() < self.error:
+                tok = (tok + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
+            rows.append(tok)
+        return (mx.eye(self.vocab)[mx.array(rows)] * 10.0)[None]
+
+
+def build_pair(hidden: int, layers: int, vocab: int) -> Pair:
+    mx.random.seed(0)
+    text = hybrid_text_config(
+        vocab=vocab, hidden=hidden, layers=layers, interval=4, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=hidden // 8, linear_num_key_heads=hidden // 128,
+        linear_key_head_dim=128, linear_num_value_heads=hidden // 64, linear_value_head_dim=64,
+        intermediate_size=3 * hidden)
+    cfg = {"model_type": "qwen3_5", "text_config": text, "tie_word_embeddings": True}
+    target = build_hybrid_target(cfg, weight_scale=2.0)
+    dcfg = draft_config(dict(text, rope_theta=1e4), vocab - 1, layer_ids=[1, layers // 2])
+    drafter = DFlashDraftModel(DraftConfig.from_dict(dcfg))
+    drafter.bind(target_head(target))
+    return Pair(target, drafter, None, "bench-hybrid", "bench-draft", 16, cfg)
+
+
+def measure(pair: Pair, ids: list[int], ref: list[int], strategy: str, bs: int) -> Timing:
+    timing = Timing()
+    oracle = Pair(pair.target, Oracle(pair.drafter, ids + ref, pair.drafter.config.vocab_size,
+                                      0.3, seed=bs), _Tok(), "", "", bs, pair.target_config)
+    state = DecodeState(oracle)
+    state.rollback = TimedRollback(pair.target, state.target_cache, strategy, timing=timing)
+    cfg = GenerationConfig(max_tokens=len(ref), block_size=bs, use_eos=False)
+    tokens, t0 = [], None
+    for ev in speculative_stream(oracle, ids, cfg, state=state):
+        tokens += ev.tokens
+        if t0 is not None:
+            timing.cycle.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+    assert tokens == ref, "the benchmark decode diverged from the target's greedy output"
+    return timing
+
+
+class _Detok:
+    text = ""
+
+    def add_token(self, token: int) -> None:
+        pass
+
+    def finalize(self) -> None:
+        pass
+
+
+class _Tok:
+    """No text: the benchmark only needs token ids."""
+
+    eos_token_ids: list[int] = []
+
+    @property
+    def detokenizer(self) -> _Detok:
+        return _Detok()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--tokens", type=int, default=160)
+    ap.add_argument("--block-sizes", default="5,16")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args(argv)
+    pair = build_pair(args.hidden, args.layers, args.vocab)
+    ids = [(7 * i + 3) % (args.vocab - 1) for i in range(64)]
+    ref = [t for t, _ in generate_step(mx.array(ids), pair.target, max_tokens=args.tokens)]
+    n_gdn = sum(1 for c in pair.target.make_cache() if not c.is_trimmable())
+    print(f"qwen3_5 random target: hidden {args.hidden}, {args.layers} layers ({n_gdn} "
+          f"GatedDeltaNet), {mx.default_device()}, {args.tokens} tokens, drafter 30% wrong")
+    print("medians over all cycles of all repeats (strategies interleaved)\n")
+    print("| block | strategy | rollback ms (rejected cycle) | cycles rejected | "
+          "rollback ms per cycle | cycle ms | share of cycle |")
+    print("|---|---|---|---|---|---|---|")
+    for bs in (int(b) for b in args.block_sizes.split(",")):
+        runs: dict[str, Timing] = {s: Timing() for s in ("replay", "rerun")}
+        for strategy in runs:
+            measure(pair, ids, ref[:24], strategy, bs)  # warm up
+        for _ in range(args.repeats):
+            for strategy, total in runs.items():
+                t = measure(pair, ids, ref, strategy, bs)
+                total.rollback += t.rollback
+                total.cycle += t.cycle
+        for strategy, t in runs.items():
+            rej = len(t.rollback) / len(t.cycle)
+            per_rej = 1e3 * statistics.median(t.rollback)
+            cycle = 1e3 * statistics.median(t.cycle)
+            print(f"| {bs} | {strategy} | {per_rej:.2f} | {100 * rej:.0f}% | "
+                  f"{per_rej * rej:.2f} | {cycle:.1f} | {100 * per_rej * rej / cycle:.1f}% |")
+
+
+if __name__ == "__main__":
+    main()
