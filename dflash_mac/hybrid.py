@@ -120,12 +120,17 @@ def _forward(self: nn.Module, project: Callable, inputs: mx.array, mask, cache, 
 
 
 def _projections() -> dict[type, Callable]:
-    from mlx_lm.models import qwen3_5, qwen3_next
+    """Supported layer classes (those this mlx-lm has) and their input projections."""
+    import importlib
 
-    return {
-        qwen3_5.GatedDeltaNet: _project_qwen3_5,
-        qwen3_next.Qwen3NextGatedDeltaNet: _project_qwen3_next,
-    }
+    out = {}
+    for module, cls, project in (("qwen3_5", "GatedDeltaNet", _project_qwen3_5),
+                                 ("qwen3_next", "Qwen3NextGatedDeltaNet", _project_qwen3_next)):
+        try:
+            out[getattr(importlib.import_module(f"mlx_lm.models.{module}"), cls)] = project
+        except (ImportError, AttributeError):
+            pass
+    return out
 
 
 SUPPORTED: dict[type, Callable] = _projections()

@@ -45,15 +45,16 @@ class TargetRollback:
     No host sync: everything stays lazy on the caller's stream."""
 
     def __init__(self, model: nn.Module, cache: list[Any], strategy: str = "replay"):
-        from .hybrid import GDNRollback, linear_layers
-
         self.cache = cache
-        layers = linear_layers(model, cache)
-        fixed = sum(not c.is_trimmable() for c in cache)
-        assert len(layers) == fixed, "every non-trimmable cache needs a captured layer"
-        linear = {i for i, _ in layers}
-        self.trimmable = [c for i, c in enumerate(cache) if i not in linear]
-        self.gdn = GDNRollback(layers, cache, strategy) if layers else None
+        fixed = [i for i, c in enumerate(cache) if not c.is_trimmable()]
+        self.trimmable = [c for i, c in enumerate(cache) if i not in fixed]
+        self.gdn = None
+        if fixed:  # a hybrid target: linear-attention layers hold state caches
+            from .hybrid import GDNRollback, linear_layers
+
+            layers = linear_layers(model, cache)
+            assert [i for i, _ in layers] == fixed, "every state cache needs a captured layer"
+            self.gdn = GDNRollback(layers, cache, strategy)
 
     @property
     def hybrid(self) -> bool:
