@@ -18,10 +18,11 @@ _CAPTURING: dict[type, type] = {}
 class _Sink:
     """Holds captured outputs of one layer for the current forward pass."""
 
-    __slots__ = ("out",)
+    __slots__ = ("out", "orig", "users")
 
-    def __init__(self) -> None:
+    def __init__(self, orig: type) -> None:
         self.out: mx.array | None = None
+        self.orig, self.users = orig, 0  # class to restore; live captures sharing the hook
 
 
 def _capturing_class(cls: type) -> type:
@@ -76,25 +77,33 @@ class FeatureCapture:
             raise ValueError(f"target layer ids {bad} are out of range for {len(layers)} layers.")
         self.layer_ids = list(layer_ids)
         self._layers = {i: layers[i] for i in set(layer_ids)}
-        self._orig: dict[int, type] = {}
+        self._active = False
 
     def __enter__(self) -> FeatureCapture:
-        for i, layer in self._layers.items():
-            self._orig[i] = type(layer)
-            object.__setattr__(layer, "_dflash_sink", _Sink())
-            layer.__class__ = _capturing_class(type(layer))
+        """Hook the layers; captures on the same instance (interleaved streams) share one hook,
+        read right after their own forward pass."""
+        for layer in self._layers.values():
+            if not hasattr(layer, "_dflash_sink"):
+                object.__setattr__(layer, "_dflash_sink", _Sink(type(layer)))
+                layer.__class__ = _capturing_class(type(layer))
+            layer._dflash_sink.users += 1
+        self._active = True
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
 
     def remove(self) -> None:
-        """Restore every hooked instance (idempotent)."""
-        for i, cls in self._orig.items():
-            layer = self._layers[i]
-            layer.__class__ = cls
-            object.__delattr__(layer, "_dflash_sink")
-        self._orig.clear()
+        """Release the hooks; the last capture out restores the instances (idempotent)."""
+        if not self._active:
+            return
+        self._active = False
+        for layer in self._layers.values():
+            sink = layer._dflash_sink
+            sink.users -= 1
+            if sink.users == 0:
+                layer.__class__ = sink.orig
+                object.__delattr__(layer, "_dflash_sink")
 
     def features(self) -> mx.array:
         """Concatenated features of the last forward pass, `[B, L, n_tgt * H]`."""

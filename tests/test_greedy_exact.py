@@ -150,3 +150,25 @@ def test_rollback_state_equals_fresh_prefill(tiny_pair, cases):
     logits = pair.target(nxt, cache=state.target_cache)[0, -1]
     fresh = pair.target(mx.array([committed + [out[-1]]]))[0, -1]
     assert mx.allclose(logits, fresh, atol=1e-5).item()
+
+
+def test_interleaved_streams_share_hooks(tiny_pair, cases):
+    """Two live generations on the same target instance, advanced alternately, each equal their
+    own baseline; no hook is left afterwards."""
+    from dflash_mac.adapter import is_hooked
+
+    (ids_a, ref_a), (ids_b, ref_b) = cases[5], cases[6]
+    a = speculative_stream(tiny_pair, ids_a, GenerationConfig(max_tokens=30, block_size=4,
+                                                              use_eos=False))
+    b = speculative_stream(tiny_pair, ids_b, GenerationConfig(max_tokens=30, block_size=4,
+                                                              use_eos=False))
+    out_a, out_b = [], []
+    for ev_a, ev_b in zip(a, b):
+        out_a += ev_a.tokens
+        out_b += ev_b.tokens
+    for ev in a:
+        out_a += ev.tokens
+    for ev in b:
+        out_b += ev.tokens
+    assert out_a == ref_a[:30] and out_b == ref_b[:30]
+    assert not is_hooked(tiny_pair.target)
