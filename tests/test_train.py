@@ -186,6 +186,10 @@ def test_training_decreases_loss_and_roundtrips(tiny_dirs, prompts_file, tmp_pat
     ev = summary["eval"]
     assert [e["block_size"] for e in ev] == [6, 5]
     assert all(e["identical"] == e["prompts"] for e in ev)
+    # fine-tuning starts from the saved drafter (fp16-rounded), not from scratch
+    more, _ = _train(tiny_dirs, prompts_file, tmp_path / "ft", tmp_path / "c", steps=2,
+                     init_from=tmp_path / "out")
+    assert more[0] < losses[0] - 0.3
 
 
 def test_resume_continues_the_same_trajectory(tiny_dirs, prompts_file, tmp_path):

@@ -248,6 +248,24 @@ def export_weights(drafter) -> dict[str, mx.array]:
     return dict(tree_flatten(drafter.parameters()))
 
 
+def load_init(drafter, folder: Path) -> str:
+    """Load an existing drafter's weights (strict names and shapes) as the starting point."""
+    from ..loading import load_weights
+
+    weights = {k: v.astype(mx.float32) for k, v in load_weights(folder).items()
+               if "embed_tokens" not in k and not k.startswith("lm_head")}
+    expected = dict(tree_flatten(drafter.parameters()))
+    bad = sorted(set(expected) ^ set(weights)) + [
+        k for k in weights if k in expected and weights[k].shape != expected[k].shape]
+    if bad:
+        raise TrainError(f"--init-from {folder} does not match the drafter being trained "
+                         f"({bad[:3]}); use the same layers and target.")
+    drafter.load_weights(list(weights.items()))
+    src = folder / "dflash_training.json"
+    steps = json.loads(src.read_text()).get("steps") if src.exists() else None
+    return f"{folder}" + (f", {steps} steps" if steps else "")
+
+
 def save_drafter(drafter, config: dict, out_dir: Path, dtype=mx.float16, extra: dict | None = None):
     """The z-lab drafter folder: config.json + model.safetensors (no embed / lm_head)."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -295,6 +313,7 @@ def train_drafter(
     save_every: int = 100,
     cache_dir: str | Path | None = None,
     save_dtype: str = "float16",
+    init_from: str | Path | None = None,
     console: Any = None,
     on_step: Callable[[int, float], None] | None = None,
 ) -> dict:
@@ -302,6 +321,8 @@ def train_drafter(
 
     Length of the run: `steps` if given, else `epochs` over the sequences, capped by a
     wall-clock budget `minutes` (measured on the first steps, then fixed and checkpointed).
+    `init_from`: start from an existing drafter folder of the same shape (fine-tuning; a fresh
+    schedule, its own checkpoint ``<cache_dir>/checkpoint-finetune``).
     Returns a summary dict (also written to ``out_dir/dflash_training.json``)."""
     from mlx_lm.utils import load as mlx_load
     from rich.console import Console
@@ -316,7 +337,7 @@ def train_drafter(
     target_name, prompts, out_dir = str(target), Path(prompts), Path(out_dir)
     target = resolve(target)
     cache_dir = Path(cache_dir) if cache_dir else Path(".cache") / "dflash-train"
-    ckpt = cache_dir / "checkpoint"
+    ckpt = cache_dir / ("checkpoint-finetune" if init_from else "checkpoint")
     t_start = time.perf_counter()
 
     tcfg = target_text_config(target)
@@ -359,6 +380,10 @@ def train_drafter(
     # -- model, optimizer
     mx.random.seed(seed)
     drafter = build_drafter(config, model)
+    init_note = None
+    if init_from:
+        init_note = load_init(drafter, Path(init_from))
+        con.log(f"initialised from {init_from} ({init_note})")
     n_params = sum(v.size for _, v in tree_flatten(drafter.parameters()))
     per_epoch = math.ceil(len(seqs) / batch_size)
     total = steps or max(1, math.ceil(epochs * per_epoch))
@@ -366,7 +391,7 @@ def train_drafter(
     opt = optim.AdamW(learning_rate=sched, weight_decay=s.weight_decay)
     weights = mx.array(position_weights(block_size))
     loss_fn = LOSSES[arch]
-    settings_key = dict(asdict(s), data=data_file.name)
+    settings_key = dict(asdict(s), data=data_file.name, init_from=init_note)
     start, losses, elapsed, budget_fixed = 0, [], 0.0, steps is not None or minutes is None
     if resume and (ckpt / "meta.json").exists():
         meta = json.loads((ckpt / "meta.json").read_text())
@@ -457,6 +482,7 @@ def train_drafter(
         "steps": total, "epochs": round(total * batch_size / len(seqs), 3),
         "train_seconds": round(train_s, 1), "parameters": n_params,
         "settings": asdict(s), "final_loss": float(np.mean(losses[-20:])),
+        "init_from": init_note,
     }
     out_dtype = {"float16": mx.float16, "bfloat16": mx.bfloat16}.get(save_dtype, mx.float32)
     save_drafter(drafter, config, out_dir, out_dtype, summary)
