@@ -40,6 +40,22 @@ def param_counts(drafter) -> dict[str, int]:
     return {"total": total, "conv": conv, "selector": sel}
 
 
+class NoSelector:
+    """A DFlash 2 drafter seen without its `propose`: drafts = argmax / samples of the backbone
+    logits (the convs stay), to separate the selector's share of τ."""
+
+    def __init__(self, drafter):
+        self._d = drafter
+
+    def __getattr__(self, name: str):
+        if name == "propose":
+            raise AttributeError(name)
+        return getattr(self._d, name)
+
+    def __call__(self, *args):
+        return self._d(*args)
+
+
 def tau_run(pair, prompts, bs: int, temp: float, max_tokens: int, refs=None) -> dict:
     taus, identical, toks, secs = [], 0, 0, 0.0
     for i, ids in enumerate(prompts):
@@ -101,6 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--ablate-selector", action="store_true",
+                    help="also run DFlash 2 drafters without the selector walk")
     args = ap.parse_args(argv)
     sizes = [int(b) for b in args.block_sizes.split(",")]
     temps = [float(t) for t in args.temps.split(",")]
@@ -123,6 +141,15 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{draft} ({pair.kind}) bs {bs} T {t:g}: " + ", ".join(
                     f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                     for k, v in run.items()), flush=True)
+        if args.ablate_selector and hasattr(pair.drafter, "propose"):
+            pair.drafter = NoSelector(pair.drafter)
+            for bs in sizes:
+                for t in temps:
+                    run = tau_run(pair, prompts, bs, t, args.max_tokens,
+                                  refs if t == 0 else None)
+                    r["runs"][f"noselector_bs{bs}_T{t:g}"] = run
+                    print(f"{draft} without selector bs {bs} T {t:g}: tau {run['tau']:.4g}",
+                          flush=True)
         results[draft] = r
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
