@@ -319,3 +319,20 @@ def append_jsonl(path: str | Path, doc: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as f:
         f.write(json.dumps(doc, ensure_ascii=False) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Re-render a saved JSON report: `python -m dflash_mac.bench_report FILE.json [FORMAT]`."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if not 1 <= len(args) <= 2 or (len(args) == 2 and args[1] not in RENDERERS):
+        sys.exit("usage: python -m dflash_mac.bench_report REPORT.json [md|json|jsonl|csv]")
+    doc = json.loads(Path(args[0]).read_text())
+    if errors := validate(doc):
+        sys.exit(f"{args[0]} is not a bench report: {errors[0]}")
+    sys.stdout.write(render(doc, args[1] if len(args) == 2 else "md"))
+
+
+if __name__ == "__main__":
+    main()

@@ -335,3 +335,12 @@ def test_cli_errors_are_one_sentence(monkeypatch, capsys, args, msg):
     err = " ".join(capsys.readouterr().err.split())  # rich wraps at the console width
     assert err.startswith("error: ") and msg in err and "Traceback" not in err
     assert err.count(".") - err.count("..") <= 3 and err.endswith(".")
+
+
+def test_rerender_saved_report(doc, tmp_path, capsys):
+    path = tmp_path / "r.json"
+    path.write_text(bench_report.render(doc, "json"))
+    bench_report.main([str(path)])
+    assert capsys.readouterr().out == bench_report.render(doc, "md")
+    bench_report.main([str(path), "csv"])
+    assert capsys.readouterr().out == bench_report.render(doc, "csv")
