@@ -94,6 +94,8 @@ def print_stats(pair: Pair, result: GenerationResult, console: Console = err) ->
         def kernels_in_use() -> str:
             return "reference"
 
+    kernels = (f"{kernels_in_use()} (dynamic_conv, selector_walk)"
+               if pair.drafter.config.is_dflash2 else "none (DFlash 1: MLX ops only)")
     console.print(
         f"[dim]prompt[/] {s.prompt_tokens} tok ({s.cached_tokens} cached) · "
         f"prefill {s.prefill_tps:.1f} tok/s · TTFT {s.ttft * 1000:.0f} ms"
@@ -104,7 +106,7 @@ def print_stats(pair: Pair, result: GenerationResult, console: Console = err) ->
         f"finish {result.finish_reason}"
     )
     console.print(
-        f"[dim]drafter[/] {pair.kind} · kernels {kernels_in_use()} · {device_name()} · "
+        f"[dim]drafter[/] {pair.kind} · kernels {kernels} · {device_name()} · "
         f"BLAS {blas_in_use()} · peak memory {s.peak_memory_gb:.3f} GB"
     )
     console.print("[dim]acceptance histogram (tokens per cycle)[/]")
