@@ -58,6 +58,9 @@ def train(
                                    help="Regenerated data and checkpoints."),
     dtype: str = typer.Option("float16", "--dtype", help="Saved weights: float16, bfloat16, "
                               "float32."),
+    sliding_window: int | None = typer.Option(None, "--sliding-window",
+                                              help="Drafter attention sees only the last N "
+                                              "positions (bidirectional inside the block)."),
     init_from: Path | None = typer.Option(None, "--init-from",
                                           help="Start from this drafter folder (fine-tune; "
                                           "fresh schedule)."),
@@ -84,7 +87,7 @@ def train(
             max_new_tokens=gen_max_tokens, temp=temp, gen_batch_size=gen_batch_size,
             limit=limit, eval_prompts=eval_prompts, eval_max_tokens=eval_max_tokens,
             resume=resume, seed=seed, save_every=save_every, cache_dir=cache_dir,
-            save_dtype=dtype, init_from=init_from,
+            save_dtype=dtype, init_from=init_from, sliding_window=sliding_window,
         )
     except (TrainError, DataError, LoadError) as e:
         _fail(str(e))

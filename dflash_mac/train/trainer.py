@@ -60,6 +60,7 @@ class TrainSettings:
     max_length: int = 3072
     seed: int = 0
     intermediate_size: int | None = None
+    sliding_window: int | None = None
 
 
 # -- target and configuration -----------------------------------------------------------------
@@ -127,6 +128,9 @@ def drafter_config(tcfg: dict, s: TrainSettings) -> dict:
     }
     if tcfg.get("rope_scaling"):
         cfg["rope_scaling"] = tcfg["rope_scaling"]
+    if s.sliding_window:  # windowed drafter attention, bidirectional inside the block
+        cfg.update(layer_types=["sliding_attention"] * s.num_layers,
+                   sliding_window=s.sliding_window, is_causal=False)
     return dflash2_config(cfg) if s.arch == "dflash2" else cfg
 
 
@@ -314,6 +318,7 @@ def train_drafter(
     cache_dir: str | Path | None = None,
     save_dtype: str = "float16",
     init_from: str | Path | None = None,
+    sliding_window: int | None = None,
     console: Any = None,
     on_step: Callable[[int, float], None] | None = None,
 ) -> dict:
@@ -354,7 +359,7 @@ def train_drafter(
     s = TrainSettings(block_size=block_size, num_layers=num_layers, target_layer_ids=layer_ids,
                       mask_token_id=resolve_mask_id(tokenizer, mask_token_id), arch=arch, lr=lr,
                       batch_size=batch_size, anchors=anchors, max_length=max_length, seed=seed,
-                      intermediate_size=intermediate_size)
+                      intermediate_size=intermediate_size, sliding_window=sliding_window)
     config = drafter_config(tcfg, s)
     con.log(f"target {target_name}: {n_layers} layers, hidden {tcfg['hidden_size']}, vocab "
             f"{tcfg['vocab_size']}; drafter: {num_layers} layer(s), block {block_size}, "
