@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PROMPT ?= Write a Python function that returns the n-th Fibonacci number.
 
-.PHONY: run test install
+.PHONY: run test install bundle
 
 $(BIN)/dflash-mac: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,3 +20,9 @@ run: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# Rebuilds the bundled pair from scratch (stdlib corpus -> tokenizer -> target -> drafter).
+OPENBLAS := $(firstword $(wildcard /usr/lib/*-linux-gnu/libopenblas.so.0))
+bundle: install
+	LD_PRELOAD=$(OPENBLAS) $(BIN)/python -m dflash_mac.bundle.build --out models/bundled \
+		--stage all --minutes 40
