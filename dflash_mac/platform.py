@@ -46,6 +46,8 @@ def maybe_reexec_with_openblas(argv: list[str]) -> None:
     env = dict(os.environ)
     env["LD_PRELOAD"] = ":".join(filter(None, [lib, env.get("LD_PRELOAD")]))
     env["_DFLASH_MAC_REEXEC"] = "1"
+    if argv[:1] == ["chat"]:  # leave a core to the UI thread: BLAS threads would oversubscribe
+        env.setdefault("OPENBLAS_NUM_THREADS", str(max(1, (os.cpu_count() or 2) - 1)))
     script = sys.argv[0]
     if script.endswith("__main__.py") or not Path(script).is_file():
         os.execve(sys.executable, [sys.executable, "-m", "dflash_mac", *argv], env)
