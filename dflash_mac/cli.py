@@ -27,7 +27,7 @@ USER_ERRORS: tuple[type[Exception], ...] = (
     ConfigError,
     RollbackError,
 )
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)
 app = typer.Typer(
     name="dflash-mac",
     help="Fast local LLM generation with DFlash / DFlash 2 speculative decoding on MLX.",

@@ -10,7 +10,7 @@ from rich.console import Console
 from .generate import GenerationResult, stream_generate
 from .loading import LoadError, Pair, load, quantize_drafter
 
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)
 
 
 def warn_line(message: str) -> None:
