@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -287,8 +288,14 @@ def flat_rows(doc: dict) -> list[dict]:
     return out
 
 
+_NUMBER_LIST = re.compile(r"\[\s*(?:-?[\d.eE+-]+\s*,\s*)*-?[\d.eE+-]+\s*\]")
+
+
 def to_json(doc: dict) -> str:
-    return json.dumps(doc, indent=1, ensure_ascii=False) + "\n"
+    """Indented JSON with number arrays (tokens, acceptance lengths) kept on one line."""
+    text = json.dumps(doc, indent=1, ensure_ascii=False)
+    inline = lambda m: "[" + ", ".join(x.strip() for x in m.group(0)[1:-1].split(",")) + "]"  # noqa: E731
+    return _NUMBER_LIST.sub(inline, text) + "\n"
 
 
 def to_jsonl(doc: dict) -> str:
