@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -16,6 +17,7 @@ from typer.testing import CliRunner
 from dflash_mac import bench, bench_report, engine
 from dflash_mac.bench import BenchConfig, BenchError, BenchPrompt, Run
 from dflash_mac.cli import app
+from dflash_mac.loading import BUNDLED_DRAFT
 from dflash_mac.stats import histogram, mean_std, position_acceptance, survival
 
 # -- synthetic data ---------------------------------------------------------------------
@@ -344,3 +346,34 @@ def test_rerender_saved_report(doc, tmp_path, capsys):
     assert capsys.readouterr().out == bench_report.render(doc, "md")
     bench_report.main([str(path), "csv"])
     assert capsys.readouterr().out == bench_report.render(doc, "csv")
+
+
+# -- the bundled pair and committed results -----------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_committed_results_pass_schema():
+    files = sorted((ROOT / "bench" / "results").glob("*.json*"))
+    if not files:
+        pytest.skip("no committed bench results")
+    for f in files:
+        docs = ([json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+                if f.suffix == ".jsonl" else [json.loads(f.read_text())])
+        for d in docs:
+            assert bench_report.validate(d) == [], f
+            assert d["lossless"]["equal"] == d["lossless"]["checked"], f
+
+
+@pytest.mark.skipif(not (BUNDLED_DRAFT / "config.json").exists(), reason="no bundled pair")
+def test_bundled_pair_default_bench_json():
+    """The default command on the bundled pair (shortened): JSON passes the schema, lossless."""
+    res = runner.invoke(app, ["bench", "--limit", "2", "-n", "1", "--max-tokens", "16",
+                              "--no-live", "-o", "json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert bench_report.validate(doc) == []
+    assert doc["header"]["target"] == "bundled/target"
+    assert doc["config"]["suite"] == "code" and doc["rows"][0]["suite"] == "code"
+    assert doc["lossless"]["equal"] == doc["lossless"]["checked"] == 2
+    assert doc["rows"][0]["tau"][0] > 1.0
