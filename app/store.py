@@ -6,14 +6,14 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import sqlite3
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-HOME_ENV = "DFLASH_MAC_HOME"
+from dflash_mac.platform import data_dir
+
 DB_NAME = "chats.sqlite3"
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS chats (
@@ -35,16 +35,6 @@ CREATE INDEX IF NOT EXISTS messages_by_chat ON messages(chat_id, id);
 """
 
 
-def data_dir() -> Path:
-    """Where dflash-mac keeps its data (created on first use)."""
-    if env := os.environ.get(HOME_ENV):
-        path = Path(env).expanduser()
-    else:
-        from platformdirs import user_data_dir
-
-        path = Path(user_data_dir("dflash-mac", appauthor=False))
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 @dataclass(frozen=True)

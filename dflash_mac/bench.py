@@ -441,17 +441,6 @@ def _quant(q: dict | None) -> str:
     return f"{q.get('bits', 4)}-bit g{q.get('group_size', 64)}" if q else "none"
 
 
-def _cpu_name() -> str:
-    import platform
-
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
 
 def header(pair: Any) -> dict:
     """Machine, software and model facts for the report."""
@@ -461,7 +450,7 @@ def header(pair: Any) -> dict:
     from mlx.utils import tree_flatten
 
     from . import __version__
-    from .platform import machine_summary
+    from .platform import cpu_name, machine_summary
 
     def nbytes(model: Any) -> int:
         return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
@@ -470,7 +459,7 @@ def header(pair: Any) -> dict:
               if mx.issubdtype(v.dtype, mx.floating)]
     return {
         **machine_summary(),
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "dflash_mac": __version__,
         "target": display_id(pair.model_id),

@@ -17,6 +17,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from .platform import cpu_name
 from .registry import PairEntry, load_registry
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
@@ -82,13 +83,7 @@ def _device_info() -> dict:
 def _chip(info: dict) -> str:
     if name := info.get("device_name"):
         return str(name)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpu_name()
 
 
 def _physical_memory() -> int:

@@ -54,6 +54,33 @@ def maybe_reexec_with_openblas(argv: list[str]) -> None:
     os.execve(sys.executable, [sys.executable, script, *argv], env)
 
 
+HOME_ENV = "DFLASH_MAC_HOME"
+
+
+def data_dir() -> Path:
+    """dflash-mac's data directory (created on first use): $DFLASH_MAC_HOME, else the platform's
+    user data dir (~/Library/Application Support/dflash-mac, XDG on Linux)."""
+    if env := os.environ.get(HOME_ENV):
+        path = Path(env).expanduser()
+    else:
+        from platformdirs import user_data_dir
+
+        path = Path(user_data_dir("dflash-mac", appauthor=False))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def cpu_name() -> str:
+    """The CPU's marketing name (from /proc/cpuinfo on Linux)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def device_name() -> str:
     import mlx.core as mx
 

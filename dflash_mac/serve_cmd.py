@@ -16,7 +16,8 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-HOME_ENV = "DFLASH_MAC_HOME"
+from .platform import data_dir
+
 PID_NAME, URL_NAME, LOG_NAME = "serve.pid", "serve.url", "serve.log"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 err = Console(stderr=True)
@@ -26,16 +27,6 @@ class ServeError(RuntimeError):
     """The server cannot start; one sentence for the user."""
 
 
-def data_dir() -> Path:
-    """dflash-mac's data directory (created on first use)."""
-    if env := os.environ.get(HOME_ENV):
-        path = Path(env).expanduser()
-    else:
-        from platformdirs import user_data_dir
-
-        path = Path(user_data_dir("dflash-mac", appauthor=False))
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def read_pid(path: Path) -> int | None:
