@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..generate import PromptError, reasoning_args
+from dflash_mac.generate import PromptError, reasoning_args
 
 
 @dataclass
@@ -138,7 +138,7 @@ class Backend:
 
 def kernels_name() -> str:
     try:
-        from ..metal_kernels import kernels_in_use
+        from dflash_mac.metal_kernels import kernels_in_use
     except ImportError:  # kernels package not part of this build
         return "reference"
     try:
@@ -169,9 +169,9 @@ def measure_plain_tps(target: Any, tokenizer: Any, tokens: int = 32) -> float:
 
 def load_backend(opts: ChatOptions) -> Backend:
     """Load the pair, measure the plain baseline and open a session (runs in a worker)."""
-    from ..frontends import block_size_policy, warn_thinking_mismatch
-    from ..loading import load, quantize_drafter
-    from ..session import Session
+    from dflash_mac.cli.terminal import block_size_policy, warn_thinking_mismatch
+    from dflash_mac.loading import load, quantize_drafter
+    from dflash_mac.session import Session
 
     pair = load(opts.model, opts.draft)
     if opts.draft_bits is not None:

@@ -19,7 +19,7 @@ from textual.message import Message
 from textual.widgets import Footer, Header, Label, ProgressBar, Static
 
 from .backend import Backend, ChatOptions, Snapshot, load_backend
-from .commands import ChatCommands
+from .palette import ChatCommands
 from .screens import ChatListScreen
 from .store import Store
 from .text import chat_title
@@ -66,10 +66,11 @@ class Warmed(Message):
 def error_sentence(e: BaseException) -> str:
     """The one red sentence the CLI prints for user errors (cli.USER_ERRORS); the exception
     type and message otherwise."""
-    from ..generate import PromptError
-    from ..loading import LoadError
-    from ..models.config import ConfigError
-    from ..rollback import RollbackError
+    from dflash_mac.models.config import ConfigError
+
+    from dflash_mac.generate import PromptError
+    from dflash_mac.loading import LoadError
+    from dflash_mac.rollback import RollbackError
 
     user_errors = (LoadError, PromptError, ConfigError, RollbackError)
     return f"error: {e}" if isinstance(e, user_errors) else f"error: {type(e).__name__}: {e}"
@@ -338,7 +339,7 @@ class ChatApp(ChatCommands, App):
         self.panel.set_info(self.backend.info, self.reasoning_label)
         self.notify(f"Reasoning {self.reasoning}.")
         if pair := getattr(self.backend.session, "pair", None):  # drafter trained the other way?
-            from ..frontends import warn_thinking_mismatch
+            from dflash_mac.cli.terminal import warn_thinking_mismatch
 
             warn_thinking_mismatch(pair, self.reasoning, warn=lambda w: self.notify(
                 plain_warning(w), severity="warning", timeout=10))

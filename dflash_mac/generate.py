@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .engine import DecodeState, GenerationConfig, GenerationEvent, speculative_stream
+from .decode import DecodeState, GenerationConfig, GenerationEvent, speculative_stream
 from .sampling import SamplingParams
 from .stats import DecodeStats
 

@@ -24,7 +24,7 @@ from mlx.nn.layers.distributed import sum_gradients
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.gated_delta import compute_g, gated_delta_update, normalize_qk
 
-from .adapter import decoder_layers
+from .capture import decoder_layers
 
 STRATEGIES = ("replay", "rerun")
 HAS_FAST_GDN = hasattr(mx.fast, "gated_delta_update")

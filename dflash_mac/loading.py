@@ -13,7 +13,7 @@ from mlx import nn
 from mlx.utils import tree_flatten, tree_map
 
 from . import models as _models_pkg
-from .adapter import decoder_layers, target_head
+from .capture import decoder_layers, target_head
 from .models.config import ConfigError, DraftConfig
 
 PACKAGE_MODELS = Path(_models_pkg.__file__).resolve().parent

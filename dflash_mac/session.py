@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .engine import DecodeState, GenerationEvent
+from .decode import DecodeState, GenerationEvent
 from .generate import prompt_ids, stream_generate
 from .rollback import RollbackError
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+from dflash_mac.metal_kernels import dynamic_conv, selector_walk
 from mlx import nn
 from mlx_lm.models.cache import KVCache
 
-from ..metal_kernels import dynamic_conv, selector_walk
 from .config import DraftConfig
 from .dflash import DFlashDraftModel, DraftAttention, DraftMLP, block_mask
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from dflash_mac.adapter import FeatureCapture
-from dflash_mac.engine import GenerationConfig, propose, speculative_stream
+from dflash_mac.capture import FeatureCapture
+from dflash_mac.decode import GenerationConfig, propose, speculative_stream
 from dflash_mac.loading import load
 from dflash_mac.sampling import SamplingParams
 from dflash_mac.train.data import encode_prompts, read_prompts

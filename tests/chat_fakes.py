@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from dflash_mac.app.backend import Backend, EngineInfo
 
-from dflash_mac.engine import GenerationEvent
+from dflash_mac.decode import GenerationEvent
 from dflash_mac.stats import DecodeStats
 
 ANSWER = [

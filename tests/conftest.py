@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dflash_mac.loading import load
-from dflash_mac.tiny import build_tiny_pair
+from dflash_mac.testing.tiny import build_tiny_pair
 
 
 @pytest.fixture(scope="session")

@@ -14,8 +14,10 @@ from doubles import OracleDrafter, with_drafter
 from mlx_lm.generate import generate_step
 from typer.testing import CliRunner
 
-from dflash_mac import bench, bench_report, engine
-from dflash_mac.bench import BenchConfig, BenchError, BenchPrompt, Run
+from dflash_mac import decode as engine
+from dflash_mac.bench import report as bench_report
+from dflash_mac.bench import run as bench
+from dflash_mac.bench.run import BenchConfig, BenchError, BenchPrompt, Run
 from dflash_mac.cli import app
 from dflash_mac.loading import BUNDLED_DRAFT
 from dflash_mac.stats import histogram, mean_std, position_acceptance, survival

@@ -17,10 +17,10 @@ from mlx_lm.models import qwen3
 from test_greedy_exact import PROMPTS, baseline, run
 from test_sampling import V, chi_square_p, dflash_samples, exact_joint
 
-from dflash_mac.adapter import FeatureCapture, target_head
+from dflash_mac.capture import FeatureCapture, target_head
 from dflash_mac.loading import Pair, load_drafter
 from dflash_mac.sampling import SamplingParams
-from dflash_mac.tiny import draft_config, target_config
+from dflash_mac.testing.tiny import draft_config, target_config
 
 REFERENCE = Path(__file__).parent / "data" / "reference"
 

@@ -11,8 +11,9 @@ import mlx.core as mx
 import pytest
 from typer.testing import CliRunner
 
-from dflash_mac import cli, doctor, loading
-from dflash_mac.doctor import FAIL, PASS, WARN, Facts
+from dflash_mac import cli, loading
+from dflash_mac.cli import doctor
+from dflash_mac.cli.doctor import FAIL, PASS, WARN, Facts
 from dflash_mac.registry import load_registry
 
 runner = CliRunner()

@@ -7,7 +7,7 @@ import pytest
 from doubles import OracleDrafter, with_drafter
 from mlx_lm.generate import generate_step
 
-from dflash_mac.engine import DecodeState, GenerationConfig, speculative_stream
+from dflash_mac.decode import DecodeState, GenerationConfig, speculative_stream
 from dflash_mac.textstream import TextStream
 
 PROMPTS = [
@@ -155,7 +155,7 @@ def test_rollback_state_equals_fresh_prefill(tiny_pair, cases):
 def test_interleaved_streams_share_hooks(tiny_pair, cases):
     """Two live generations on the same target instance, advanced alternately, each equal their
     own baseline; no hook is left afterwards."""
-    from dflash_mac.adapter import is_hooked
+    from dflash_mac.capture import is_hooked
 
     (ids_a, ref_a), (ids_b, ref_b) = cases[5], cases[6]
     a = speculative_stream(tiny_pair, ids_a, GenerationConfig(max_tokens=30, block_size=4,

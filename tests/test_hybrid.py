@@ -16,15 +16,20 @@ from mlx_lm.models import qwen3_5
 from mlx_lm.models.cache import ArraysCache, KVCache
 from scipy.stats import chisquare
 
-from dflash_mac import adapter, hybrid
-from dflash_mac.adapter import target_head
-from dflash_mac.engine import DecodeState, GenerationConfig, speculative_stream
+from dflash_mac import capture as adapter
+from dflash_mac import hybrid
+from dflash_mac.capture import target_head
+from dflash_mac.decode import DecodeState, GenerationConfig, speculative_stream
 from dflash_mac.loading import Pair, load
 from dflash_mac.rollback import RollbackError, TargetRollback
 from dflash_mac.sampling import SamplingParams, probabilities
 from dflash_mac.session import Session
-from dflash_mac.tiny import draft_config
-from dflash_mac.tiny_hybrid import build_hybrid_target, build_tiny_hybrid_pair, hybrid_text_config
+from dflash_mac.testing.tiny import draft_config
+from dflash_mac.testing.tiny_hybrid import (
+    build_hybrid_target,
+    build_tiny_hybrid_pair,
+    hybrid_text_config,
+)
 
 PROMPTS = ["def add(a, b):", "The quick brown fox"]
 N = 200

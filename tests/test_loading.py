@@ -11,7 +11,7 @@ import sys
 import mlx.core as mx
 import pytest
 
-from dflash_mac.adapter import is_hooked
+from dflash_mac.capture import is_hooked
 from dflash_mac.loading import LoadError, load, resolve
 
 

@@ -12,7 +12,8 @@ import pytest
 from huggingface_hub.errors import LocalEntryNotFoundError
 from typer.testing import CliRunner
 
-from dflash_mac import cli, manage
+from dflash_mac import cli
+from dflash_mac.cli import models as manage
 from dflash_mac.loading import DOWNLOAD_PATTERNS, LoadError
 
 runner = CliRunner()

@@ -12,10 +12,10 @@ from mlx_lm.generate import generate_step
 from typer.testing import CliRunner
 
 from dflash_mac.cli import app
-from dflash_mac.engine import GenerationConfig, speculative_stream
-from dflash_mac.frontends import block_size_policy, load_pair
+from dflash_mac.cli.terminal import block_size_policy, load_pair
+from dflash_mac.decode import GenerationConfig, speculative_stream
 from dflash_mac.loading import LoadError, load, quantize_drafter
-from dflash_mac.tiny_hybrid import build_tiny_hybrid_pair
+from dflash_mac.testing.tiny_hybrid import build_tiny_hybrid_pair
 
 runner = CliRunner()
 PROMPTS = ["def add(a, b):", "hello world"]

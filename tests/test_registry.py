@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from dflash_mac import frontends, loading, registry
+from dflash_mac import loading, registry
+from dflash_mac.cli import terminal as frontends
 from dflash_mac.loading import BUNDLED_DRAFT, BUNDLED_TARGET, LoadError
 from dflash_mac.registry import (
     RegistryError,

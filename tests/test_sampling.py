@@ -12,7 +12,7 @@ from dflash_mac.models.dflash import DFlashDraftModel
 from mlx_lm.models import qwen3
 from scipy.stats import chisquare
 
-from dflash_mac.adapter import target_head
+from dflash_mac.capture import target_head
 from dflash_mac.loading import Pair
 from dflash_mac.sampling import (
     SamplingParams,
@@ -21,7 +21,7 @@ from dflash_mac.sampling import (
     probabilities,
 )
 from dflash_mac.session import Session
-from dflash_mac.tiny import draft_config, target_config
+from dflash_mac.testing.tiny import draft_config, target_config
 
 V = 5
 N = 1500
@@ -112,7 +112,7 @@ def test_a_lossy_rule_is_detected(small_pair):
     """The chi-square check has teeth: accepting every draft (no rejection) fails it."""
     sp = SamplingParams(temperature=1.0)
     joint = exact_joint(small_pair, sp)
-    import dflash_mac.engine as engine
+    import dflash_mac.decode as engine
 
     real = engine.accept_sampled
 
@@ -132,7 +132,7 @@ def test_rejection_accepts_more_than_sample_and_match(small_pair):
     sp = SamplingParams(temperature=1.0)
     pair = small_pair
     cache = pair.drafter.make_cache()
-    from dflash_mac.adapter import FeatureCapture
+    from dflash_mac.capture import FeatureCapture
 
     with FeatureCapture(pair.target, pair.layer_ids) as cap:
         pair.target(mx.array([PROMPT]))

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dflash_mac.cli import app
-from dflash_mac.serve_cmd import PidFile, ServeError, check_free, data_dir
+from dflash_mac.serve.command import PidFile, ServeError, check_free, data_dir
 
 
 def test_data_dir_honours_env(tmp_path, monkeypatch):

@@ -15,7 +15,7 @@ import uvicorn
 
 from dflash_mac.generate import generate
 from dflash_mac.loading import BUNDLED_DRAFT, load
-from dflash_mac.server import create_app
+from dflash_mac.serve.app import create_app
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

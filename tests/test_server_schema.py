@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_mac.api_schema import APIError, parse_chat, parse_completion
+from dflash_mac.serve.schema import APIError, parse_chat, parse_completion
 from dflash_mac.think import ThinkSplitter, prompt_opens_think
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -78,8 +78,8 @@ def test_think_opened_by_prompt_and_plain_text():
 
 
 def test_responder_puts_reasoning_in_reasoning_content():
-    from dflash_mac.serve_worker import Ready
-    from dflash_mac.server import Responder
+    from dflash_mac.serve.app import Responder
+    from dflash_mac.serve.worker import Ready
 
     req = parse_chat({"messages": MSG, "stream": True}, 8, 8)
     out = Responder(req, "m", Ready(3, think_open=True))

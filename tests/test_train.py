@@ -11,9 +11,9 @@ import pytest
 from dflash_mac.models.config import DraftConfig
 from dflash_mac.models.dflash import DFlashDraftModel
 
-from dflash_mac.adapter import target_head
+from dflash_mac.capture import target_head
 from dflash_mac.loading import load
-from dflash_mac.tiny import draft_config
+from dflash_mac.testing.tiny import draft_config
 from dflash_mac.train import TrainError, train_drafter
 from dflash_mac.train.blocks import (
     block_inputs,

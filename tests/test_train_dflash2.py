@@ -11,7 +11,7 @@ from dflash_mac.models.dflash2 import DFlash2DraftModel
 from test_dflash2 import d2_config, randomize
 from test_train import _train, prompts_file  # noqa: F401  (fixture)
 
-from dflash_mac.adapter import target_head
+from dflash_mac.capture import target_head
 from dflash_mac.loading import load
 from dflash_mac.train.blocks import block_inputs, position_weights
 from dflash_mac.train.dflash2_loss import selector_loss, train_hidden2

@@ -66,7 +66,8 @@ def train(
                                           "fresh schedule)."),
 ) -> None:
     """Train a DFlash drafter for TARGET on the target's own answers to --data prompts."""
-    from ..loading import LoadError
+    from dflash_mac.loading import LoadError
+
     from .data import DataError
     from .trainer import TrainError, train_drafter
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx import nn
 
-from ..metal_kernels import reference
+from dflash_mac.metal_kernels import reference
+
 from .forward import _attention, dflash_loss
 
 

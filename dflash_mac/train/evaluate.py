@@ -3,7 +3,7 @@
     python -m dflash_mac.train.evaluate --model T --draft D --prompts P.jsonl \\
         --block-sizes 5,8 --max-tokens 256
 
-Greedy DFlash (`dflash_mac.engine.speculative_stream`) against the same process's plain target
+Greedy DFlash (`dflash_mac.decode.speculative_stream`) against the same process's plain target
 decoding (mlx-lm `generate_step`, no hooks), both warmed up, same prompts and max tokens, both
 stopping at EOS. Decode speed counts the tokens after the first over the time after the first
 (prefill excluded on both sides). Every prompt's committed ids must equal the baseline's.
@@ -20,7 +20,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..stats import histogram, position_acceptance, survival
+from dflash_mac.stats import histogram, position_acceptance, survival
 
 
 @dataclass
@@ -79,7 +79,7 @@ def baseline_run(pair: Any, ids: list[int], max_tokens: int) -> tuple[list[int],
 
 def dflash_run(pair: Any, ids: list[int], max_tokens: int, block_size: int):
     """Greedy DFlash; returns (committed ids, decode time after the first, cycle lengths)."""
-    from ..engine import GenerationConfig, speculative_stream
+    from dflash_mac.decode import GenerationConfig, speculative_stream
 
     cfg = GenerationConfig(max_tokens=max_tokens, block_size=block_size)
     out: list[int] = []
@@ -150,8 +150,9 @@ def summary_line(r: EvalResult) -> str:
 def main(argv: list[str] | None = None) -> None:
     from rich.console import Console
 
-    from ..loading import load
-    from ..platform import blas_in_use
+    from dflash_mac.loading import load
+    from dflash_mac.platform import blas_in_use
+
     from .data import encode_prompts, read_prompts
 
     ap = argparse.ArgumentParser(prog="python -m dflash_mac.train.evaluate",

@@ -25,9 +25,10 @@ import numpy as np
 from mlx import nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..adapter import FeatureCapture, target_head, text_model
-from ..models.config import DraftConfig
-from ..models.dflash import DFlashDraftModel
+from dflash_mac.capture import FeatureCapture, target_head, text_model
+from dflash_mac.models.config import DraftConfig
+from dflash_mac.models.dflash import DFlashDraftModel
+
 from .blocks import block_inputs, decay_gamma, position_weights, sample_anchors
 from .data import Sequence, load_or_regenerate
 from .dflash2_loss import dflash2_config, dflash2_loss
@@ -135,7 +136,7 @@ def drafter_config(tcfg: dict, s: TrainSettings) -> dict:
 
 
 def build_drafter(config: dict, target: nn.Module) -> DFlashDraftModel:
-    from ..loading import build_drafter as build_class  # DFlash 1 or 2 by `architectures`
+    from dflash_mac.loading import build_drafter as build_class  # DFlash 1 or 2 by `architectures`
 
     drafter = build_class(DraftConfig.from_dict(config))
     tm = text_model(target)
@@ -254,7 +255,7 @@ def export_weights(drafter) -> dict[str, mx.array]:
 
 def load_init(drafter, folder: Path) -> str:
     """Load an existing drafter's weights (strict names and shapes) as the starting point."""
-    from ..loading import load_weights
+    from dflash_mac.loading import load_weights
 
     weights = {k: v.astype(mx.float32) for k, v in load_weights(folder).items()
                if "embed_tokens" not in k and not k.startswith("lm_head")}
@@ -332,7 +333,7 @@ def train_drafter(
     from mlx_lm.utils import load as mlx_load
     from rich.console import Console
 
-    from ..loading import cast_floats, default_dtype, resolve
+    from dflash_mac.loading import cast_floats, default_dtype, resolve
 
     con = console or Console()
     if arch not in ARCHS:
@@ -506,7 +507,8 @@ def train_drafter(
 def run_eval(target: Path, draft: Path, prompts: Path, block_size: int, max_tokens: int,
              limit: int | None, con) -> list[dict]:
     """τ and per-position acceptance at the trained block size and at 5 (real runtime)."""
-    from ..loading import load
+    from dflash_mac.loading import load
+
     from .data import encode_prompts, read_prompts
     from .evaluate import evaluate
 

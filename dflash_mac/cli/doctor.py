@@ -17,8 +17,8 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from .platform import cpu_name
-from .registry import PairEntry, load_registry
+from dflash_mac.platform import cpu_name
+from dflash_mac.registry import PairEntry, load_registry
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 MIN_MLX_LM = (0, 30)
@@ -95,7 +95,7 @@ def _physical_memory() -> int:
 
 def _kernels() -> tuple[str, str]:
     try:
-        from .metal_kernels import kernels_in_use
+        from dflash_mac.metal_kernels import kernels_in_use
     except ImportError:  # kernels package not installed (or not written yet)
         return "reference", ""
     try:
@@ -108,8 +108,9 @@ def gather_facts() -> Facts:
     """Look at this machine once."""
     import mlx.core as mx
 
-    from .manage import hf_cache_dir
-    from .platform import blas_in_use
+    from dflash_mac.platform import blas_in_use
+
+    from .models import hf_cache_dir
 
     try:
         from importlib.metadata import version
@@ -210,7 +211,7 @@ def memory_need_gb(entry: PairEntry, context: int, full: bool = False) -> dict[s
 
 def check_memory(f: Facts, entry: PairEntry, context: int) -> Check:
     """Unified memory vs what the chosen pair needs at the chosen context."""
-    from .manage import fmt_size
+    from .models import fmt_size
 
     need = memory_need_gb(entry, context)
     have, budget = f.memory_bytes / 1e9, f.budget_bytes / 1e9
@@ -237,7 +238,7 @@ def _existing_parent(path: Path) -> Path:
 
 def check_hf_cache(f: Facts, entry: PairEntry | None = None) -> Check:
     """The Hugging Face cache: where, writable, and room for the chosen pair."""
-    from .manage import fmt_size, pair_cache, pair_ready, scan_cache
+    from .models import fmt_size, pair_cache, pair_ready, scan_cache
 
     base = _existing_parent(f.hf_cache)
     if not os.access(base, os.W_OK):
@@ -273,7 +274,7 @@ def reference_tokens(pair, ids: list[int], n: int) -> list[int]:
 
 def dflash_tokens(pair, ids: list[int], n: int) -> tuple[list[int], float]:
     """Greedy DFlash decoding; the token ids and τ."""
-    from .engine import GenerationConfig, speculative_stream
+    from dflash_mac.decode import GenerationConfig, speculative_stream
 
     events = list(speculative_stream(pair, ids, GenerationConfig(max_tokens=n, use_eos=False)))
     return [t for e in events for t in e.tokens], events[-1].stats.tau
@@ -283,11 +284,11 @@ def load_selftest_pair(tmp: str) -> tuple[object, bool]:
     """The bundled pair in fp32 (exact), or a tiny random pair when it is not built yet."""
     import mlx.core as mx
 
-    from .loading import BUNDLED_DRAFT, BUNDLED_TARGET, load
+    from dflash_mac.loading import BUNDLED_DRAFT, BUNDLED_TARGET, load
 
     if (BUNDLED_DRAFT / "config.json").exists():
         return load(BUNDLED_TARGET, BUNDLED_DRAFT, dtype=mx.float32), True
-    from .tiny import build_tiny_pair
+    from dflash_mac.testing.tiny import build_tiny_pair
 
     return load(*build_tiny_pair(tmp, seed=0, target_layers=4), dtype=mx.float32), False
 

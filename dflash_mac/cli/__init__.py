@@ -8,18 +8,19 @@ import sys
 import typer
 from rich.console import Console
 
-from . import __version__
-from .bench import bench_command
-from .chat_cmd import chat
+from dflash_mac import __version__
+from dflash_mac.app.command import chat
+from dflash_mac.bench.run import bench_command
+from dflash_mac.generate import REASONING_CHOICES, PromptError
+from dflash_mac.loading import LoadError
+from dflash_mac.models.config import ConfigError
+from dflash_mac.rollback import RollbackError
+from dflash_mac.serve.command import serve as serve_command
+from dflash_mac.train.command import train as train_command
+
 from .convert import convert as convert_command
 from .doctor import doctor_command
-from .generate import REASONING_CHOICES, PromptError
-from .loading import LoadError
-from .manage import models_command, pull_command
-from .models.config import ConfigError
-from .rollback import RollbackError
-from .serve_cmd import serve as serve_command
-from .train.command import train as train_command
+from .models import models_command, pull_command
 
 USER_ERRORS: tuple[type[Exception], ...] = (
     LoadError,
@@ -115,7 +116,7 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
 ) -> None:
     """Generate text for PROMPT with DFlash speculative decoding."""
-    from .frontends import load_pair, print_stats, stream_to_terminal
+    from .terminal import load_pair, print_stats, stream_to_terminal
 
     text = read_prompt(prompt)
     template_args = parse_template_args(chat_template_args)
@@ -166,7 +167,7 @@ app.command("serve")(serve_command)
 
 def main() -> None:
     """Console-script entry point: clean one-sentence errors, never a traceback."""
-    from .platform import maybe_reexec_with_openblas
+    from dflash_mac.platform import maybe_reexec_with_openblas
 
     maybe_reexec_with_openblas(sys.argv[1:])
     try:

@@ -1,6 +1,6 @@
 """Rollback strategies for hybrid targets, measured per decode cycle (docs/rollback.md).
 
-    python -m dflash_mac.hybrid_bench [--hidden 512] [--layers 8] [--tokens 160]
+    python -m dflash_mac.testing.rollback_bench [--hidden 512] [--layers 8] [--tokens 160]
 
 Builds a random qwen3_5 target (GatedDeltaNet + attention) in memory, decodes with a drafter
 that knows the target's greedy text but is wrong 30% of the time (so rejections happen), and
@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-from .adapter import target_head
-from .engine import DecodeState, GenerationConfig, speculative_stream
-from .loading import Pair
-from .models.config import DraftConfig
-from .models.dflash import DFlashDraftModel
-from .rollback import TargetRollback
+from dflash_mac.capture import target_head
+from dflash_mac.decode import DecodeState, GenerationConfig, speculative_stream
+from dflash_mac.loading import Pair
+from dflash_mac.models.config import DraftConfig
+from dflash_mac.models.dflash import DFlashDraftModel
+from dflash_mac.rollback import TargetRollback
+
 from .tiny import draft_config
 from .tiny_hybrid import build_hybrid_target, hybrid_text_config
 

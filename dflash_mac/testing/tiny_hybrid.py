@@ -64,8 +64,8 @@ def build_tiny_hybrid_pair(out: str | Path, seed: int = 0, target_layers: int = 
     """Write a random qwen3_5 (or qwen3_next) target with tokenizer, and a random drafter.
 
     qwen3_5 is written the way the Hub ships it: `text_config` nested in the config."""
-    from .models.config import DraftConfig
-    from .models.dflash import DFlashDraftModel
+    from dflash_mac.models.config import DraftConfig
+    from dflash_mac.models.dflash import DFlashDraftModel
 
     out = Path(out)
     tdir, ddir = out / "target", out / "draft"

@@ -86,8 +86,8 @@ def build_tiny_pair(out: str | Path, seed: int = 0, target_layers: int = 4,
     """Write a random qwen3 target (with tokenizer) and a matching random DFlash drafter."""
     from mlx_lm.models import qwen3
 
-    from .models.config import DraftConfig
-    from .models.dflash import DFlashDraftModel
+    from dflash_mac.models.config import DraftConfig
+    from dflash_mac.models.dflash import DFlashDraftModel
 
     out = Path(out)
     tdir, ddir = out / "target", out / "draft"

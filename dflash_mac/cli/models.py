@@ -11,8 +11,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .loading import LoadError, download
-from .registry import NO_DRAFTER_HELP, PairEntry, Registry, load_registry
+from dflash_mac.loading import LoadError, download
+from dflash_mac.registry import NO_DRAFTER_HELP, PairEntry, Registry, load_registry
 
 out = Console()
 err = Console(stderr=True)

@@ -12,7 +12,7 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
-from .adapter import FeatureCapture
+from .capture import FeatureCapture
 from .rollback import TargetRollback, trim_caches
 from .sampling import SamplingParams, accept_greedy, accept_sampled, probabilities, sample
 from .stats import DecodeStats

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from .generate import REASONING_CHOICES, PromptError
+from dflash_mac.generate import REASONING_CHOICES, PromptError
 
 MODEL_HELP = "Target model: local folder or Hugging Face id (default: the bundled pair)."
 DRAFT_HELP = "DFlash drafter: local folder or Hugging Face id (default: the bundled pair)."
@@ -32,9 +32,10 @@ def chat(
     resume: bool = typer.Option(False, "--resume", "-r", help="Reopen the most recent chat."),
 ) -> None:
     """Chat in the terminal: streamed answers, a live acceptance histogram, saved chats."""
-    from .app.backend import ChatOptions
-    from .app.chat_app import ChatApp
-    from .generate import make_config
+    from dflash_mac.generate import make_config
+
+    from .backend import ChatOptions
+    from .chat_app import ChatApp
 
     make_config(max_tokens, block_size, temp, top_p, top_k, min_p)  # bad options fail here
     if reasoning is not None and reasoning not in REASONING_CHOICES:

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .frontends import bars
+from dflash_mac.cli.terminal import bars
 
 SCHEMA_ID = "dflash-mac-bench/1"
 
@@ -139,7 +139,7 @@ def validate(doc: Any, schema: dict = SCHEMA, path: str = "$") -> list[str]:
 
 def record_dict(rec: dict, greedy: bool) -> dict:
     """A (trial, prompt) record with its runs as plain dicts (lossless per DFlash run)."""
-    from .bench import first_diff
+    from .run import first_diff
 
     base = rec["baseline"]
     dflash = []
@@ -155,7 +155,7 @@ def record_dict(rec: dict, greedy: bool) -> dict:
 def build_report(header: dict, config: dict, records: list[dict], block_sizes: list[int],
                  greedy: bool) -> dict:
     """The whole report document (validates against SCHEMA)."""
-    from .bench import best_block_size, mismatches, summary_rows
+    from .run import best_block_size, mismatches, summary_rows
 
     rows = summary_rows(records, block_sizes, greedy)
     bad = mismatches(records) if greedy else []
@@ -329,12 +329,12 @@ def append_jsonl(path: str | Path, doc: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Re-render a saved JSON report: `python -m dflash_mac.bench_report FILE.json [FORMAT]`."""
+    """Re-render a saved JSON report: `python -m dflash_mac.bench.report FILE.json [FORMAT]`."""
     import sys
 
     args = sys.argv[1:] if argv is None else argv
     if not 1 <= len(args) <= 2 or (len(args) == 2 and args[1] not in RENDERERS):
-        sys.exit("usage: python -m dflash_mac.bench_report REPORT.json [md|json|jsonl|csv]")
+        sys.exit("usage: python -m dflash_mac.bench.report REPORT.json [md|json|jsonl|csv]")
     doc = json.loads(Path(args[0]).read_text())
     if errors := validate(doc):
         sys.exit(f"{args[0]} is not a bench report: {errors[0]}")

@@ -16,7 +16,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from .platform import data_dir
+from dflash_mac.platform import data_dir
 
 PID_NAME, URL_NAME, LOG_NAME = "serve.pid", "serve.url", "serve.log"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -132,8 +132,9 @@ def serve(
                                          "in the data directory)."),
 ) -> None:
     """Serve the pair as an OpenAI-compatible API (for Continue, Cline, Aider, Zed, ...)."""
-    from .frontends import load_pair
-    from .server import create_app
+    from dflash_mac.cli.terminal import load_pair
+
+    from .app import create_app
 
     try:
         home = data_dir()

@@ -26,11 +26,11 @@ from typing import Any
 
 import typer
 
-from .generate import PromptError
-from .stats import histogram, mean_std, position_acceptance, survival
+from dflash_mac.generate import PromptError
+from dflash_mac.stats import histogram, mean_std, position_acceptance, survival
 
 SUITES = ("code", "math", "chat")
-SUITE_DIR = Path(__file__).resolve().parent / "data" / "suites"
+SUITE_DIR = Path(__file__).resolve().parent.parent / "data" / "suites"
 FORMATS = ("md", "json", "jsonl", "csv")
 
 
@@ -52,7 +52,7 @@ class BenchPrompt:
 
 def code_suite_path() -> Path:
     """The bundled pair's held-out prompts (the `code` suite)."""
-    from .loading import PACKAGE_MODELS
+    from dflash_mac.loading import PACKAGE_MODELS
 
     return PACKAGE_MODELS / "bundled" / "eval_prompts.jsonl"
 
@@ -234,7 +234,7 @@ def run_baseline(pair: Any, ids: list[int], cfg: BenchConfig, seed: int,
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
 
-    from .adapter import is_hooked
+    from dflash_mac.capture import is_hooked
 
     assert not is_hooked(pair.target), "the baseline must run on an unhooked target"
     max_tokens = max_tokens or cfg.max_tokens
@@ -260,7 +260,7 @@ def run_dflash(pair: Any, ids: list[int], cfg: BenchConfig, block_size: int, see
                on_cycle: Callable[[int], Any] | None = None,
                max_tokens: int | None = None) -> Run:
     """DFlash through `stream_generate`, timed like the baseline; `on_cycle(accepted)`."""
-    from .generate import stream_generate
+    from dflash_mac.generate import stream_generate
 
     tokens, last = [], None
     clock = Clock()
@@ -428,7 +428,7 @@ def mismatches(records: list[dict]) -> list[dict]:
 
 def display_id(name: str) -> str:
     """Model id for reports: bundled folders by their short name, others as given."""
-    from .loading import PACKAGE_MODELS
+    from dflash_mac.loading import PACKAGE_MODELS
 
     try:
         rel = Path(name).resolve().relative_to(PACKAGE_MODELS / "bundled")
@@ -449,8 +449,8 @@ def header(pair: Any) -> dict:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from . import __version__
-    from .platform import cpu_name, machine_summary
+    from dflash_mac import __version__
+    from dflash_mac.platform import cpu_name, machine_summary
 
     def nbytes(model: Any) -> int:
         return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
@@ -549,10 +549,11 @@ def bench_command(
     """Benchmark DFlash against plain decoding of the same target, in one process."""
     from rich.console import Console
 
-    from .bench_report import append_jsonl, build_report, render
-    from .bench_view import BenchView, print_acceptance
-    from .frontends import block_size_policy, load_pair
-    from .generate import check_context, make_config, prompt_ids
+    from dflash_mac.cli.terminal import block_size_policy, load_pair
+    from dflash_mac.generate import check_context, make_config, prompt_ids
+
+    from .report import append_jsonl, build_report, render
+    from .view import BenchView, print_acceptance
 
     err = Console(stderr=True)
     check_format(fmt)

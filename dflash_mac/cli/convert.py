@@ -9,8 +9,8 @@ from pathlib import Path
 import typer
 from mlx.utils import tree_flatten
 
-from .loading import LoadError, load_drafter, quantize_drafter, read_json, resolve
-from .models.config import DFLASH1, DFLASH2, ConfigError, DraftConfig
+from dflash_mac.loading import LoadError, load_drafter, quantize_drafter, read_json, resolve
+from dflash_mac.models.config import DFLASH1, DFLASH2, ConfigError, DraftConfig
 
 BITS_HELP = "Bits per weight: 4 or 8 (MLX affine quantization)."
 

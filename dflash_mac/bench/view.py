@@ -9,9 +9,10 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from .bench import BenchPrompt, Observer, Run, trial_tps
-from .frontends import bars
-from .stats import histogram
+from dflash_mac.cli.terminal import bars
+from dflash_mac.stats import histogram
+
+from .run import BenchPrompt, Observer, Run, trial_tps
 
 
 class BenchView(Observer):

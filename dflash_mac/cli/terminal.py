@@ -7,8 +7,8 @@ from typing import Any
 
 from rich.console import Console
 
-from .generate import GenerationResult, stream_generate
-from .loading import LoadError, Pair, load, quantize_drafter
+from dflash_mac.generate import GenerationResult, stream_generate
+from dflash_mac.loading import LoadError, Pair, load, quantize_drafter
 
 err = Console(stderr=True, soft_wrap=True)
 
@@ -48,7 +48,7 @@ _thinking_warned: set[tuple[str, bool]] = set()
 def warn_thinking_mismatch(pair: Pair, reasoning: str | None, warn=err.print) -> None:
     """Warn once when --reasoning (or the template default) contradicts how the drafter was
     trained (thinking on/off): acceptance collapses in that case (SPEC §8)."""
-    from .registry import pair_for, thinking_warning
+    from dflash_mac.registry import pair_for, thinking_warning
 
     try:
         entry = pair_for(pair.model_id, pair.draft_id)
@@ -84,11 +84,11 @@ def bars(counts: list[int], width: int = 30) -> list[str]:
 
 
 def print_stats(pair: Pair, result: GenerationResult, console: Console = err) -> None:
-    from .platform import blas_in_use, device_name
+    from dflash_mac.platform import blas_in_use, device_name
 
     s = result.stats
     try:
-        from .metal_kernels import kernels_in_use
+        from dflash_mac.metal_kernels import kernels_in_use
     except ImportError:  # kernels package not installed in this build
 
         def kernels_in_use() -> str:

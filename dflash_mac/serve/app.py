@@ -22,12 +22,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from . import __version__
-from .api_schema import APIError, GenRequest, parse_chat, parse_completion
-from .serve_metrics import prometheus
-from .serve_worker import Job, Ready, Worker
-from .session import Session
-from .think import ThinkSplitter
+from dflash_mac import __version__
+from dflash_mac.session import Session
+from dflash_mac.think import ThinkSplitter
+
+from .metrics import prometheus
+from .schema import APIError, GenRequest, parse_chat, parse_completion
+from .worker import Job, Ready, Worker
 
 FINGERPRINT = f"dflash-mac-{__version__}"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -35,7 +36,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 def model_name(pair: Any) -> str:
     """The id clients see: a Hub id as is, a local folder by its name."""
-    from .loading import BUNDLED_TARGET
+    from dflash_mac.loading import BUNDLED_TARGET
 
     path = Path(str(pair.model_id))
     if path.resolve() == BUNDLED_TARGET.resolve():

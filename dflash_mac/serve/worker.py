@@ -13,11 +13,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .api_schema import APIError, GenRequest
-from .generate import PromptError
-from .serve_metrics import Metrics, summary
-from .session import Session
-from .think import prompt_opens_think
+from dflash_mac.generate import PromptError
+from dflash_mac.session import Session
+from dflash_mac.think import prompt_opens_think
+
+from .metrics import Metrics, summary
+from .schema import APIError, GenRequest
 
 log = logging.getLogger("dflash_mac.serve")
 
