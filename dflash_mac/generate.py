@@ -7,14 +7,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .decode import DecodeState, GenerationConfig, GenerationEvent, speculative_stream
+from .errors import PromptError  # noqa: F401  (re-exported)
 from .sampling import SamplingParams
 from .stats import DecodeStats
 
 REASONING_CHOICES = ("on", "off", "low", "medium", "high", "xhigh")
-
-
-class PromptError(ValueError):
-    """A prompt or template option that cannot be used; one sentence for the user."""
 
 
 def reasoning_args(tokenizer: Any, reasoning: str | None) -> dict:

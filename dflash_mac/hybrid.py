@@ -25,6 +25,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.gated_delta import compute_g, gated_delta_update, normalize_qk
 
 from .capture import decoder_layers
+from .errors import RollbackError
 
 STRATEGIES = ("replay", "rerun")
 HAS_FAST_GDN = hasattr(mx.fast, "gated_delta_update")
@@ -157,7 +158,6 @@ def _hooked_class(cls: type) -> type:
 
 def linear_layers(model: nn.Module, cache: list[Any]) -> list[tuple[int, nn.Module]]:
     """(cache index, GatedDeltaNet module) for every non-trimmable cache of `model`."""
-    from .rollback import RollbackError
 
     out = []
     for i, c in enumerate(cache):

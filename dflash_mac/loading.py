@@ -12,18 +12,12 @@ import mlx.core as mx
 from mlx import nn
 from mlx.utils import tree_flatten, tree_map
 
-from . import models as _models_pkg
 from .capture import decoder_layers, target_head
+from .errors import LoadError  # noqa: F401  (re-exported)
 from .models.config import ConfigError, DraftConfig
+from .registry import BUNDLED_DRAFT, BUNDLED_TARGET, PACKAGE_MODELS, resolve_pair  # noqa: F401
 
-PACKAGE_MODELS = Path(_models_pkg.__file__).resolve().parent
-BUNDLED_TARGET = PACKAGE_MODELS / "bundled" / "target"
-BUNDLED_DRAFT = PACKAGE_MODELS / "bundled" / "dflash"
 DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
-
-
-class LoadError(RuntimeError):
-    """A pair that cannot be loaded; the message is one sentence for the user."""
 
 
 @dataclass
@@ -216,8 +210,6 @@ def load(
 ) -> Pair:
     """Load a target (via mlx-lm) and its DFlash drafter; defaults to the bundled pair."""
     from mlx_lm.utils import load as mlx_load
-
-    from .registry import resolve_pair
 
     model, draft = resolve_pair(model, draft)  # pair names; --draft auto from the registry
     if model is None and draft is None:

@@ -15,7 +15,12 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from .loading import PACKAGE_MODELS, LoadError
+from . import models as _models_pkg
+from .errors import LoadError
+
+PACKAGE_MODELS = Path(_models_pkg.__file__).resolve().parent
+BUNDLED_TARGET = PACKAGE_MODELS / "bundled" / "target"
+BUNDLED_DRAFT = PACKAGE_MODELS / "bundled" / "dflash"
 
 REGISTRY_PATH = PACKAGE_MODELS / "registry.toml"
 KINDS = {"dflash": "DFlash", "dflash2": "DFlash 2"}

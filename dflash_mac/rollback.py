@@ -8,9 +8,7 @@ from typing import Any
 from mlx import nn
 from mlx_lm.models.cache import can_trim_prompt_cache
 
-
-class RollbackError(RuntimeError):
-    """The target's cache cannot be rolled back; the message is one sentence for the user."""
+from .errors import RollbackError
 
 
 def check_rollback_support(cache: list[Any]) -> None:

@@ -9,8 +9,6 @@ low-rank bilinear predecessor/successor score (a sequential walk). Hot spots go 
 
 from __future__ import annotations
 
-from typing import Any
-
 import mlx.core as mx
 from dflash_mac.metal_kernels import dynamic_conv, selector_walk
 from mlx import nn
@@ -18,6 +16,7 @@ from mlx_lm.models.cache import KVCache
 
 from .config import DraftConfig
 from .dflash import DFlashDraftModel, DraftAttention, DraftMLP, block_mask
+from .distribution import SamplingParams, probabilities, scatter_candidates
 
 CODEBOOKS = ("predecessor_codebook", "successor_codebook")
 NEG = -1e9  # unary score of candidates the request's filters exclude (finite for the kernels)
@@ -141,7 +140,7 @@ class DFlash2DraftModel(DFlashDraftModel):
         self.candidate_selector = CandidateSelector(cfg)
 
     def propose(
-        self, block: mx.array, cache: list[KVCache], sp: Any, key: mx.array
+        self, block: mx.array, cache: list[KVCache], sp: SamplingParams, key: mx.array
     ) -> tuple[mx.array, mx.array | None]:
         """Drafts for block positions 1..bs-1 by the selector walk: ``(drafts [bs-1], q)``.
 
@@ -149,8 +148,6 @@ class DFlash2DraftModel(DFlashDraftModel):
         request's top-k/top-p/min-p, applied to the drafter's own logits, drop candidates (as
         DFlash 1 filters q); q is the walk's distribution scattered onto the vocabulary
         ``[bs-1, V]`` (lossless for any q since drafts are drawn from it, SPEC §7)."""
-        from dflash_mac.sampling import probabilities, scatter_candidates
-
         hidden = self.hidden(block[None], cache)[:, 1:]  # [1, P, H]
         logits = self.logits(hidden)  # [1, P, V]
         anchor = block[:1]

@@ -1,0 +1,22 @@
+"""User errors: every front end catches `UserError` and shows its message as one sentence.
+
+Anything the user can fix (a bad flag, a missing folder, a pair that does not fit, a prompt
+over the context) raises a subclass; everything else is a bug and keeps its traceback."""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """A problem the user can fix; the message is one sentence for them."""
+
+
+class LoadError(UserError, RuntimeError):
+    """A pair that cannot be resolved, validated or loaded."""
+
+
+class PromptError(UserError, ValueError):
+    """A prompt or template option that cannot be used."""
+
+
+class RollbackError(UserError, RuntimeError):
+    """The target's cache cannot be rolled back (an unsupported cache type)."""

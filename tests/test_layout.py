@@ -1,0 +1,141 @@
+"""The package's import graph: no cycles, and dependencies point one way.
+
+Layers, bottom up: metal_kernels (imports nothing of ours) → models (may use metal_kernels) →
+the engine (the modules at the top of dflash_mac/) → front ends (cli, serve, bench, app, train,
+bundle, testing). Every import counts, including those inside functions."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FOLDERS = {
+    "dflash_mac": "dflash_mac",
+    "models": "dflash_mac.models",
+    "metal_kernels": "dflash_mac.metal_kernels",
+    "app": "dflash_mac.app",
+}
+FRONT_ENDS = ("__main__", "cli", "serve", "bench", "app", "train", "bundle", "testing")
+
+
+def modules() -> dict[str, Path]:
+    """Module name → file, for every .py file under the four installed folders."""
+    out = {}
+    for folder, namespace in FOLDERS.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join([namespace, *parts])] = path
+    return out
+
+
+def imports_of(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The modules of ours that `name` imports, at module level or inside functions."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                head = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(head + ([base] if base else []))
+            # `from pkg import submodule` imports the submodule; otherwise the module itself
+            subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in known]
+            targets = subs or [base]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:  # `import a.b.c` of a name: nearest module
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def layer(name: str) -> int:
+    parts = name.split(".")
+    if parts[1:2] == ["metal_kernels"]:
+        return 0
+    if parts[1:2] == ["models"]:
+        return 1
+    if len(parts) > 1 and parts[1] in FRONT_ENDS:
+        return 3
+    return 2  # the engine: dflash_mac/*.py
+
+
+LAYER_NAMES = ["metal_kernels", "models", "the engine", "a front end"]
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports_of(name, path, known) for name, path in known.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path of module names, or None."""
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt) :] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_import_cycles(graph):
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " → ".join(cycle)
+
+
+def test_dependencies_point_down(graph):
+    upward = [
+        f"{src} ({LAYER_NAMES[layer(src)]}) imports {dst} ({LAYER_NAMES[layer(dst)]})"
+        for src, dsts in graph.items()
+        for dst in dsts
+        if layer(dst) > layer(src)
+    ]
+    assert upward == []
+
+
+def test_kernels_import_nothing_of_ours(graph):
+    assert {
+        src: sorted(d for d in dsts if not d.startswith("dflash_mac.metal_kernels"))
+        for src, dsts in graph.items()
+        if src.startswith("dflash_mac.metal_kernels")
+    } == {src: [] for src in graph if src.startswith("dflash_mac.metal_kernels")}
+
+
+def test_the_checker_sees_cycles_and_upward_imports():
+    """Negative control: a planted cycle and an upward import are reported."""
+    planted = {"dflash_mac.a": {"dflash_mac.b"}, "dflash_mac.b": {"dflash_mac.a"}}
+    assert find_cycle(planted) == ["dflash_mac.a", "dflash_mac.b", "dflash_mac.a"]
+    assert layer("dflash_mac.models.dflash") < layer("dflash_mac.sampling") < layer(
+        "dflash_mac.serve.app"
+    )
+
+
+def test_function_level_imports_count(tmp_path):
+    """An import hidden in a function body is an edge like any other."""
+    src = tmp_path / "m.py"
+    src.write_text("def f():\n    from dflash_mac.serve import app\n")
+    known = {"dflash_mac.m": src, "dflash_mac.serve": src, "dflash_mac.serve.app": src}
+    assert imports_of("dflash_mac.m", src, known) == {"dflash_mac.serve.app"}
