@@ -5,14 +5,14 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
 from .capture import FeatureCapture
+from .pair import Pair
 from .rollback import TargetRollback, trim_caches
 from .sampling import SamplingParams, accept_greedy, accept_sampled, probabilities, sample
 from .stats import DecodeStats
@@ -46,7 +46,7 @@ class GenerationEvent:
 class DecodeState:
     """Target cache, drafter context cache and the ids they hold (kept by sessions)."""
 
-    def __init__(self, pair: Any):
+    def __init__(self, pair: Pair):
         self.target_cache = make_prompt_cache(pair.target)
         self.rollback = TargetRollback(pair.target, self.target_cache)
         self.draft_cache = pair.drafter.make_cache()
@@ -61,7 +61,7 @@ class DecodeState:
             self.ids = self.ids[:n]
 
 
-def prefill(pair: Any, state: DecodeState, ids: list[int], cap: FeatureCapture, step: int):
+def prefill(pair: Pair, state: DecodeState, ids: list[int], cap: FeatureCapture, step: int):
     """Run the target on the uncached suffix of `ids` in chunks (as mlx-lm does: all but the last
     token in chunks, then the last token alone); feed every position's features to the drafter.
     Returns the last position's logits [V]."""
@@ -77,7 +77,7 @@ def prefill(pair: Any, state: DecodeState, ids: list[int], cap: FeatureCapture, 
     return logits[0, -1]
 
 
-def propose(pair: Any, block: mx.array, cache: list, sp: SamplingParams, key: mx.array):
+def propose(pair: Pair, block: mx.array, cache: list, sp: SamplingParams, key: mx.array):
     """Draft tokens for block positions 1..bs-1 and q (None when greedy), lazily.
 
     A drafter with its own `propose` (DFlash 2: the selector walk) drafts itself."""
@@ -91,7 +91,7 @@ def propose(pair: Any, block: mx.array, cache: list, sp: SamplingParams, key: mx
 
 
 def speculative_stream(
-    pair: Any,
+    pair: Pair,
     prompt_ids: list[int],
     cfg: GenerationConfig,
     state: DecodeState | None = None,
@@ -116,9 +116,9 @@ def speculative_stream(
         else:
             key, sub = mx.random.split(key)
             anchor = sample(probabilities(logits, sp), key=sub).item()
-        stats.prefill_time = time.perf_counter() - t0
         t_decode = time.perf_counter()
-        stats.generation_tokens = 1
+        stats = replace(stats, prefill_time=t_decode - t0, generation_tokens=1,
+                        peak_memory_bytes=mx.get_peak_memory())
         text = out.push([anchor], cfg.max_tokens)
         yield GenerationEvent(text, out.tokens[:], 0, stats, out.finish_reason)
 
@@ -137,18 +137,18 @@ def speculative_stream(
                 acc, bonus = accept_greedy(drafts, logits)
             else:
                 acc, bonus = accept_sampled(drafts, q, probabilities(logits, sp), k_verify)
-            host = mx.concatenate([acc[None], bonus.reshape(1), drafts]).tolist()  # one sync
-            a = host[0]
-            committed = host[2 : 2 + a] + [host[1]]
+            a, bonus, *drafted = mx.concatenate([acc[None], bonus.reshape(1), drafts]).tolist()
+            committed = drafted[:a] + [bonus]  # the one host sync of the cycle, above
             rb.rollback(bs - a - 1, a)
             pair.drafter.extend_context(cap.features()[:, : a + 1], state.draft_cache)
             state.ids += [anchor] + committed[:-1]
             anchor = committed[-1]
-            stats.acceptance_lengths.append(a + 1)
             before = out.count
             text = out.push(committed, cfg.max_tokens)
-            stats.generation_tokens = out.count
-            stats.decode_time = time.perf_counter() - t_decode
+            stats = replace(stats, acceptance_lengths=(*stats.acceptance_lengths, a + 1),
+                            generation_tokens=out.count,
+                            decode_time=time.perf_counter() - t_decode,
+                            peak_memory_bytes=mx.get_peak_memory())
             yield GenerationEvent(text, out.tokens[before:], a + 1, stats, out.finish_reason)
 
         if out.finish_reason is None:

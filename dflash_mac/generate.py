@@ -8,6 +8,7 @@ from typing import Any
 
 from .decode import DecodeState, GenerationConfig, GenerationEvent, speculative_stream
 from .errors import PromptError  # noqa: F401  (re-exported)
+from .pair import Pair
 from .sampling import SamplingParams
 from .stats import DecodeStats
 
@@ -81,7 +82,7 @@ def make_config(
     return GenerationConfig(max_tokens, block_size, sp, seed, list(stop or []), use_eos)
 
 
-def check_context(pair: Any, ids: list[int], max_tokens: int) -> None:
+def check_context(pair: Pair, ids: list[int], max_tokens: int) -> None:
     limit = pair.context_length
     if len(ids) >= limit:
         raise PromptError(
@@ -90,7 +91,7 @@ def check_context(pair: Any, ids: list[int], max_tokens: int) -> None:
 
 
 def stream_generate(
-    pair: Any,
+    pair: Pair,
     prompt: str | list[dict] | list[int],
     *,
     state: DecodeState | None = None,
@@ -128,7 +129,7 @@ class GenerationResult:
         }
 
 
-def generate(pair: Any, prompt: str | list[dict] | list[int], **kwargs: Any) -> GenerationResult:
+def generate(pair: Pair, prompt: str | list[dict] | list[int], **kwargs: Any) -> GenerationResult:
     """Generate a whole completion; see `stream_generate` for the options."""
     text, tokens, last = [], [], None
     for ev in stream_generate(pair, prompt, **kwargs):

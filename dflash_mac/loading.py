@@ -21,8 +21,8 @@ DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "
 
 
 @dataclass
-class Pair:
-    """A loaded target and its bound drafter."""
+class LoadedPair:
+    """A loaded target and its bound drafter (implements `pair.Pair`)."""
 
     target: nn.Module
     drafter: nn.Module
@@ -207,7 +207,7 @@ def load(
     *,
     dtype: mx.Dtype | None | str = "auto",
     block_size: int | None = None,
-) -> Pair:
+) -> LoadedPair:
     """Load a target (via mlx-lm) and its DFlash drafter; defaults to the bundled pair."""
     from mlx_lm.utils import load as mlx_load
 
@@ -236,7 +236,7 @@ def load(
         raise LoadError(f"target '{model}' has an unexpected layer layout.")
     drafter = load_drafter(dpath, dcfg, dtype)
     drafter.bind(target_head(target))
-    return Pair(
+    return LoadedPair(
         target=target,
         drafter=drafter,
         tokenizer=tokenizer,

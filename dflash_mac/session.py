@@ -7,6 +7,7 @@ from typing import Any
 
 from .decode import DecodeState, GenerationEvent
 from .generate import prompt_ids, stream_generate
+from .pair import Pair
 from .rollback import RollbackError
 
 
@@ -25,7 +26,7 @@ class Session:
     system-prompt change falls back to the longest common prefix (trim) or a fresh prefill.
     Not thread-safe: serve one request at a time."""
 
-    def __init__(self, pair: Any):
+    def __init__(self, pair: Pair):
         self.pair = pair
         self.state = DecodeState(pair)
 

@@ -1,11 +1,10 @@
-"""Decode statistics (SPEC §9): τ, acceptance histogram, per-position acceptance, speeds."""
+"""Decode statistics (docs/design.md §9): τ, acceptance histogram, per-position acceptance,
+speeds."""
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
-
-import mlx.core as mx
+from dataclasses import dataclass
 
 
 def histogram(lengths: list[int], block_size: int) -> list[int]:
@@ -41,17 +40,19 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-@dataclass
+@dataclass(frozen=True)
 class DecodeStats:
-    """Running statistics of one generation."""
+    """Statistics of one generation up to an event: an immutable snapshot (each event carries
+    its own, so a consumer on another thread never sees it change)."""
 
     block_size: int
     prompt_tokens: int = 0
     cached_tokens: int = 0
     generation_tokens: int = 0
-    acceptance_lengths: list[int] = field(default_factory=list)
+    acceptance_lengths: tuple[int, ...] = ()
     prefill_time: float = 0.0
     decode_time: float = 0.0
+    peak_memory_bytes: int = 0
 
     @property
     def tau(self) -> float:
@@ -89,7 +90,7 @@ class DecodeStats:
 
     @property
     def peak_memory_gb(self) -> float:
-        return mx.get_peak_memory() / 1e9
+        return self.peak_memory_bytes / 1e9
 
     def as_dict(self) -> dict:
         return {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dflash_mac.app.backend import Backend, EngineInfo
 
@@ -20,7 +20,7 @@ ANSWER = [
 ]
 
 
-@dataclass
+@dataclass(frozen=True)
 class FakeStats(DecodeStats):
     """DecodeStats with a fixed memory figure and a fixed 80 tok/s decode speed."""
 
@@ -57,9 +57,9 @@ class FakeSession:
             if i and should_stop and should_stop():
                 finish = "cancelled"
                 break
-            if accepted:
-                stats.acceptance_lengths.append(accepted)
-            stats.generation_tokens += max(accepted, 1)
+            lengths = stats.acceptance_lengths + ((accepted,) if accepted else ())
+            stats = replace(stats, acceptance_lengths=lengths,
+                            generation_tokens=stats.generation_tokens + max(accepted, 1))
             last = i == len(self.script) - 1
             yield GenerationEvent(text, [1] * max(accepted, 1), accepted, stats,
                                   "stop" if last else None)

@@ -18,7 +18,7 @@ from test_greedy_exact import PROMPTS, baseline, run
 from test_sampling import V, chi_square_p, dflash_samples, exact_joint
 
 from dflash_mac.capture import FeatureCapture, target_head
-from dflash_mac.loading import Pair, load_drafter
+from dflash_mac.loading import LoadedPair, load_drafter
 from dflash_mac.sampling import SamplingParams
 from dflash_mac.testing.tiny import draft_config, target_config
 
@@ -266,7 +266,7 @@ def small_d2_pair(tiny_pair):
     cfg = DraftConfig.from_dict(d2_config(tcfg, V - 1, group=8, rank=8, top_k=3))
     drafter = randomize(DFlash2DraftModel(cfg), 5, scale=1.0)
     drafter.bind(target_head(target))
-    return Pair(target, drafter, tiny_pair.tokenizer, "small", "small-d2", 4, tcfg)
+    return LoadedPair(target, drafter, tiny_pair.tokenizer, "small", "small-d2", 4, tcfg)
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ from dflash_mac import capture as adapter
 from dflash_mac import hybrid
 from dflash_mac.capture import target_head
 from dflash_mac.decode import DecodeState, GenerationConfig, speculative_stream
-from dflash_mac.loading import Pair, load
+from dflash_mac.loading import LoadedPair, load
 from dflash_mac.rollback import RollbackError, TargetRollback
 from dflash_mac.sampling import SamplingParams, probabilities
 from dflash_mac.session import Session
@@ -235,7 +235,7 @@ def small_pair(pair):
     dcfg = draft_config(dict(text, rope_theta=1e4), V - 1, layer_ids=[0, 1, 2])
     drafter = DFlashDraftModel(DraftConfig.from_dict(dcfg))
     drafter.bind(target_head(target))
-    return Pair(target, drafter, pair.tokenizer, "small-hybrid", "small-draft", 4, cfg)
+    return LoadedPair(target, drafter, pair.tokenizer, "small-hybrid", "small-draft", 4, cfg)
 
 
 def exact_joint(pair, sp: SamplingParams) -> dict[tuple, float]:

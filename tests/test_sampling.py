@@ -13,7 +13,7 @@ from mlx_lm.models import qwen3
 from scipy.stats import chisquare
 
 from dflash_mac.capture import target_head
-from dflash_mac.loading import Pair
+from dflash_mac.loading import LoadedPair
 from dflash_mac.sampling import (
     SamplingParams,
     accept_sample_match,
@@ -37,7 +37,7 @@ def small_pair(tiny_pair):
     target.update({"model": {"embed_tokens": {"weight": mx.random.normal((V, 32)) * 0.12}}})
     drafter = DFlashDraftModel(DraftConfig.from_dict(draft_config(tcfg, mask_id=V - 1)))
     drafter.bind(target_head(target))
-    return Pair(target, drafter, tiny_pair.tokenizer, "small", "small-draft", 4, tcfg)
+    return LoadedPair(target, drafter, tiny_pair.tokenizer, "small", "small-draft", 4, tcfg)
 
 
 def exact_joint(pair, sp: SamplingParams, n: int = 3) -> dict[tuple, float]:

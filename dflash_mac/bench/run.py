@@ -27,6 +27,7 @@ from typing import Any
 import typer
 
 from dflash_mac.generate import PromptError
+from dflash_mac.pair import Pair
 from dflash_mac.stats import histogram, mean_std, position_acceptance, survival
 
 SUITES = ("code", "math", "chat")
@@ -227,7 +228,7 @@ class Clock:
                    mx.get_peak_memory(), reason, **kw)
 
 
-def run_baseline(pair: Any, ids: list[int], cfg: BenchConfig, seed: int,
+def run_baseline(pair: Pair, ids: list[int], cfg: BenchConfig, seed: int,
                  max_tokens: int | None = None) -> Run:
     """Plain target decoding with mlx-lm's `generate_step` (no hooks, same weights)."""
     import mlx.core as mx
@@ -256,7 +257,7 @@ def run_baseline(pair: Any, ids: list[int], cfg: BenchConfig, seed: int,
     return clock.result(tokens, len(ids), reason)
 
 
-def run_dflash(pair: Any, ids: list[int], cfg: BenchConfig, block_size: int, seed: int,
+def run_dflash(pair: Pair, ids: list[int], cfg: BenchConfig, block_size: int, seed: int,
                on_cycle: Callable[[int], Any] | None = None,
                max_tokens: int | None = None) -> Run:
     """DFlash through `stream_generate`, timed like the baseline; `on_cycle(accepted)`."""
@@ -301,7 +302,7 @@ class Observer:
         """All runs of one (trial, prompt) finished."""
 
 
-def run_bench(pair: Any, prompts: list[BenchPrompt], ids: list[list[int]], cfg: BenchConfig,
+def run_bench(pair: Pair, prompts: list[BenchPrompt], ids: list[list[int]], cfg: BenchConfig,
               observer: Observer | None = None) -> list[dict]:
     """Warm up, then measure every (trial, prompt): baseline and DFlash per block size.
 
@@ -442,7 +443,7 @@ def _quant(q: dict | None) -> str:
 
 
 
-def header(pair: Any) -> dict:
+def header(pair: Pair) -> dict:
     """Machine, software and model facts for the report."""
     import datetime
 

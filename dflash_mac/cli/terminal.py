@@ -8,7 +8,8 @@ from typing import Any
 from rich.console import Console
 
 from dflash_mac.generate import GenerationResult, stream_generate
-from dflash_mac.loading import LoadError, Pair, load, quantize_drafter
+from dflash_mac.loading import LoadError, load, quantize_drafter
+from dflash_mac.pair import Pair
 
 err = Console(stderr=True, soft_wrap=True)
 

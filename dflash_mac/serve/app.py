@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from dflash_mac import __version__
+from dflash_mac.pair import Pair
 from dflash_mac.session import Session
 from dflash_mac.think import ThinkSplitter
 
@@ -34,7 +35,7 @@ FINGERPRINT = f"dflash-mac-{__version__}"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def model_name(pair: Any) -> str:
+def model_name(pair: Pair) -> str:
     """The id clients see: a Hub id as is, a local folder by its name."""
     from dflash_mac.loading import BUNDLED_TARGET
 

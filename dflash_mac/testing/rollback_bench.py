@@ -21,7 +21,7 @@ from mlx_lm.generate import generate_step
 
 from dflash_mac.capture import target_head
 from dflash_mac.decode import DecodeState, GenerationConfig, speculative_stream
-from dflash_mac.loading import Pair
+from dflash_mac.loading import LoadedPair
 from dflash_mac.models.config import DraftConfig
 from dflash_mac.models.dflash import DFlashDraftModel
 from dflash_mac.rollback import TargetRollback
@@ -77,7 +77,7 @@ class Oracle:
         return (mx.eye(self.vocab)[mx.array(rows)] * 10.0)[None]
 
 
-def build_pair(hidden: int, layers: int, vocab: int) -> Pair:
+def build_pair(hidden: int, layers: int, vocab: int) -> LoadedPair:
     mx.random.seed(0)
     text = hybrid_text_config(
         vocab=vocab, hidden=hidden, layers=layers, interval=4, num_attention_heads=8,
@@ -89,12 +89,12 @@ def build_pair(hidden: int, layers: int, vocab: int) -> Pair:
     dcfg = draft_config(dict(text, rope_theta=1e4), vocab - 1, layer_ids=[1, layers // 2])
     drafter = DFlashDraftModel(DraftConfig.from_dict(dcfg))
     drafter.bind(target_head(target))
-    return Pair(target, drafter, None, "bench-hybrid", "bench-draft", 16, cfg)
+    return LoadedPair(target, drafter, None, "bench-hybrid", "bench-draft", 16, cfg)
 
 
-def measure(pair: Pair, ids: list[int], ref: list[int], strategy: str, bs: int) -> Timing:
+def measure(pair: LoadedPair, ids: list[int], ref: list[int], strategy: str, bs: int) -> Timing:
     timing = Timing()
-    oracle = Pair(pair.target, Oracle(pair.drafter, ids + ref, pair.drafter.config.vocab_size,
+    oracle = LoadedPair(pair.target, Oracle(pair.drafter, ids + ref, pair.drafter.config.vocab_size,
                                       0.3, seed=bs), _Tok(), "", "", bs, pair.target_config)
     state = DecodeState(oracle)
     state.rollback = TimedRollback(pair.target, state.target_cache, strategy, timing=timing)

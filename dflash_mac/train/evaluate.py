@@ -16,10 +16,10 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 
+from dflash_mac.pair import Pair
 from dflash_mac.stats import histogram, position_acceptance, survival
 
 
@@ -57,7 +57,7 @@ class EvalResult:
         return d
 
 
-def baseline_run(pair: Any, ids: list[int], max_tokens: int) -> tuple[list[int], float]:
+def baseline_run(pair: Pair, ids: list[int], max_tokens: int) -> tuple[list[int], float]:
     """Plain greedy target decoding; returns (ids before EOS, decode time after the first)."""
     from mlx_lm.generate import generate_step
 
@@ -77,7 +77,7 @@ def baseline_run(pair: Any, ids: list[int], max_tokens: int) -> tuple[list[int],
     return out, t_last - t_first
 
 
-def dflash_run(pair: Any, ids: list[int], max_tokens: int, block_size: int):
+def dflash_run(pair: Pair, ids: list[int], max_tokens: int, block_size: int):
     """Greedy DFlash; returns (committed ids, decode time after the first, cycle lengths)."""
     from dflash_mac.decode import GenerationConfig, speculative_stream
 
@@ -95,7 +95,7 @@ def dflash_run(pair: Any, ids: list[int], max_tokens: int, block_size: int):
 
 
 def evaluate(
-    pair: Any, prompts: list[list[int]], block_sizes: list[int], max_tokens: int = 256,
+    pair: Pair, prompts: list[list[int]], block_sizes: list[int], max_tokens: int = 256,
     speed: bool = True, repeats: int = 1, log=None,
 ) -> list[EvalResult]:
     """Evaluate each block size on every prompt against the plain target.
