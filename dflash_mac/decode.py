@@ -1,4 +1,4 @@
-"""The DFlash decode cycle (SPEC §6) as a streaming generator of events."""
+"""The DFlash decode cycle (docs/design.md §6) as a streaming generator of events."""
 
 from __future__ import annotations
 

@@ -5,8 +5,9 @@ trimmed. While a verify pass runs, a per-instance hook (a `__class__` swap, as i
 runs the layer's own computation and keeps the conv input and the exact recurrence inputs
 (q, k, v, a, b, the state before verify, the mask). After a partial acceptance of `n` positions
 the conv state is `conv_input[:, n : n + K - 1]` and the recurrent state is the recurrence
-replayed over those `n` steps from the saved state (SPEC §6 step 5). ArraysCache entries are
-replaced, never written in place, so holding the old entry is a free snapshot (SPEC §11).
+replayed over those `n` steps from the saved state (docs/design.md §6 step 5). ArraysCache
+entries are replaced, never written in place, so holding the old entry is a free snapshot
+(docs/design.md §11).
 
 The alternative strategy `"rerun"` (kept for comparison, docs/rollback.md) restores the
 snapshot and runs the layer's original forward again on the accepted inputs.

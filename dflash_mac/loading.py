@@ -252,7 +252,7 @@ QUANTIZED_MAX_BLOCK = 5
 
 def default_block_size(dcfg: DraftConfig, tcfg: dict) -> int:
     """The drafter's block size, or min(5, it) when the target or the drafter is quantized:
-    MLX's quantized matmul loses efficiency at wide verify widths (SPEC §8)."""
+    MLX's quantized matmul loses efficiency at wide verify widths (docs/design.md §8)."""
     quantized = bool(tcfg.get("quantization")) or bool(dcfg.quantization)
     return min(QUANTIZED_MAX_BLOCK, dcfg.block_size) if quantized else dcfg.block_size
 

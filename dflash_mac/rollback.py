@@ -1,4 +1,4 @@
-"""Rolling the target back after a partial acceptance (SPEC §6 step 5)."""
+"""Rolling the target back after a partial acceptance (docs/design.md §6 step 5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Drafter configuration: both z-lab schema generations (SPEC §2)."""
+"""Drafter configuration: both z-lab schema generations (docs/design.md §2)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""DFlash 1 block-diffusion drafter (SPEC §4), bound to the target's embedding and LM head."""
+"""DFlash 1 block-diffusion drafter (docs/design.md §4), bound to the target's embedding and
+LM head."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""DFlash 2 drafter (SPEC §5): DFlash 1 plus dynamic causal convs and a candidate selector.
+"""DFlash 2 drafter (docs/design.md §5): DFlash 1 plus dynamic causal convs and a candidate
+selector.
 
 The context handling, RoPE, attention, MLP and the target-head binding are DFlash 1's
 (`dflash.py`); a layer wraps both sublayers in `GroupedDynamicCausalConv`s, and
@@ -90,7 +91,7 @@ class CandidateSelector(nn.Module):
         self.hidden_projection = nn.Linear(cfg.hidden_size, R, bias=False)
         self.predecessor_codebook = nn.Embedding(V, R)
         self.successor_codebook = nn.Embedding(V, R)
-        # identity initialisation (SPEC §10): the pair term starts at exactly 0
+        # identity initialisation (docs/design.md §10): the pair term starts at exactly 0
         self.predecessor_codebook.weight = mx.random.normal((V, R)) * 0.02
         self.successor_codebook.weight = mx.zeros((V, R))
 
@@ -147,7 +148,7 @@ class DFlash2DraftModel(DFlashDraftModel):
         Greedy: the greedy walk, q None. Sampling: the walk at the request temperature; the
         request's top-k/top-p/min-p, applied to the drafter's own logits, drop candidates (as
         DFlash 1 filters q); q is the walk's distribution scattered onto the vocabulary
-        ``[bs-1, V]`` (lossless for any q since drafts are drawn from it, SPEC §7)."""
+        ``[bs-1, V]`` (lossless for any q since drafts are drawn from it, docs/design.md §7)."""
         hidden = self.hidden(block[None], cache)[:, 1:]  # [1, P, H]
         logits = self.logits(hidden)  # [1, P, V]
         anchor = block[:1]

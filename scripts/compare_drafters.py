@@ -5,7 +5,8 @@
         --prompts models/bundled/eval_prompts.jsonl --block-sizes 5,8 --temps 0,1
 
 τ is the mean over requests of each request's mean committed tokens per cycle (bonus
-included, SPEC §9); sampled runs use seed = prompt index, so both drafters see the same seeds.
+included, docs/design.md §9); sampled runs use seed = prompt index, so both drafters see the
+same seeds.
 Greedy runs are also checked token for token against plain mlx-lm decoding of the target.
 Cycle time: the drafter's proposal (`engine.propose`, evaluated) and the target's verify pass
 at the same block size, timed on the first prompt's context (median of repetitions).

@@ -204,7 +204,7 @@ def test_greedy_walk_matches_python_loop(tiny_pair):
 
 
 def test_identity_init_equals_dflash1(tiny_pair):
-    """Freshly initialised DFlash 2 (SPEC §10) = DFlash 1 with the same shared weights."""
+    """Freshly initialised DFlash 2 (docs/design.md §10) = DFlash 1 with the same shared weights."""
     tcfg = tiny_pair.target_config
     d1 = DFlashDraftModel(DraftConfig.from_dict(draft_config(tcfg, 3, layers=2)))
     d1.update(tree_map(lambda p: p * 3, d1.parameters()))

@@ -1,4 +1,5 @@
-"""`dflash-mac bench`: same-process baseline vs DFlash, warmed up, lossless-checked (SPEC §9).
+"""`dflash-mac bench`: same-process baseline vs DFlash, warmed up, lossless-checked
+(docs/design.md §9).
 
 For every prompt (seeded shuffle per trial) the runner measures plain target decoding
 (`mlx_lm.generate.generate_step` on `pair.target`, no hooks) and DFlash

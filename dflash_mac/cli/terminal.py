@@ -48,7 +48,7 @@ _thinking_warned: set[tuple[str, bool]] = set()
 
 def warn_thinking_mismatch(pair: Pair, reasoning: str | None, warn=err.print) -> None:
     """Warn once when --reasoning (or the template default) contradicts how the drafter was
-    trained (thinking on/off): acceptance collapses in that case (SPEC §8)."""
+    trained (thinking on/off): acceptance collapses in that case (docs/design.md §8)."""
     from dflash_mac.registry import pair_for, thinking_warning
 
     try:

@@ -1,4 +1,4 @@
-"""`dflash-mac train`: train a DFlash drafter for any mlx-lm target (SPEC §10)."""
+"""`dflash-mac train`: train a DFlash drafter for any mlx-lm target (docs/design.md §10)."""
 
 from .trainer import TrainError, train_drafter
 

@@ -1,4 +1,5 @@
-"""Training blocks (SPEC §10): anchors, block inputs and labels, block-sparse masks, weights.
+"""Training blocks (docs/design.md §10): anchors, block inputs and labels, block-sparse masks,
+weights.
 
 A training block for anchor position ``a`` of a token sequence ``t`` is the drafter input
 ``[t[a], MASK × (bs-1)]``; block position ``k`` (1..bs-1) is trained to predict ``t[a+k]``.

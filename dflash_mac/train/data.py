@@ -1,4 +1,4 @@
-"""Training data: prompts -> the target's OWN responses (SPEC §10), cached on disk.
+"""Training data: prompts -> the target's OWN responses (docs/design.md §10), cached on disk.
 
 Prompts come from a JSONL file, one object a line: chat ``{"messages": [...]}`` (trailing
 assistant turns are dropped: the target answers itself) or plain ``{"text": ...}`` /

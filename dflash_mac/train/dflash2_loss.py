@@ -1,4 +1,5 @@
-"""DFlash 2 training (SPEC §10): the conv layers in the many-blocks pass, and the selector loss.
+"""DFlash 2 training (docs/design.md §10): the conv layers in the many-blocks pass, and the
+selector loss.
 
 `train_hidden2` is `forward.train_hidden` with each sublayer wrapped in its
 `GroupedDynamicCausalConv` (per block: taps never cross blocks, block position 0 has no left

@@ -3,7 +3,7 @@
 Layout per sequence (batch row): queries are the blocks laid flat, ``[block 0 | block 1 | ...]``
 (``N·bs`` rows); keys are ``[context positions 0..S-1 | the same flat blocks]``; the block-sparse
 mask (`blocks.dense_block_mask`) lets a block see the context strictly before its anchor and
-itself only. The math is the drafter's own, module by module (SPEC §4):
+itself only. The math is the drafter's own, module by module (docs/design.md §4):
 `project_context` (fc + hidden_norm); context K/V from each layer's `self_attn.keys_values` at
 absolute positions ``0..S-1``; block queries / K / V with the SAME projections and norms, RoPE at
 ``a..a+bs-1`` per block (MLX RoPE takes one offset per batch row, so blocks are rows while RoPE is
@@ -92,6 +92,6 @@ def dflash_loss(
     return loss, mx.stop_gradient(acc)
 
 
-# The per-architecture training loss. DFlash 2 adds its selector loss here (SPEC §10):
+# The per-architecture training loss. DFlash 2 adds its selector loss here (docs/design.md §10):
 # register "dflash2" with a function of the same signature returning (loss, acc).
 LOSSES = {"dflash": dflash_loss}

@@ -1,4 +1,4 @@
-"""Train a DFlash drafter for an mlx-lm target (SPEC §10): loop, schedule, checkpoints.
+"""Train a DFlash drafter for an mlx-lm target (docs/design.md §10): loop, schedule, checkpoints.
 
 Pipeline: load the target (frozen) -> regenerate responses to the prompts with the target
 (cached, `data.py`) -> for each batch of sequences, ONE target forward gives the features of
