@@ -137,10 +137,8 @@ class Backend:
 
 
 def kernels_name() -> str:
-    try:
-        from dflash_mac.metal_kernels import kernels_in_use
-    except ImportError:  # kernels package not part of this build
-        return "reference"
+    from dflash_mac.metal_kernels import kernels_in_use
+
     try:
         return str(kernels_in_use())
     except Exception:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .decode import DecodeState, GenerationConfig, GenerationEvent, speculative_stream
@@ -117,7 +117,6 @@ class GenerationResult:
     finish_reason: str
     stats: DecodeStats
     prompt_tokens: int = 0
-    events: list[GenerationEvent] = field(default_factory=list, repr=False)
 
     def as_dict(self) -> dict:
         s = self.stats

@@ -6,19 +6,8 @@ from contextlib import nullcontext
 from typing import Any
 
 from mlx import nn
-from mlx_lm.models.cache import can_trim_prompt_cache
 
 from .errors import RollbackError
-
-
-def check_rollback_support(cache: list[Any]) -> None:
-    """Fail early for caches the runtime cannot roll back yet."""
-    if not can_trim_prompt_cache(cache):
-        kinds = sorted({type(c).__name__ for c in cache if not c.is_trimmable()})
-        raise RollbackError(
-            f"this target uses non-trimmable caches ({', '.join(kinds)}), which DFlash "
-            "cannot roll back yet."
-        )
 
 
 def trim_caches(cache: list[Any], n: int) -> None:

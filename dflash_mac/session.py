@@ -30,10 +30,6 @@ class Session:
         self.pair = pair
         self.state = DecodeState(pair)
 
-    @property
-    def cached_ids(self) -> list[int]:
-        return list(self.state.ids)
-
     def reset(self) -> None:
         self.state = DecodeState(self.pair)
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from doubles import OracleDrafter, with_drafter
 from mlx_lm.generate import generate_step
 from typer.testing import CliRunner
 
@@ -21,6 +20,7 @@ from dflash_mac.bench.run import BenchConfig, BenchError, BenchPrompt, Run
 from dflash_mac.cli import app
 from dflash_mac.loading import BUNDLED_DRAFT
 from dflash_mac.stats import histogram, mean_std, position_acceptance, survival
+from dflash_mac.testing.oracle import OracleDrafter, with_drafter
 
 # -- synthetic data ---------------------------------------------------------------------
 

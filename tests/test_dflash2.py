@@ -11,7 +11,6 @@ import pytest
 from dflash_mac.models.config import DraftConfig
 from dflash_mac.models.dflash import DFlashDraftModel
 from dflash_mac.models.dflash2 import DFlash2DraftModel, GroupedDynamicCausalConv
-from doubles import with_drafter
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models import qwen3
 from test_greedy_exact import PROMPTS, baseline, run
@@ -20,6 +19,7 @@ from test_sampling import V, chi_square_p, dflash_samples, exact_joint
 from dflash_mac.capture import FeatureCapture, target_head
 from dflash_mac.loading import LoadedPair, load_drafter
 from dflash_mac.sampling import SamplingParams
+from dflash_mac.testing.oracle import with_drafter
 from dflash_mac.testing.tiny import draft_config, target_config
 
 REFERENCE = Path(__file__).parent / "data" / "reference"

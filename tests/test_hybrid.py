@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 from dflash_mac.models.config import DraftConfig
 from dflash_mac.models.dflash import DFlashDraftModel
-from doubles import OracleDrafter, with_drafter
 from mlx_lm.generate import generate_step
 from mlx_lm.models import qwen3_5
 from mlx_lm.models.cache import ArraysCache, KVCache
@@ -24,6 +23,7 @@ from dflash_mac.loading import LoadedPair, load
 from dflash_mac.rollback import RollbackError, TargetRollback
 from dflash_mac.sampling import SamplingParams, probabilities
 from dflash_mac.session import Session
+from dflash_mac.testing.oracle import OracleDrafter, with_drafter
 from dflash_mac.testing.tiny import draft_config
 from dflash_mac.testing.tiny_hybrid import (
     build_hybrid_target,

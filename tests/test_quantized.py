@@ -6,7 +6,6 @@ import json
 
 import mlx.core as mx
 import pytest
-from doubles import OracleDrafter, with_drafter
 from mlx import nn
 from mlx_lm.generate import generate_step
 from typer.testing import CliRunner
@@ -15,6 +14,7 @@ from dflash_mac.cli import app
 from dflash_mac.cli.terminal import block_size_policy, load_pair
 from dflash_mac.decode import GenerationConfig, speculative_stream
 from dflash_mac.loading import LoadError, load, quantize_drafter
+from dflash_mac.testing.oracle import OracleDrafter, with_drafter
 from dflash_mac.testing.tiny_hybrid import build_tiny_hybrid_pair
 
 runner = CliRunner()

@@ -94,10 +94,8 @@ def _physical_memory() -> int:
 
 
 def _kernels() -> tuple[str, str]:
-    try:
-        from dflash_mac.metal_kernels import kernels_in_use
-    except ImportError:  # kernels package not installed (or not written yet)
-        return "reference", ""
+    from dflash_mac.metal_kernels import kernels_in_use
+
     try:
         return kernels_in_use(), ""
     except ValueError as e:  # e.g. an invalid DFLASH_MAC_KERNELS

@@ -88,12 +88,7 @@ def print_stats(pair: Pair, result: GenerationResult, console: Console = err) ->
     from dflash_mac.platform import blas_in_use, device_name
 
     s = result.stats
-    try:
-        from dflash_mac.metal_kernels import kernels_in_use
-    except ImportError:  # kernels package not installed in this build
-
-        def kernels_in_use() -> str:
-            return "reference"
+    from dflash_mac.metal_kernels import kernels_in_use
 
     kernels = (f"{kernels_in_use()} (dynamic_conv, selector_walk)"
                if pair.drafter.config.is_dflash2 else "none (DFlash 1: MLX ops only)")

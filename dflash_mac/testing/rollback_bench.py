@@ -26,6 +26,7 @@ from dflash_mac.models.config import DraftConfig
 from dflash_mac.models.dflash import DFlashDraftModel
 from dflash_mac.rollback import TargetRollback
 
+from .oracle import OracleDrafter
 from .tiny import draft_config
 from .tiny_hybrid import build_hybrid_target, hybrid_text_config
 
@@ -49,34 +50,6 @@ class TimedRollback(TargetRollback):
             self.timing.rollback.append(time.perf_counter() - t0)
 
 
-class Oracle:
-    """The greedy continuation, each token wrong with probability `error` (seeded)."""
-
-    def __init__(self, real, sequence: list[int], vocab: int, error: float, seed: int = 0):
-        import random
-
-        self.config, self.seq, self.vocab, self.error = real.config, sequence, vocab, error
-        self.rng = random.Random(seed)
-
-    def make_cache(self) -> list:
-        from mlx_lm.models.cache import KVCache
-
-        return [KVCache()]
-
-    def extend_context(self, features: mx.array, cache: list) -> None:
-        cache[0].offset += features.shape[1]
-
-    def __call__(self, block: mx.array, cache: list) -> mx.array:
-        start, bs = cache[0].offset, block.shape[1]
-        rows = []
-        for pos in range(start + 1, start + bs):
-            tok = self.seq[pos] if pos < len(self.seq) else 0
-            if self.rng.random() < self.error:
-                tok = (tok + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
-            rows.append(tok)
-        return (mx.eye(self.vocab)[mx.array(rows)] * 10.0)[None]
-
-
 def build_pair(hidden: int, layers: int, vocab: int) -> LoadedPair:
     mx.random.seed(0)
     text = hybrid_text_config(
@@ -94,8 +67,8 @@ def build_pair(hidden: int, layers: int, vocab: int) -> LoadedPair:
 
 def measure(pair: LoadedPair, ids: list[int], ref: list[int], strategy: str, bs: int) -> Timing:
     timing = Timing()
-    oracle = LoadedPair(pair.target, Oracle(pair.drafter, ids + ref, pair.drafter.config.vocab_size,
-                                      0.3, seed=bs), _Tok(), "", "", bs, pair.target_config)
+    drafter = OracleDrafter(pair.drafter, ids + ref, pair.drafter.config.vocab_size, 0.3, seed=bs)
+    oracle = LoadedPair(pair.target, drafter, _Tok(), "", "", bs, pair.target_config)
     state = DecodeState(oracle)
     state.rollback = TimedRollback(pair.target, state.target_cache, strategy, timing=timing)
     cfg = GenerationConfig(max_tokens=len(ref), block_size=bs, use_eos=False)

@@ -1,7 +1,9 @@
-"""Test doubles for drafters: an oracle that knows the target's greedy continuation."""
+"""An oracle drafter that knows the target's greedy continuation (tests and the rollback
+benchmark use it): drafts exactly right, or wrong at a chosen rate."""
 
 from __future__ import annotations
 
+import copy
 import random
 
 import mlx.core as mx
@@ -55,8 +57,6 @@ class OracleDrafter:
 
 def with_drafter(pair, drafter):
     """A shallow copy of `pair` using another drafter."""
-    import copy
-
     other = copy.copy(pair)
     other.drafter = drafter
     return other
