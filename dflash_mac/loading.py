@@ -196,6 +196,35 @@ def cast_floats(model: nn.Module, dtype: mx.Dtype) -> None:
     )
 
 
+def module_arrays(module: nn.Module) -> list[mx.array]:
+    """Every array a module tree holds: parameters and also private buffers (`_freqs` of a
+    RoPE, cached constants) that `parameters()` leaves out."""
+    found: list[mx.array] = []
+
+    def collect(value: object) -> None:
+        if isinstance(value, mx.array):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                collect(v)
+        elif isinstance(value, dict) and not isinstance(value, nn.Module):
+            for v in value.values():
+                collect(v)
+
+    for m in module.modules():
+        for v in list(m.values()) + list(vars(m).values()):
+            collect(v)
+    return found
+
+
+def materialize(*modules: nn.Module) -> None:
+    """Evaluate every array of `modules` now. MLX arrays are bound to the stream of the thread
+    that built them: a weight left lazy here would first be computed on the generation thread
+    of `serve` (or the chat app) and fail there with "There is no Stream(cpu, 0) in current
+    thread" (docs/architecture.md, threads)."""
+    mx.eval([a for m in modules for a in module_arrays(m)])
+
+
 def default_dtype() -> mx.Dtype | None:
     """fp32 on the CPU (fp16/bf16 matmuls are slow there); the stored dtype on a GPU."""
     return mx.float32 if mx.default_device() == mx.cpu else None
@@ -236,6 +265,7 @@ def load(
         raise LoadError(f"target '{model}' has an unexpected layer layout.")
     drafter = load_drafter(dpath, dcfg, dtype)
     drafter.bind(target_head(target))
+    materialize(target, drafter)
     return LoadedPair(
         target=target,
         drafter=drafter,
@@ -269,3 +299,4 @@ def quantize_drafter(drafter: nn.Module, bits: int, group_size: int = 64) -> Non
         and m.weight.shape[-1] % group_size == 0,
     )
     drafter.config.quantization = {"group_size": group_size, "bits": bits}
+    materialize(drafter)

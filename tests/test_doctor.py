@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections import namedtuple
 from dataclasses import replace
 from pathlib import Path
@@ -137,7 +139,50 @@ def tiny_loader(tiny_dirs):
 
 def test_selftest_pass(tiny_loader):
     check = doctor.check_selftest(tiny_loader, n=12)
-    assert status(check) == PASS and "losslessly" in check.message
+    assert status(check) == PASS and "losslessly on a worker thread" in check.message
+
+
+def test_selftest_uses_the_bundled_pair_and_reports_its_tau(monkeypatch):
+    seen = []
+    real = doctor.dflash_tokens
+
+    def spy(pair, ids, n):
+        seen.append((pair.model_id, pair.draft_id, ids))
+        return real(pair, ids, n)
+
+    monkeypatch.setattr(doctor, "dflash_tokens", spy)
+    check = doctor.check_selftest(n=16)
+    assert status(check) == PASS and check.message.startswith("bundled pair decodes")
+    (target, draft, _ids), = seen
+    assert (target, draft) == (str(loading.BUNDLED_TARGET), str(loading.BUNDLED_DRAFT))
+    # A chat-formatted prompt in the drafter's domain: the trained drafter's drafts are
+    # accepted (a raw-text prompt gave τ 1.00, no draft ever accepted).
+    tau = float(check.message.split("τ ")[1].split(",")[0])
+    assert tau > 1.5
+
+
+LAZY = """
+from mlx.utils import tree_map
+from dflash_mac import doctor, loading
+
+def lazy_loader(tmp):
+    pair = loading.load()
+    # Weights left lazy on this thread, as load() left the fp32 cast before the fix.
+    pair.target.update(tree_map(lambda p: p * 1, pair.target.parameters()))
+    return pair, True
+
+check = doctor.check_selftest(lazy_loader, n=4)
+print(check.status, check.message)
+"""
+
+
+def test_selftest_fails_when_weights_are_lazy_on_the_loading_thread():
+    # A fresh interpreter: MLX aborts at exit after a thread hit the missing-stream error.
+    r = subprocess.run([sys.executable, "-c", LAZY], capture_output=True, text=True,
+                       timeout=120, stdin=subprocess.DEVNULL)
+    line = r.stdout.strip().splitlines()[-1]
+    assert line.startswith(f"{FAIL} decoding on a worker thread failed"), (line, r.stderr)
+    assert "no Stream" in line and "`serve` and `chat` would fail" in line
 
 
 def test_selftest_warns_and_builds_a_tiny_pair_without_the_bundle(monkeypatch, tmp_path):

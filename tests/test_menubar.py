@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -9,7 +10,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -121,6 +124,10 @@ def test_start_and_stop_really_run_the_server(env):
         assert any(line.startswith("Stop server |") for line in lines)
         assert any(line.startswith("Model: ") and "DFlash" in line for line in lines)
         assert any("chat: prompt" in line for line in lines)  # recent log
+        assert "Requests: 1, 0 failed, 4 tokens generated" in lines
+        log = (home / "serve.log").read_text()
+        assert "POST /v1/chat/completions" in log  # access lines, but not the polling ones
+        assert "GET /health" not in log and "GET /metrics" not in log
         assert "stopped" in plugin(env, "stop")
         assert not alive(pid) and not (home / "serve.pid").exists()
         assert not healthy(port)
@@ -128,3 +135,51 @@ def test_start_and_stop_really_run_the_server(env):
     finally:
         if alive(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+class FakeServer(ThreadingHTTPServer):
+    """Answers /health and /metrics?format=prometheus with canned bodies (a failing server is
+    hard to make for real)."""
+
+    health: dict = {}
+    prometheus = ""
+
+
+class FakeHandler(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        srv = self.server
+        body = (json.dumps(srv.health) if self.path == "/health" else srv.prometheus).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_failing_server_is_shown_red_with_its_error_and_counts(env):
+    srv = FakeServer(("127.0.0.1", int(env["DFLASH_MAC_PORT"])), FakeHandler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    srv.prometheus = ('dflash_info{model="m",model_id="t",draft="d",drafter="DFlash"} 1\n'
+                      "dflash_requests_total 3\ndflash_failed_total 2\n"
+                      "dflash_completion_tokens_total 7\ndflash_degraded 1\n")
+    try:
+        srv.health = {"status": "degraded", "last_error": "generation failed: boom | bang",
+                      "requests": 3, "completed": 1, "failed": 2}
+        lines = check_format(plugin(env))
+        assert lines[0] == "▲ dflash failing"
+        server_line = next(line for line in lines if line.startswith("Server: "))
+        assert "failing" in server_line and "color=red" in server_line
+        assert not any("color=green" in line for line in lines)
+        assert "--generation failed: boom ¦ bang | color=red font=Menlo size=11" in lines
+        assert "Requests: 3, 2 failed, 7 tokens generated" in lines
+        srv.health = {"status": "ok", "requests": 4, "completed": 2, "failed": 2}
+        lines = check_format(plugin(env))
+        assert lines[0] == "● dflash running"
+        assert any(line.startswith("Server: running") and "color=green" in line
+                   for line in lines)
+        assert not any("color=red" in line for line in lines)
+    finally:
+        srv.shutdown()
+        srv.server_close()

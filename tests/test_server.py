@@ -300,3 +300,27 @@ def test_metrics(server, client):
     assert m["totals"]["completed"] >= 1 and m["memory"]["peak_bytes"] > 0
     text = httpx.get(server["root"] + "/metrics?format=prometheus", timeout=10).text
     assert "dflash_last_tau " in text and 'dflash_info{model="' in text
+
+
+def test_health_degraded_after_a_failed_generation_then_ok(server, client, monkeypatch):
+    session = server["app"].state.session
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(session, "stream", broken)
+    before = httpx.get(server["root"] + "/health", timeout=10).json()
+    with pytest.raises(openai.InternalServerError, match="generation failed: boom"):
+        chat(client, "ping", max_tokens=2)
+    health = httpx.get(server["root"] + "/health", timeout=10).json()
+    assert health["status"] == "degraded" and health["last_error"] == "generation failed: boom"
+    assert health["failed"] == before["failed"] + 1
+    assert health["requests"] == before["requests"] + 1
+    text = httpx.get(server["root"] + "/metrics?format=prometheus", timeout=10).text
+    assert "dflash_degraded 1" in text and f"dflash_failed_total {health['failed']}" in text
+    monkeypatch.undo()
+    chat(client, "ping", max_tokens=2)
+    health = httpx.get(server["root"] + "/health", timeout=10).json()
+    assert health["status"] == "ok" and "last_error" not in health
+    assert "dflash_degraded 0" in httpx.get(server["root"] + "/metrics?format=prometheus",
+                                            timeout=10).text

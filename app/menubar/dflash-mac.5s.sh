@@ -50,7 +50,11 @@ server_pid() {
     echo "$pid"
 }
 
-healthy() { curl -fsS --max-time 2 "$ROOT/health" >/dev/null 2>&1; }
+# The /health body of a server that answers, or failure.
+health() { curl -fsS --max-time 2 "$ROOT/health" 2>/dev/null; }
+
+# A string field of the /health JSON (no nested quotes expected).
+health_field() { printf '%s\n' "$HEALTH" | sed -n "s/.*\"$1\": *\"\([^\"]*\)\".*/\1/p" | head -n 1; }
 
 metric() { printf '%s\n' "$METRICS" | awk -v k="$1" '$1 == k { print $2; exit }'; }
 
@@ -131,9 +135,11 @@ esac
 # ---- menu ------------------------------------------------------------------------------------
 PID=$(server_pid)
 METRICS=""
-if healthy; then
+if HEALTH=$(health); then
     METRICS=$(curl -fsS --max-time 2 "$ROOT/metrics?format=prometheus" 2>/dev/null)
     STATE=running
+    # The last generation failed: the server answers but does not generate.
+    [ "$(health_field status)" = degraded ] && STATE=degraded
 elif [ -n "$PID" ]; then
     STATE=starting
 else
@@ -149,16 +155,20 @@ case $STATE in
         else
             echo "● dflash running"
         fi ;;
+    degraded) echo "▲ dflash failing" ;;
     starting) echo "◐ dflash starting" ;;
     stopped) echo "○ dflash stopped" ;;
 esac
 echo "---"
 case $STATE in
     running) echo "Server: running at $URL${PID:+ (PID $PID)} | color=green" ;;
+    degraded)
+        echo "Server: failing at $URL${PID:+ (PID $PID)}: the last request failed | color=red"
+        health_field last_error | cut -c 1-120 | sed 's/|/¦/g; s/^/--/; s/$/ | color=red font=Menlo size=11/' ;;
     starting) echo "Server: starting (loading the model, PID $PID)" ;;
     stopped) echo "Server: stopped" ;;
 esac
-if [ "$STATE" = running ]; then
+if [ "$STATE" = running ] || [ "$STATE" = degraded ]; then
     echo "Model: $(info_label model) ($(info_label drafter))"
     echo "--Target: $(info_label model_id) | font=Menlo size=11"
     echo "--Draft: $(info_label draft) | font=Menlo size=11"
@@ -166,7 +176,7 @@ if [ "$STATE" = running ]; then
         printf 'Last request: %.1f tok/s, τ %.2f, %s tokens (%s cached prompt)\n' "$TPS" "$TAU" \
             "$(metric dflash_last_completion_tokens)" "$(metric dflash_last_cached_tokens)"
     fi
-    echo "Requests: $(metric dflash_requests_total), $(metric dflash_completion_tokens_total) tokens generated"
+    echo "Requests: $(metric dflash_requests_total), $(metric dflash_failed_total) failed, $(metric dflash_completion_tokens_total) tokens generated"
 fi
 echo "---"
 if [ -n "$PID" ]; then

@@ -240,7 +240,7 @@ def create_app(pair_or_session: Any, api_key: str | None = None, max_tokens: int
         return JSONResponse(stats())
 
     async def health(request: Request) -> Response:
-        return JSONResponse({"status": "ok", "model": name, "busy": worker.busy,
+        return JSONResponse({**worker.metrics.health(), "model": name, "busy": worker.busy,
                              "queued": worker.queued})
 
     async def api_error(request: Request, exc: Exception) -> Response:

@@ -58,10 +58,23 @@ def check_free(host: str, port: int) -> None:
                              "--port or stop what is using it.")
 
 
+POLLED = ("/health", "/metrics")
+
+
+def not_polling(record: logging.LogRecord) -> bool:
+    """Drop uvicorn's access lines for /health and /metrics: launchers (the menu bar) poll them
+    every few seconds and would push everything else out of the log's tail."""
+    if record.name != "uvicorn.access" or not isinstance(record.args, tuple):
+        return True
+    path = str(record.args[2]) if len(record.args) > 2 else ""
+    return path.split("?")[0] not in POLLED
+
+
 def setup_logging(path: Path) -> None:
-    """Server, request and uvicorn logs go to `path` (appended)."""
+    """Server, request and uvicorn logs go to `path` (appended), without polling lines."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path, encoding="utf-8")
+    handler.addFilter(not_polling)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.addHandler(handler)

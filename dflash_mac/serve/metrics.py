@@ -56,15 +56,24 @@ class Metrics:
         self.lock = threading.Lock()
         self.totals = dict.fromkeys(self.FIELDS, 0)
         self.last: dict | None = None
+        self.last_error: dict | None = None  # the last server-side failure, until a success
         self.memory: dict = {}
 
     def count(self, name: str, n: int = 1) -> None:
         with self.lock:
             self.totals[name] += n
 
+    def fail(self, message: str) -> None:
+        """A generation failed on the server's side (not a bad request): health is degraded
+        until the next generation succeeds."""
+        with self.lock:
+            self.totals["failed"] += 1
+            self.last_error = {"time": time.time(), "message": message}
+
     def record(self, result: dict) -> None:
         u, d = result["usage"], result["dflash"]
         with self.lock:
+            self.last_error = None
             cancelled = result["finish_reason"] == "cancelled"
             self.totals["cancelled" if cancelled else "completed"] += 1
             self.totals["prompt_tokens"] += u["prompt_tokens"]
@@ -86,7 +95,17 @@ class Metrics:
         with self.lock:
             return {"uptime_s": round(time.time() - self.started, 1),
                     "totals": dict(self.totals), "last": dict(self.last or {}) or None,
+                    "last_error": dict(self.last_error or {}) or None,
                     "memory": dict(self.memory)}
+
+    def health(self) -> dict:
+        """/health: "ok", or "degraded" with the last error while the last generation failed;
+        request counts for launchers (the menu bar)."""
+        with self.lock:
+            err = self.last_error
+            counts = {k: self.totals[k] for k in ("requests", "completed", "failed")}
+        return {"status": "degraded" if err else "ok",
+                **({"last_error": err["message"]} if err else {}), **counts}
 
 
 def label(value: Any) -> str:
@@ -107,6 +126,7 @@ def prometheus(stats: dict) -> str:
         f"dflash_uptime_seconds {stats['uptime_s']}",
     ]
     lines += [f"dflash_{k}_total {v}" for k, v in stats["totals"].items()]
+    lines.append(f"dflash_degraded {int(bool(stats.get('last_error')))}")
     last = stats.get("last") or {}
     for key in ("decode_tps", "prefill_tps", "tau", "cycles", "ttft_s", "prompt_tokens",
                 "cached_tokens", "completion_tokens"):

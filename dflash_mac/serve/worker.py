@@ -158,7 +158,7 @@ class Worker:
             return
         except Exception as e:  # a bug: keep serving, from a clean state
             log.exception("generation failed")
-            self.metrics.count("failed")
+            self.metrics.fail(f"generation failed: {e}")
             self.session.reset()
             job.emit("error", APIError(500, f"generation failed: {e}", kind="server_error"))
             return

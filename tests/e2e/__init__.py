@@ -1,0 +1,1 @@
+"""End-to-end tests: the installed `dflash-mac` command in fresh subprocesses."""

@@ -1,0 +1,125 @@
+"""Fixtures for the end-to-end tests: the installed `dflash-mac` command, run as a user runs it.
+
+The rule for the whole suite: no front-end test may depend on another test having warmed the
+model on the main thread. Loading a pair in one thread and generating in another only works
+when loading materialised every weight (MLX arrays belong to the stream of the thread that made
+them), and an in-process test whose process already generated once on the main thread hides
+that bug. So these tests never import the engine: every case starts the console script that
+`pip install` put next to this Python (`.venv/bin/dflash-mac`) in a fresh subprocess, on the
+bundled pair, offline (HF_HUB_OFFLINE=1), with its data directory (DFLASH_MAC_HOME) in a
+temporary folder, servers on a free loopback port, every process bounded in time and stopped by
+its PID."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+TIMEOUT_S = 120  # any one command; the tiny bundled pair needs a few seconds
+
+
+def installed_command() -> str:
+    """`dflash-mac` from this interpreter's bin folder (the venv the tests run in)."""
+    bin_dir = Path(sys.executable).parent
+    found = shutil.which("dflash-mac", path=str(bin_dir))
+    if not found:
+        pytest.fail(f"no dflash-mac console script in {bin_dir}; run pip install -e '.[test]'.")
+    return found
+
+
+def user_env(home: Path) -> dict[str, str]:
+    """The environment of a user: no dflash-mac settings but the data directory, offline."""
+    env = {k: v for k, v in os.environ.items() if not k.lstrip("_").startswith("DFLASH_MAC_")}
+    env.update(DFLASH_MAC_HOME=str(home), HF_HUB_OFFLINE="1", NO_COLOR="1", COLUMNS="200")
+    return env
+
+
+@dataclass
+class Cli:
+    """Runs `dflash-mac ARGS` to completion in a fresh process."""
+
+    command: str
+    env: dict[str, str]
+
+    def __call__(self, *args: str, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
+        return subprocess.run([self.command, *args], env=self.env, capture_output=True,
+                              text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory) -> Cli:
+    return Cli(installed_command(), user_env(tmp_path_factory.mktemp("home")))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    """A `dflash-mac serve` process on loopback."""
+
+    proc: subprocess.Popen
+    root: str
+    home: Path
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_healthy(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"serve exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(self.root + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        pytest.fail(f"serve did not answer /health within {seconds} s:\n{self.output()}")
+
+    def terminate(self, seconds: float = 20) -> int:
+        """SIGTERM, as a launcher stops it; the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(seconds)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def server(cli: Cli, tmp_path_factory):
+    """One `dflash-mac serve` per module (bundled pair, free loopback port)."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("serve") / "serve.out"
+    with log.open("w") as out:
+        proc = subprocess.Popen([cli.command, "serve", "--host", "127.0.0.1", "--port",
+                                 str(port), "--max-tokens", "64"], env=cli.env, stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    srv = Server(proc, f"http://127.0.0.1:{port}", Path(cli.env["DFLASH_MAC_HOME"]), log)
+    try:
+        srv.wait_healthy(60)
+        yield srv
+    finally:
+        try:
+            srv.terminate(10)
+        except subprocess.TimeoutExpired:
+            pass
+        srv.kill()

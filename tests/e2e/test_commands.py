@@ -1,0 +1,51 @@
+"""`dflash-mac generate`, `bench`, `doctor` and `models` as a user runs them: the installed
+command in fresh processes, exit codes and what they print."""
+
+from __future__ import annotations
+
+import json
+
+N = 8
+
+
+def test_generate_json(cli):
+    r = cli("generate", "Write a function that reverses a string.", "-n", str(N), "--temp", "0",
+            "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["finish_reason"] in ("length", "stop") and out["text"]
+    assert len(out["tokens"]) == out["generation_tokens"] <= N
+    if out["finish_reason"] == "length":
+        assert out["generation_tokens"] == N
+    assert 1 <= out["tau"] <= out["block_size"] and out["prompt_tokens"] > 0
+
+
+def test_bench_tiny_run(cli):
+    r = cli("bench", "--suite", "code", "--limit", "1", "--trials", "1", "--max-tokens", str(N),
+            "--format", "json", "--no-live")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    (row,) = report["rows"]
+    assert row["prompts"] == 1 and row["trials"] == 1 and row["dflash_tokens"] > 0
+    assert 1 <= row["tau"][0] <= row["block_size"]
+    assert report["lossless"]["checked"] == report["lossless"]["equal"] == 1
+
+
+def test_doctor_self_test_passes(cli):
+    r = cli("doctor")
+    assert r.returncode == 0, r.stdout + r.stderr
+    line = next(line for line in r.stdout.splitlines() if "self-test" in line)
+    assert line.startswith("✓ self-test bundled pair decodes losslessly on a worker thread")
+    assert "0 failed" in r.stdout
+
+
+def test_models_table_and_json(cli):
+    r = cli("models")
+    assert r.returncode == 0, r.stderr
+    assert "bundled" in r.stdout and "qwen3-8b" in r.stdout
+    r = cli("models", "--json")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["default"] == "bundled"
+    bundled = next(p for p in data["pairs"] if p["name"] == "bundled")
+    assert bundled["local"] and bundled["default"]
