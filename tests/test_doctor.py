@@ -71,20 +71,6 @@ def test_kernels(mac, change, expected):
     assert status(doctor.check_kernels(replace(mac, **change))) == expected
 
 
-def test_kernels_fallback_when_the_package_is_missing(monkeypatch):
-    import builtins
-
-    real = builtins.__import__
-
-    def no_kernels(name, globals=None, locals=None, fromlist=(), level=0):
-        if "metal_kernels" in name or "metal_kernels" in (fromlist or ()):
-            raise ImportError(name)
-        return real(name, globals, locals, fromlist, level)
-
-    monkeypatch.setattr(builtins, "__import__", no_kernels)
-    assert doctor._kernels() == ("reference", "")
-
-
 @pytest.mark.parametrize("change, expected", [
     ({}, PASS),
     ({"system": "linux", "blas": "OpenBLAS"}, PASS),
