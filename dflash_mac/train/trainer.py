@@ -76,6 +76,21 @@ def prepare_data(model: nn.Module, tokenizer: Any, target_dir: Path, args: Train
     return TrainingData(seqs, data_file, sum(len(q.response) for q in seqs), seconds)
 
 
+def prepare_trainee(args: TrainingArgs, s: TrainSettings, config: dict, model: nn.Module,
+                    seqs: list[Sequence], log) -> tuple[Trainee, str | None]:
+    """A seeded new drafter (or `init_from`'s weights) with AdamW over the run's length
+    (`steps`, else `epochs`); also returns the note on where the weights came from."""
+    mx.random.seed(args.seed)
+    drafter = build_drafter(config, model)
+    init_note = None
+    if args.init_from:
+        init_note = load_init(drafter, args.init_from)
+        log(f"initialised from {args.init_from} ({init_note})")
+    per_epoch = math.ceil(len(seqs) / s.batch_size)
+    opt, sched = make_optimizer(s, args.steps or max(1, math.ceil(args.epochs * per_epoch)))
+    return Trainee(drafter, opt, sched, model, seqs, s), init_note
+
+
 def start_state(args: TrainingArgs, total: int, trainee: Trainee, settings_key: dict,
                 log) -> LoopState:
     """A fresh run of `total` steps, or the checkpoint's position on --resume (a fresh run
@@ -132,18 +147,11 @@ def train_drafter(args: TrainingArgs, callback: TrainingCallback | None = None) 
     cb.log(f"{len(data.seqs)} training sequences, {data.response_tokens:,} response tokens "
            f"({data.file.name})")
 
-    mx.random.seed(args.seed)
-    drafter = build_drafter(config, model)
-    init_note = None
-    if args.init_from:
-        init_note = load_init(drafter, args.init_from)
-        cb.log(f"initialised from {args.init_from} ({init_note})")
-    n_params = sum(v.size for _, v in tree_flatten(drafter.parameters()))
+    trainee, init_note = prepare_trainee(args, s, config, model, data.seqs, cb.log)
+    n_params = sum(v.size for _, v in tree_flatten(trainee.drafter.parameters()))
     per_epoch = math.ceil(len(data.seqs) / s.batch_size)
-    opt, sched = make_optimizer(s, args.steps or max(1, math.ceil(args.epochs * per_epoch)))
-    trainee = Trainee(drafter, opt, sched, model, data.seqs, s)
     settings_key = dict(asdict(s), data=data.file.name, init_from=init_note)
-    state = start_state(args, sched.total, trainee, settings_key, cb.log)
+    state = start_state(args, trainee.sched.total, trainee, settings_key, cb.log)
     cb.log(f"drafter {n_params / 1e6:.2f}M parameters; {state.total} steps of {s.batch_size} "
            f"sequences × ≤{s.anchors} blocks ({per_epoch} steps/epoch), lr {s.lr}")
 
