@@ -14,7 +14,8 @@ from dflash_mac.models.dflash import DFlashDraftModel
 from dflash_mac.capture import target_head
 from dflash_mac.loading import load
 from dflash_mac.testing.tiny import draft_config
-from dflash_mac.train import TrainError, train_drafter
+from dflash_mac.train import TrainError, TrainingArgs, TrainingCallback, train_drafter
+from dflash_mac.train.batches import target_features
 from dflash_mac.train.blocks import (
     block_inputs,
     block_mask,
@@ -23,9 +24,9 @@ from dflash_mac.train.blocks import (
     position_weights,
     sample_anchors,
 )
+from dflash_mac.train.config import default_layer_ids, resolve_mask_id
 from dflash_mac.train.data import read_prompts
 from dflash_mac.train.forward import layer_masks, train_hidden
-from dflash_mac.train.trainer import default_layer_ids, resolve_mask_id, target_features
 
 
 def test_position_weights():
@@ -157,14 +158,26 @@ def prompts_file(tmp_path_factory):
     return p
 
 
-def _train(tiny_dirs, prompts, out, cache, **kw):
-    losses = []
+class Record(TrainingCallback):
+    """Collects each step's loss; `on_step(step, loss)` may raise to stop the run."""
+
+    def __init__(self, on_step=None):
+        self.losses: list[float] = []
+        self.hook = on_step
+
+    def on_step(self, r):
+        self.losses.append(r.losses[-1])
+        if self.hook:
+            self.hook(r.step, r.losses[-1])
+
+
+def _train(tiny_dirs, prompts, out, cache, on_step=None, **kw):
     opts = dict(block_size=6, num_layers=1, steps=12, batch_size=2, anchors=16,
-                max_new_tokens=24, lr=3e-3, cache_dir=cache, save_every=4,
-                on_step=lambda s, loss: losses.append(loss))
+                max_new_tokens=24, lr=3e-3, cache_dir=cache, save_every=4)
     opts.update(kw)
-    summary = train_drafter(tiny_dirs[0], prompts, out, **opts)
-    return losses, summary
+    rec = Record(on_step)
+    summary = train_drafter(TrainingArgs(tiny_dirs[0], prompts, out, **opts), rec)
+    return rec.losses, summary
 
 
 def test_training_decreases_loss_and_roundtrips(tiny_dirs, prompts_file, tmp_path):

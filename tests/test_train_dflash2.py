@@ -13,10 +13,10 @@ from test_train import _train, prompts_file  # noqa: F401  (fixture)
 
 from dflash_mac.capture import target_head
 from dflash_mac.loading import load
+from dflash_mac.train.batches import target_features
 from dflash_mac.train.blocks import block_inputs, position_weights
 from dflash_mac.train.dflash2_loss import selector_loss, train_hidden2
 from dflash_mac.train.forward import layer_masks
-from dflash_mac.train.trainer import target_features
 
 
 def test_training_forward_equals_inference(tiny_pair):

@@ -16,6 +16,7 @@ import argparse
 import json
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -119,9 +120,10 @@ def sample_and_time(target: Path, prompts: Path, n: int = 3, max_tokens: int = 9
     return res
 
 
-def stage_drafter(out: Path, cache: Path, minutes: float) -> None:
+def stage_drafter(out: Path, cache: Path) -> None:
     """Train the DFlash drafter on the target's own outputs (``dflash_mac.train``)."""
-    from dflash_mac.train import train_drafter
+    from dflash_mac.train import TrainingArgs, train_drafter
+    from dflash_mac.train.command import ProgressReporter
 
     prompts = cache / "train_prompts.jsonl"
     if not prompts.exists():
@@ -130,15 +132,15 @@ def stage_drafter(out: Path, cache: Path, minutes: float) -> None:
     # then two fine-tunes of that drafter (`--init-from`, fresh warmup + cosine each). The step
     # counts are the committed run's (first fixed by `--minutes` budgets on the build machine);
     # data order and anchors follow from the seed and the step, so the schedule is identical.
-    # (`minutes` is not used by this stage.)
-    common = dict(target=out / "target", prompts=prompts, out_dir=out / "dflash", block_size=8,
-                  num_layers=1, target_layer_ids=[1, 3, 5],  # 6-layer target: full depth
-                  max_new_tokens=256, limit=600, gen_batch_size=64, lr=2e-3, batch_size=4,
-                  anchors=128, cache_dir=cache / "drafter")
-    train_drafter(steps=247, **common)
-    train_drafter(steps=110, init_from=out / "dflash", **common)
-    train_drafter(steps=137, init_from=out / "dflash", eval_prompts=out / "eval_prompts.jsonl",
-                  **common)
+    base = TrainingArgs(target=str(out / "target"), prompts=prompts, out_dir=out / "dflash",
+                        block_size=8, num_layers=1, target_layer_ids=[1, 3, 5],  # full depth
+                        max_new_tokens=256, limit=600, gen_batch_size=64, lr=2e-3, batch_size=4,
+                        anchors=128, cache_dir=cache / "drafter")
+    reporter = ProgressReporter(console)
+    train_drafter(replace(base, steps=247), reporter)
+    train_drafter(replace(base, steps=110, init_from=out / "dflash"), reporter)
+    train_drafter(replace(base, steps=137, init_from=out / "dflash",
+                          eval_prompts=out / "eval_prompts.jsonl"), reporter)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -148,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=Path("models/bundled"))
     ap.add_argument("--stage", choices=(*STAGES, "all"), default="all")
     ap.add_argument("--minutes", type=float, default=30.0,
-                    help="wall-clock training budget of the target (and of the drafter)")
+                    help="wall-clock training budget of the target")
     ap.add_argument("--cache", type=Path, default=CACHE)
     ap.add_argument("--fresh", action="store_true", help="discard the target checkpoint")
     ap.add_argument("--batch-size", type=int, default=None, help="target batch (sequences)")
@@ -171,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
             stage_target(args.out, args.cache, args.minutes, batch_size=args.batch_size,
                          lr=args.lr, recalibrate=args.recalibrate or None)
         else:
-            stage_drafter(args.out, args.cache, args.minutes)
+            stage_drafter(args.out, args.cache)
     console.log(f"done in {time.perf_counter() - t0:.0f}s")
 
 

@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
 from mlx import nn
-from mlx.utils import tree_flatten, tree_map, tree_unflatten
+from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import qwen3
 
 TARGET_CONFIG: dict = {
@@ -222,8 +222,3 @@ def save_target(model: nn.Module, out_dir: Path) -> None:
     (out_dir / "config.json").write_text(json.dumps(TARGET_CONFIG, indent=2) + "\n")
     gen = {"eos_token_id": [2, 0], "pad_token_id": 0, "do_sample": False}
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-
-
-def cast_tree(tree: dict, dtype: mx.Dtype) -> dict:
-    """Cast every array of a parameter tree."""
-    return tree_map(lambda a: a.astype(dtype), tree)

@@ -1,12 +1,24 @@
-"""The `dflash-mac train` command (registered in `dflash_mac/cli.py`)."""
+"""The `dflash-mac train` command (registered in `dflash_mac/cli/__init__.py`)."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
+import numpy as np
 import typer
 from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from .loop import StepReport, TrainingCallback
 
 
 def train(
@@ -68,8 +80,9 @@ def train(
     """Train a DFlash drafter for TARGET on the target's own answers to --data prompts."""
     from dflash_mac.loading import LoadError
 
+    from .args import TrainError, TrainingArgs
     from .data import DataError
-    from .trainer import TrainError, train_drafter
+    from .trainer import train_drafter
 
     ids = None
     if target_layer_ids:
@@ -79,19 +92,61 @@ def train(
             ids = None
         if not ids:
             _fail("--target-layer-ids must be comma-separated integers, e.g. 1,9,17.")
+    args = TrainingArgs(
+        target=target, prompts=data, out_dir=out, block_size=block_size, num_layers=layers,
+        target_layer_ids=ids, mask_token_id=mask_token_id, arch=arch, steps=steps,
+        epochs=epochs, minutes=minutes, lr=lr, batch_size=batch_size, anchors=anchors,
+        max_length=max_length, intermediate_size=intermediate_size,
+        max_new_tokens=gen_max_tokens, temp=temp, gen_batch_size=gen_batch_size, limit=limit,
+        eval_prompts=eval_prompts, eval_max_tokens=eval_max_tokens, resume=resume, seed=seed,
+        save_every=save_every, cache_dir=cache_dir, save_dtype=dtype, init_from=init_from,
+        sliding_window=sliding_window,
+    )
+    console = Console()
     try:
-        train_drafter(
-            target, data, out, block_size=block_size, num_layers=layers, target_layer_ids=ids,
-            mask_token_id=mask_token_id, arch=arch, steps=steps, epochs=epochs,
-            minutes=minutes, lr=lr, batch_size=batch_size, anchors=anchors,
-            max_length=max_length, intermediate_size=intermediate_size,
-            max_new_tokens=gen_max_tokens, temp=temp, gen_batch_size=gen_batch_size,
-            limit=limit, eval_prompts=eval_prompts, eval_max_tokens=eval_max_tokens,
-            resume=resume, seed=seed, save_every=save_every, cache_dir=cache_dir,
-            save_dtype=dtype, init_from=init_from, sliding_window=sliding_window,
-        )
+        train_drafter(args, ProgressReporter(console))
     except (TrainError, DataError, LoadError) as e:
         _fail(str(e))
+    console.print(f"\nTry it:\n  dflash-mac generate --model {target} --draft {out} "
+                  f"--block-size {min(block_size, 8)} -v \"def fibonacci(n):\"")
+
+
+class ProgressReporter(TrainingCallback):
+    """The training loop on a terminal: a progress bar, or a log line every 10 steps when
+    the output is not a terminal (logs, nohup)."""
+
+    def __init__(self, console: Console):
+        self.console = console
+        self.bar: Progress | None = None
+        self.task: TaskID | None = None
+
+    def log(self, message: str) -> None:
+        self.console.log(message, _stack_offset=2)  # show where the message comes from
+
+    def on_start(self, step: int, total: int, losses: list[float]) -> None:
+        cols = [TextColumn("[bold]drafter"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]:.3f}"),
+                TextColumn("acc@1 {task.fields[acc]:.2f}"),
+                TextColumn("{task.fields[tps]:,.0f} tok/s"), TimeElapsedColumn(),
+                TextColumn("ETA"), TimeRemainingColumn()]
+        self.bar = Progress(*cols, console=self.console, transient=False)
+        self.bar.start()
+        self.task = self.bar.add_task("train", total=total, completed=step,
+                                      loss=losses[-1] if losses else float("nan"), acc=0.0,
+                                      tps=0.0)
+
+    def on_step(self, r: StepReport) -> None:
+        self.bar.update(self.task, completed=r.step, total=r.total,
+                        loss=float(np.mean(r.losses[-20:])), tps=r.tokens_per_s, acc=r.acc[0])
+        if not self.console.is_terminal and (r.step % 10 == 0 or r.step == r.total):
+            eta = r.run_seconds / max(r.step - r.start, 1) * (r.total - r.step)
+            self.console.log(f"step {r.step}/{r.total} loss {np.mean(r.losses[-10:]):.3f} acc "
+                             + " ".join(f"{a:.2f}" for a in r.acc)
+                             + f" | {r.tokens_per_s:,.0f} tok/s | ETA {eta / 60:.1f} min")
+
+    def on_end(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
 
 
 def _fail(msg: str) -> None:

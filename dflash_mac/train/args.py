@@ -1,0 +1,96 @@
+"""What a training run is given (`TrainingArgs`) and what its checkpoints must agree on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ARCHS = ("dflash", "dflash2")
+
+
+class TrainError(ValueError):
+    """A training setup that cannot work; the message is one sentence for the user."""
+
+
+@dataclass
+class TrainingArgs:
+    """Everything `dflash-mac train` is told: paths, drafter shape, schedule, data, evaluation."""
+
+    target: str  # target model: local folder or Hugging Face id
+    prompts: Path  # prompts JSONL the target answers
+    out_dir: Path  # drafter folder written at the end (z-lab format)
+    # drafter
+    block_size: int = 16  # trained block size
+    num_layers: int = 1  # drafter decoder layers
+    target_layer_ids: list[int] | None = None  # None: uniform between layer 1 and L-3
+    mask_token_id: int | None = None  # needed when the tokenizer has no <|mask|> token
+    arch: str = "dflash"  # "dflash" or "dflash2"
+    intermediate_size: int | None = None  # drafter MLP width; None: the target's
+    sliding_window: int | None = None  # windowed drafter attention
+    # length and optimisation
+    steps: int | None = None  # optimizer steps; None: `epochs` passes over the sequences
+    epochs: float = 6.0
+    minutes: float | None = None  # wall-clock cap, fixed from the first steps' speed
+    lr: float = 6e-4  # peak AdamW learning rate (warmup, then cosine)
+    batch_size: int = 4  # sequences per step
+    anchors: int = 512  # random blocks per sequence, at most
+    max_length: int = 3072  # sequence length cap (tokens)
+    seed: int = 0
+    # regeneration of the training responses by the target
+    max_new_tokens: int = 256
+    temp: float = 0.0
+    gen_batch_size: int = 32
+    limit: int | None = None  # use N prompts, evenly spread over the file
+    # held-out evaluation after training
+    eval_prompts: Path | None = None
+    eval_max_tokens: int = 256
+    eval_limit: int | None = None
+    # checkpoints and output
+    resume: bool = False  # continue from the checkpoint in `cache_dir`
+    save_every: int = 100  # checkpoint every N steps
+    cache_dir: Path = Path(".cache/dflash-train")  # regenerated data and checkpoints
+    save_dtype: str = "float16"  # saved weights: float16, bfloat16 or float32
+    init_from: Path | None = None  # fine-tune this drafter folder (fresh schedule)
+
+    def __post_init__(self) -> None:
+        self.target = str(self.target)
+        self.prompts, self.out_dir = Path(self.prompts), Path(self.out_dir)
+        self.cache_dir = Path(self.cache_dir or ".cache/dflash-train")
+        if self.eval_prompts is not None:
+            self.eval_prompts = Path(self.eval_prompts)
+        if self.init_from is not None:
+            self.init_from = Path(self.init_from)
+
+    def check(self) -> None:
+        """Raise `TrainError` for settings that cannot train."""
+        if self.arch not in ARCHS:
+            raise TrainError(f"--arch {self.arch} is not supported yet "
+                             f"(choose from {', '.join(ARCHS)}).")
+        if self.block_size < 2:
+            raise TrainError(f"--block-size must be at least 2 (got {self.block_size}).")
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        """Resumable state; a fine-tune keeps its own so it never clobbers the base run's."""
+        return self.cache_dir / ("checkpoint-finetune" if self.init_from else "checkpoint")
+
+
+@dataclass
+class TrainSettings:
+    """Everything that determines the training run (stored in the checkpoint)."""
+
+    block_size: int = 16
+    num_layers: int = 1
+    target_layer_ids: list[int] = field(default_factory=list)
+    mask_token_id: int = -1
+    arch: str = "dflash"
+    lr: float = 6e-4
+    weight_decay: float = 0.01
+    warmup_frac: float = 0.04
+    grad_clip: float = 1.0
+    batch_size: int = 4
+    anchors: int = 512
+    max_length: int = 3072
+    seed: int = 0
+    intermediate_size: int | None = None
+    sliding_window: int | None = None

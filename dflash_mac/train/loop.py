@@ -1,0 +1,141 @@
+"""The optimisation loop: AdamW with warmup + cosine, grad clip, checkpoints, reports.
+
+The loop prints nothing; it reports every step (and the time-budget decision) through a
+`TrainingCallback`, which the command layer turns into a progress bar and log lines.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.optimizers as optim
+from mlx import nn
+
+from .args import TrainSettings
+from .batches import batch_indices, make_batch, target_features
+from .blocks import position_weights
+from .checkpoint import LoopState, save_checkpoint
+from .data import Sequence
+from .dflash2_loss import dflash2_loss
+from .forward import LOSSES, layer_masks
+
+LOSSES.setdefault("dflash2", dflash2_loss)
+
+
+class Schedule:
+    """Linear warmup (`warmup_frac` of the steps) then cosine decay to 0."""
+
+    def __init__(self, lr: float, total: int, warmup_frac: float):
+        self.lr, self.warmup_frac = lr, warmup_frac
+        self.total = total
+
+    def __call__(self, step: mx.array) -> mx.array:
+        warm = max(1, int(self.warmup_frac * self.total))
+        s = step.astype(mx.float32)
+        up = self.lr * (s + 1) / warm
+        t = mx.clip((s - warm) / max(1, self.total - warm), 0.0, 1.0)
+        down = self.lr * 0.5 * (1 + mx.cos(math.pi * t))
+        return mx.where(s < warm, up, down)
+
+
+@dataclass
+class StepReport:
+    """One finished optimizer step."""
+
+    step: int
+    total: int
+    start: int  # the step this process started from (> 0 after --resume)
+    losses: list[float]  # every step's loss so far; the last is this step's
+    acc: list[float]  # acceptance per block position on this batch
+    tokens_per_s: float  # target tokens per second over the last steps
+    run_seconds: float  # wall time since this process started the loop
+
+
+class TrainingCallback:
+    """What the loop tells its caller; every hook does nothing unless overridden."""
+
+    def log(self, message: str) -> None:
+        """A one-line note (setup, time budget, saving, evaluation)."""
+
+    def on_start(self, step: int, total: int, losses: list[float]) -> None:
+        """The loop starts at `step` of `total` (`losses` of earlier steps when resumed)."""
+
+    def on_step(self, report: StepReport) -> None:
+        """A step is done (and checkpointed when due); raising here stops the run."""
+
+    def on_end(self) -> None:
+        """The loop is over, normally or by an exception."""
+
+
+@dataclass
+class Trainee:
+    """The drafter being trained, its optimizer and schedule, and what feeds it."""
+
+    drafter: nn.Module
+    opt: optim.Optimizer
+    sched: Schedule
+    target: nn.Module  # frozen; gives the features
+    seqs: list[Sequence]
+    settings: TrainSettings
+
+
+def make_optimizer(s: TrainSettings, total: int) -> tuple[optim.Optimizer, Schedule]:
+    sched = Schedule(s.lr, total, s.warmup_frac)
+    return optim.AdamW(learning_rate=sched, weight_decay=s.weight_decay), sched
+
+
+def train_loop(t: Trainee, state: LoopState, ckpt: Path, settings_key: dict, save_every: int,
+               minutes: float | None, callback: TrainingCallback) -> float:
+    """Run steps `state.step`..`state.total` (updating `state`); return the training seconds
+    of the whole run, earlier processes included."""
+    s, drafter = t.settings, t.drafter
+    weights = mx.array(position_weights(s.block_size))
+    loss_fn = LOSSES[s.arch]
+
+    def objective(d, feats, b, masks):
+        return loss_fn(d, feats, b.block_ids, b.labels, mx.array(b.anchors), b.valid, masks,
+                       weights)
+
+    grad_fn = nn.value_and_grad(drafter, objective)
+    per_epoch = math.ceil(len(t.seqs) / s.batch_size)
+    start = state.step
+    t_run = time.perf_counter()
+    tok_window: list[tuple[float, int]] = []
+    callback.on_start(start, state.total, state.losses)
+    try:
+        while state.step < state.total:
+            step = state.step
+            batch = make_batch(t.seqs, batch_indices(step, len(t.seqs), s.batch_size, s.seed),
+                               step, s)
+            masks = layer_masks(drafter, batch.anchors, batch.tokens.shape[1], s.block_size)
+            feats = target_features(t.target, s.target_layer_ids, batch.tokens)
+            (loss, acc), grads = grad_fn(drafter, feats, batch, masks)
+            grads, _ = optim.clip_grad_norm(grads, s.grad_clip)
+            t.opt.update(drafter, grads)
+            mx.eval(drafter.parameters(), t.opt.state, loss, acc)
+            state.step = step = step + 1
+            state.losses.append(round(loss.item(), 5))
+            now = time.perf_counter()
+            tok_window = (tok_window + [(now, batch.n_tokens)])[-20:]
+            tps = (sum(n for _, n in tok_window[1:]) / (now - tok_window[0][0])
+                   if len(tok_window) > 1 else 0.0)
+            if not state.budget_fixed and step == min(state.total, 6):
+                per_step = (now - t_run) / step
+                cap = max(step + 1, int(minutes * 60 / per_step))
+                if cap < state.total:
+                    state.total = t.sched.total = cap
+                    callback.log(f"{minutes:g} min budget at {per_step:.2f} s/step -> "
+                                 f"{cap} steps ({cap / per_epoch:.2f} epochs)")
+                state.budget_fixed = True
+            if step % save_every == 0 or step == state.total:
+                save_checkpoint(ckpt, drafter, t.opt,
+                                state.meta(settings_key, time.perf_counter() - t_run))
+            callback.on_step(StepReport(step, state.total, start, state.losses, acc.tolist(),
+                                        tps, time.perf_counter() - t_run))
+    finally:
+        callback.on_end()
+    return state.elapsed + time.perf_counter() - t_run
