@@ -17,7 +17,6 @@ plain records, so they are tested on synthetic data.
 from __future__ import annotations
 
 import gc
-import json
 import random
 import time
 from collections.abc import Callable
@@ -29,6 +28,7 @@ import typer
 
 from dflash_mac.generate import PromptError
 from dflash_mac.pair import Pair
+from dflash_mac.prompts import read_prompt_file
 from dflash_mac.stats import histogram, mean_std, position_acceptance, survival
 
 SUITES = ("code", "math", "chat")
@@ -60,34 +60,13 @@ def code_suite_path() -> Path:
 
 
 def read_prompts(path: str | Path, suite: str | None = None) -> list[BenchPrompt]:
-    """Prompts from a JSONL file: lines with `messages` (chat) or `prompt` (text), optional
-    `id`."""
-    path = Path(path)
-    suite = suite or path.stem
+    """A prompts file (dflash_mac/prompts.py) as bench prompts of `suite` (the file's stem)."""
+    suite = suite or Path(path).stem
     try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        raise BenchError(f"prompts file {path} does not exist.")
-    except (OSError, UnicodeDecodeError) as e:
-        raise BenchError(f"prompts file {path} cannot be read ({e}).")
-    out = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise BenchError(f"{path} line {n} is not valid JSON ({e.msg}).")
-        prompt = item.get("messages", item.get("prompt")) if isinstance(item, dict) else None
-        valid_chat = isinstance(prompt, list) and prompt and all(
-            isinstance(m, dict) and "role" in m and "content" in m for m in prompt)
-        if not (valid_chat or (isinstance(prompt, str) and prompt)):
-            raise BenchError(f"{path} line {n} needs a non-empty \"messages\" list "
-                             "or \"prompt\" string.")
-        out.append(BenchPrompt(str(item.get("id", f"{suite}-{n}")), suite, prompt))
-    if not out:
-        raise BenchError(f"prompts file {path} holds no prompts.")
-    return out
+        records = read_prompt_file(path)
+    except PromptError as e:
+        raise BenchError(str(e))
+    return [BenchPrompt(r.id or f"{suite}-{r.line}", suite, r.prompt) for r in records]
 
 
 def suite_prompts(name: str, warn: Callable[[str], Any] = print) -> list[BenchPrompt]:

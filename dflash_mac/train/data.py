@@ -22,8 +22,11 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from dflash_mac.errors import PromptError, UserError
+from dflash_mac.prompts import read_prompt_file
 
-class DataError(ValueError):
+
+class DataError(UserError, ValueError):
     """Unusable training data; the message is one sentence for the user."""
 
 
@@ -40,35 +43,13 @@ class Sequence:
 
 
 def read_prompts(path: str | Path) -> list[dict | str]:
-    """Prompts from JSONL: a list of chat messages (dict records) or plain strings."""
-    path = Path(path)
-    if not path.exists():
-        raise DataError(f"the prompts file {path} does not exist.")
-    out: list[dict | str] = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path} line {n} is not valid JSON ({e.msg}).")
-        if isinstance(rec, dict) and isinstance(rec.get("messages"), list):
-            msgs = list(rec["messages"])
-            while msgs and msgs[-1].get("role") == "assistant":
-                msgs.pop()
-            if msgs:
-                out.append({"messages": msgs})
-        elif isinstance(rec, dict) and isinstance(rec.get("text", rec.get("prompt")), str):
-            out.append(rec.get("text", rec.get("prompt")))
-        elif isinstance(rec, str):
-            out.append(rec)
-        else:
-            raise DataError(
-                f"{path} line {n} has neither 'messages' nor 'text' / 'prompt'."
-            )
-    if not out:
-        raise DataError(f"{path} holds no prompts.")
-    return out
+    """Prompts of a JSONL file (dflash_mac/prompts.py): `{"messages": [...]}` for chats, plain
+    strings for text."""
+    try:
+        records = read_prompt_file(path)
+    except PromptError as e:
+        raise DataError(str(e))
+    return [{"messages": r.prompt} if isinstance(r.prompt, list) else r.prompt for r in records]
 
 
 def encode_prompts(tokenizer: Any, prompts: list[dict | str], max_prompt: int) -> list[list[int]]:
