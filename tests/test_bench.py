@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from dflash_mac import decode as engine
 from dflash_mac.bench import report as bench_report
 from dflash_mac.bench import run as bench
+from dflash_mac.bench import summary
 from dflash_mac.bench.run import BenchConfig, BenchError, BenchPrompt, Run
 from dflash_mac.cli import app
 from dflash_mac.loading import BUNDLED_DRAFT
@@ -69,11 +70,11 @@ def test_run_decode_tps_excludes_first_token():
 
 
 def test_trial_tps_is_token_weighted():
-    assert bench.trial_tps([run(11, 1.0), run(101, 1.0)]) == pytest.approx(55.0)
+    assert summary.trial_tps([run(11, 1.0), run(101, 1.0)]) == pytest.approx(55.0)
 
 
 def test_summarize_synthetic():
-    row = bench.summarize(synthetic_records(), 4, "s", greedy=True)
+    row = summary.summarize(synthetic_records(), 4, "s", greedy=True)
     assert row["prompts"] == 2 and row["trials"] == 2 and row["runs"] == 4
     assert row["baseline_tps"] == [pytest.approx(75.0), pytest.approx(25 * 2 ** 0.5)]
     assert row["dflash_tps"] == [pytest.approx(200.0), 0.0]
@@ -87,7 +88,7 @@ def test_summarize_synthetic():
     assert row["baseline_ttft_ms"] == pytest.approx(10.0)
     assert row["dflash_peak_bytes"] == 1500
     assert (row["lossless_equal"], row["lossless_checked"]) == (4, 4)
-    assert bench.summarize(synthetic_records(), 4, "s", greedy=False)["lossless_checked"] is None
+    assert summary.summarize(synthetic_records(), 4, "s", greedy=False)["lossless_checked"] is None
 
 
 def test_rows_best_block_size_and_mismatches():
@@ -96,13 +97,13 @@ def test_rows_best_block_size_and_mismatches():
         r["dflash"][2] = run(101, 1.0, [2] * 50, bs=2)
     recs[1]["suite"] = recs[3]["suite"] = "t"
     recs[3]["dflash"][2] = run(101, 1.0, [2] * 50, bs=2, tokens=[0, 1, 9] + list(range(3, 101)))
-    rows = bench.summary_rows(recs, [2, 4], greedy=True)
+    rows = summary.summary_rows(recs, [2, 4], greedy=True)
     assert [(r["block_size"], r["suite"]) for r in rows] == [
         (2, "s"), (2, "t"), (2, "all"), (4, "s"), (4, "t"), (4, "all")]
-    assert bench.best_block_size(rows) == 4
+    assert summary.best_block_size(rows) == 4
     assert rows[2]["lossless_equal"] == 3
-    assert bench.mismatches(recs) == [{"id": "b", "trial": 1, "block_size": 2, "first_diff": 2}]
-    assert bench.first_diff([1, 2], [1, 2, 3]) == 2 and bench.first_diff([1], [1]) is None
+    assert summary.mismatches(recs) == [{"id": "b", "trial": 1, "block_size": 2, "first_diff": 2}]
+    assert summary.first_diff([1, 2], [1, 2, 3]) == 2 and summary.first_diff([1], [1]) is None
 
 
 # -- report formats and schema ------------------------------------------------------------
@@ -257,7 +258,7 @@ def test_runner_measures_baseline_and_dflash(tiny_pair):
             assert r.decode_tps > 0 and r.ttft > 0 and r.peak_memory > 0
     assert len(seen) == sum(len(r["dflash"][b].acceptance_lengths) for r in records
                             for b in (2, 4))
-    row = bench.summarize(records, 4, "s", greedy=True)
+    row = summary.summarize(records, 4, "s", greedy=True)
     assert 1.0 < row["tau"][0] <= 4 and row["lossless_equal"] == 2
 
 

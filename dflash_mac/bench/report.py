@@ -139,7 +139,7 @@ def validate(doc: Any, schema: dict = SCHEMA, path: str = "$") -> list[str]:
 
 def record_dict(rec: dict, greedy: bool) -> dict:
     """A (trial, prompt) record with its runs as plain dicts (lossless per DFlash run)."""
-    from .run import first_diff
+    from .summary import first_diff
 
     base = rec["baseline"]
     dflash = []
@@ -155,7 +155,7 @@ def record_dict(rec: dict, greedy: bool) -> dict:
 def build_report(header: dict, config: dict, records: list[dict], block_sizes: list[int],
                  greedy: bool) -> dict:
     """The whole report document (validates against SCHEMA)."""
-    from .run import best_block_size, mismatches, summary_rows
+    from .summary import best_block_size, mismatches, summary_rows
 
     rows = summary_rows(records, block_sizes, greedy)
     bad = mismatches(records) if greedy else []

@@ -12,7 +12,8 @@ from rich.text import Text
 from dflash_mac.cli.terminal import bars
 from dflash_mac.stats import histogram
 
-from .run import BenchPrompt, Observer, Run, trial_tps
+from .run import BenchPrompt, Observer, Run
+from .summary import trial_tps
 
 
 class BenchView(Observer):

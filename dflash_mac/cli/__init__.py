@@ -10,7 +10,7 @@ from rich.console import Console
 
 from dflash_mac import __version__
 from dflash_mac.app.command import chat
-from dflash_mac.bench.run import bench_command
+from dflash_mac.bench.command import bench_command
 from dflash_mac.generate import REASONING_CHOICES, PromptError
 from dflash_mac.loading import LoadError
 from dflash_mac.models.config import ConfigError

@@ -1,0 +1,99 @@
+"""Aggregation of bench records (pure functions on plain records, tested on synthetic
+data): token-weighted tok/s per trial, mean ± std over trials, the lossless check."""
+
+from __future__ import annotations
+
+from dflash_mac.stats import histogram, mean_std, position_acceptance, survival
+
+from .run import Run
+
+
+def first_diff(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (None when equal)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+
+
+def trial_tps(runs: list[Run]) -> float:
+    """Decode tok/s of a set of runs: Σ decode tokens ÷ Σ decode time (token-weighted)."""
+    t = sum(r.decode_time for r in runs)
+    return sum(r.decode_tokens for r in runs) / t if t > 0 else 0.0
+
+
+def summarize(records: list[dict], block_size: int, suite: str, greedy: bool) -> dict:
+    """One report row: the records' baseline vs DFlash at `block_size`.
+
+    Speeds are token-weighted per trial, then mean ± sample std over trials; speedup is
+    DFlash ÷ baseline per trial. τ is the mean per request, then the mean over requests. The
+    histogram, survival and per-position acceptance pool all cycles."""
+    trials = sorted({r["trial"] for r in records})
+    base_t, dfl_t, speed_t = [], [], []
+    for t in trials:
+        rs = [r for r in records if r["trial"] == t]
+        b = trial_tps([r["baseline"] for r in rs])
+        d = trial_tps([r["dflash"][block_size] for r in rs])
+        base_t.append(b)
+        dfl_t.append(d)
+        speed_t.append(d / b if b > 0 else 0.0)
+    base = [r["baseline"] for r in records]
+    dfl = [r["dflash"][block_size] for r in records]
+    lengths = [a for r in dfl for a in r.acceptance_lengths]
+    taus = [r.tau for r in dfl if r.acceptance_lengths]
+    checks = [r["dflash"][block_size].tokens == r["baseline"].tokens for r in records]
+    mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
+    return {
+        "block_size": block_size,
+        "suite": suite,
+        "prompts": len({r["id"] for r in records}),
+        "trials": len(trials),
+        "runs": len(records),
+        "baseline_tps": list(mean_std(base_t)),
+        "dflash_tps": list(mean_std(dfl_t)),
+        "speedup": list(mean_std(speed_t)),
+        "tau": list(mean_std(taus)),
+        "cycles": len(lengths),
+        "histogram": histogram(lengths, block_size),
+        "survival": survival(lengths, block_size),
+        "position_acceptance": position_acceptance(lengths, block_size),
+        "baseline_prefill_tps": mean([r.prefill_tps for r in base]),
+        "dflash_prefill_tps": mean([r.prefill_tps for r in dfl]),
+        "baseline_ttft_ms": 1000 * mean([r.ttft for r in base]),
+        "dflash_ttft_ms": 1000 * mean([r.ttft for r in dfl]),
+        "baseline_peak_bytes": max((r.peak_memory for r in base), default=0),
+        "dflash_peak_bytes": max((r.peak_memory for r in dfl), default=0),
+        "baseline_tokens": sum(len(r.tokens) for r in base),
+        "dflash_tokens": sum(len(r.tokens) for r in dfl),
+        "lossless_equal": sum(checks) if greedy else None,
+        "lossless_checked": len(checks) if greedy else None,
+    }
+
+
+def summary_rows(records: list[dict], block_sizes: list[int], greedy: bool) -> list[dict]:
+    """Rows per block size: one per suite, plus `all` when several suites ran."""
+    suites = list(dict.fromkeys(r["suite"] for r in records))
+    groups = [(s, [r for r in records if r["suite"] == s]) for s in suites]
+    if len(suites) > 1:
+        groups.append(("all", records))
+    return [summarize(rs, bs, s, greedy) for bs in block_sizes for s, rs in groups]
+
+
+def best_block_size(rows: list[dict]) -> int | None:
+    """The block size with the highest DFlash decode tok/s over all prompts."""
+    pool = [r for r in rows if r["suite"] == "all"] or rows
+    return max(pool, key=lambda r: r["dflash_tps"][0])["block_size"] if pool else None
+
+
+def mismatches(records: list[dict]) -> list[dict]:
+    """Greedy lossless failures: (prompt, trial, block size, first differing index)."""
+    out = []
+    for r in records:
+        for bs, run in r["dflash"].items():
+            i = first_diff(run.tokens, r["baseline"].tokens)
+            if i is not None:
+                out.append({"id": r["id"], "trial": r["trial"], "block_size": bs,
+                            "first_diff": i})
+    return out
