@@ -78,7 +78,7 @@ def test_think_opened_by_prompt_and_plain_text():
 
 
 def test_responder_puts_reasoning_in_reasoning_content():
-    from dflash_mac.serve.app import Responder
+    from dflash_mac.serve.responses import Responder
     from dflash_mac.serve.worker import Ready
 
     req = parse_chat({"messages": MSG, "stream": True}, 8, 8)

@@ -1,0 +1,119 @@
+"""OpenAI response objects of one request, and the SSE stream of a job."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+
+from dflash_mac import __version__
+from dflash_mac.think import ThinkSplitter
+
+from .schema import GenRequest
+from .worker import Job, Ready
+
+FINGERPRINT = f"dflash-mac-{__version__}"
+
+
+def sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+
+class Responder:
+    """Builds the OpenAI response objects of one request (chat or completion)."""
+
+    def __init__(self, req: GenRequest, model: str, ready: Ready):
+        self.req, self.chat = req, req.kind == "chat"
+        prefix = "chatcmpl" if self.chat else "cmpl"
+        self.base = {"id": f"{prefix}-{uuid.uuid4().hex[:24]}",
+                     "object": "chat.completion.chunk" if self.chat else "text_completion",
+                     "created": int(time.time()), "model": model,
+                     "system_fingerprint": FINGERPRINT}
+        self.split = ThinkSplitter(ready.think_open) if self.chat else None
+
+    def parts(self, text: str, final: bool = False) -> tuple[str, str]:
+        """(reasoning, content) of a text delta."""
+        if not self.split:
+            return "", text
+        r, c = self.split.feed(text)
+        if final:
+            r2, c2 = self.split.flush()
+            r, c = r + r2, c + c2
+        return r, c
+
+    def chunk(self, delta: dict | None = None, text: str = "", finish: str | None = None,
+              **extra: Any) -> dict:
+        if self.chat:
+            choice = {"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        out = {**self.base, "choices": [choice], **extra}
+        if self.req.include_usage:
+            out.setdefault("usage", None)
+        return out
+
+    def deltas(self, text: str, final: bool = False) -> list[dict]:
+        reasoning, content = self.parts(text, final)
+        if not self.chat:
+            return [self.chunk(text=content)] if content else []
+        out = [self.chunk({"reasoning_content": reasoning})] if reasoning else []
+        return out + ([self.chunk({"content": content})] if content else [])
+
+    def whole(self, reasoning: str, content: str, result: dict) -> dict:
+        finish = result["finish_reason"]
+        if self.chat:
+            message = {"role": "assistant", "content": content}
+            if reasoning:
+                message["reasoning_content"] = reasoning
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish}
+            obj = "text_completion"
+        return {**self.base, "object": obj, "choices": [choice], "usage": result["usage"],
+                "dflash": result["dflash"]}
+
+
+async def next_item(job: Job, request: Request | None) -> tuple[str, Any]:
+    """The job's next item. For non-streaming requests, a client that went away (checked every
+    half second) cancels the job at its next cycle."""
+    while True:
+        if request is not None and time.monotonic() - job.checked > 0.5:
+            job.checked = time.monotonic()
+            if await request.is_disconnected():
+                job.cancel()
+        try:
+            return await asyncio.wait_for(job.items.get(), 0.5)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def stream_events(job: Job, out: Responder) -> AsyncIterator[str]:
+    """SSE: role chunk, deltas, final chunk, optional usage chunk, [DONE]. Leaving early (client
+    disconnect) cancels the generation at its next cycle."""
+    try:
+        if out.chat:
+            yield sse(out.chunk({"role": "assistant", "content": ""}))
+        while True:
+            kind, payload = await job.items.get()
+            if kind == "text":
+                text, finish = payload
+                for c in out.deltas(text, final=finish is not None):
+                    yield sse(c)
+            elif kind == "done":
+                yield sse(out.chunk(finish=payload["finish_reason"], dflash=payload["dflash"]))
+                if out.req.include_usage:
+                    yield sse({**out.base, "choices": [], "usage": payload["usage"],
+                               "dflash": payload["dflash"]})
+            elif kind == "error":
+                yield sse(payload.body())
+            elif kind == "end":
+                break
+        yield sse("[DONE]")
+    finally:
+        job.cancel()

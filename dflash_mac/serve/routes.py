@@ -1,0 +1,163 @@
+"""The HTTP routes of the server: OpenAI chat / completions / models, stats, metrics, health.
+
+Handlers only validate, queue and stream; generation runs on the worker thread."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from dflash_mac.session import Session
+
+from .metrics import prometheus
+from .responses import Responder, next_item, stream_events
+from .schema import APIError, GenRequest, parse_chat, parse_completion
+from .worker import Job, Worker
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+@dataclass
+class Settings:
+    """Server-wide settings: `max_tokens` is the default and the cap of a request's max_tokens;
+    requests that omit `temperature` get `default_temp` (0: greedy)."""
+
+    api_key: str | None = None
+    max_tokens: int = 4096
+    block_size: int | None = None
+    default_temp: float = 0.0
+
+
+class Routes:
+    """Route handlers over one session, its worker and the model's public name."""
+
+    def __init__(self, session: Session, worker: Worker, name: str, settings: Settings):
+        self.session, self.worker, self.name, self.settings = session, worker, name, settings
+        self.pair = session.pair
+
+    def table(self) -> list[Route]:
+        g = self.guarded
+        return [
+            Route("/health", self.health),
+            Route("/metrics", self.metrics),
+            Route("/v1/dflash/stats", g(self.dflash_stats)),
+            Route("/v1/models", g(self.models)),
+            Route("/v1/models/{model_id:path}", g(self.model)),
+            Route("/v1/chat/completions", g(self.chat), methods=["POST"]),
+            Route("/v1/completions", g(self.completions), methods=["POST"]),
+        ]
+
+    def guarded(self, handler: Handler) -> Handler:
+        """`handler` behind the API key (when the server has one)."""
+        key = self.settings.api_key
+
+        async def wrapped(request: Request) -> Response:
+            if key is not None:
+                scheme, _, token = request.headers.get("authorization", "").partition(" ")
+                if scheme.lower() != "bearer" or not hmac.compare_digest(
+                        token.strip().encode(), key.encode()):
+                    raise APIError(401, "missing or wrong API key; send 'Authorization: Bearer "
+                                   "<key>'.", code="invalid_api_key")
+            return await handler(request)
+
+        return wrapped
+
+    # -- generation -------------------------------------------------------------------------
+
+    async def chat(self, request: Request) -> Response:
+        s = self.settings
+        req = parse_chat(await body_of(request), s.max_tokens, s.max_tokens, s.default_temp)
+        return await self.generate(request, req)
+
+    async def completions(self, request: Request) -> Response:
+        s = self.settings
+        req = parse_completion(await body_of(request), s.max_tokens, s.max_tokens,
+                               s.default_temp)
+        return await self.generate(request, req)
+
+    async def generate(self, request: Request, req: GenRequest) -> Response:
+        job = Job(req, asyncio.get_running_loop())
+        self.worker.submit(job)
+        try:
+            kind, payload = await next_item(job, request)
+        except BaseException:
+            job.cancel()
+            raise
+        if kind != "ready":
+            raise payload if kind == "error" else APIError(503, "the server is shutting down.")
+        out = Responder(req, self.name, payload)
+        if req.stream:
+            return StreamingResponse(stream_events(job, out), media_type="text/event-stream",
+                                     headers=SSE_HEADERS)
+        texts, result = [], None
+        while (item := await next_item(job, request))[0] != "end":
+            kind, payload = item
+            if kind == "text":
+                texts.append(payload[0])
+            elif kind == "done":
+                result = payload
+            elif kind == "error":
+                raise payload
+        if result is None:
+            raise APIError(499, "the request was cancelled.")
+        reasoning, content = out.parts("".join(texts), final=True)
+        return JSONResponse(out.whole(reasoning, content, result))
+
+    # -- models, stats, health ----------------------------------------------------------------
+
+    def model_card(self) -> dict:
+        pair = self.pair
+        return {"id": self.name, "object": "model", "created": int(self.worker.metrics.started),
+                "owned_by": "dflash-mac", "root": str(pair.model_id),
+                "context_length": pair.context_length, "max_model_len": pair.context_length,
+                "draft": str(pair.draft_id), "drafter": pair.kind,
+                "block_size": self.settings.block_size or pair.block_size}
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self.model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        wanted = request.path_params["model_id"]
+        if wanted not in (self.name, str(self.pair.model_id)):
+            raise APIError(404, f"model {wanted!r} is not loaded; this server serves "
+                           f"{self.name!r}.", code="model_not_found")
+        return JSONResponse(self.model_card())
+
+    def stats(self) -> dict:
+        pair, worker = self.pair, self.worker
+        return {"model": self.name, "model_id": str(pair.model_id),
+                "draft_id": str(pair.draft_id), "drafter": pair.kind,
+                "block_size": self.settings.block_size or pair.block_size,
+                "context_length": pair.context_length, "busy": worker.busy,
+                "queued": worker.queued, "cached_tokens": len(self.session.state.ids),
+                **worker.metrics.snapshot()}
+
+    async def metrics(self, request: Request) -> Response:
+        if request.query_params.get("format") == "prometheus":
+            return PlainTextResponse(prometheus(self.stats()),
+                                     media_type="text/plain; version=0.0.4")
+        return JSONResponse(self.stats())
+
+    async def dflash_stats(self, request: Request) -> Response:
+        return JSONResponse(self.stats())
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({**self.worker.metrics.health(), "model": self.name,
+                             "busy": self.worker.busy, "queued": self.worker.queued})
+
+
+async def body_of(request: Request) -> object:
+    """The request's JSON body; a 400 when it is not JSON."""
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON ({e}).")
