@@ -122,17 +122,6 @@ def test_convert_refuses_an_existing_folder(q4):
         cli("convert", q4[1], q4[0])
 
 
-def help_text(command: str) -> str:
-    return " ".join(cli(command, "--help").stdout.replace("│", " ").split())
-
-
-def test_help_states_the_policy():
-    text = help_text("generate")
-    assert "min(5, drafter block) when the target or drafter is quantized" in text
-    assert "lose efficiency at wide verify widths" in text
-    assert "4 or 8" in help_text("convert") and "min(5, drafter block)" in help_text("convert")
-
-
 def generate_json(*args) -> tuple[dict, str]:
     res = cli("generate", "hello world", "-n", "40", "--ignore-chat-template", "--json", *args)
     assert res.exit_code == 0, res.stderr
