@@ -1,1 +1,2 @@
-"""serve."""
+"""`dflash-mac serve`: the OpenAI-compatible server — app factory, routes, responses, request
+schema, the generation worker, metrics and the command."""
