@@ -149,7 +149,8 @@ def test_selftest_uses_the_bundled_pair_and_reports_its_tau(monkeypatch):
 
 LAZY = """
 from mlx.utils import tree_map
-from dflash_mac import doctor, loading
+from dflash_mac import loading
+from dflash_mac.cli import doctor
 
 def lazy_loader(tmp):
     pair = loading.load()
