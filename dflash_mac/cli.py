@@ -2,34 +2,90 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 
+import click
 import typer
 from rich.console import Console
+from typer.core import TyperGroup
 
 from . import __version__
-from .bench import bench_command
-from .chat_cmd import chat
-from .convert import convert as convert_command
-from .doctor import doctor_command
-from .generate import REASONING_CHOICES, PromptError
-from .loading import LoadError
-from .manage import models_command, pull_command
-from .models.config import ConfigError
-from .rollback import RollbackError
-from .serve_cmd import serve as serve_command
-from .train.command import train as train_command
+from .think import REASONING_CHOICES
 
-USER_ERRORS: tuple[type[Exception], ...] = (
-    LoadError,
-    PromptError,
-    ConfigError,
-    RollbackError,
+# Commands imported only when they run (as mlx-lm's CLI does), so `--help`, `models` and
+# `pull` never import MLX. name -> (module, function, the docstring's first line for the list).
+LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
+    "bench": ("dflash_mac.bench", "bench_command",
+              "Benchmark DFlash against plain decoding of the same target, in one process."),
+    "chat": ("dflash_mac.chat_cmd", "chat",
+             "Chat in the terminal: streamed answers, a live acceptance histogram, saved chats."),
+    "convert": ("dflash_mac.convert", "convert",
+                "Quantize a target model or a DFlash drafter to 4 or 8 bits (group 64 by "
+                "default)."),
+    "train": ("dflash_mac.train.command", "train",
+              "Train a DFlash drafter for TARGET on the target's own answers to --data prompts."),
+    "models": ("dflash_mac.manage", "models_command",
+               "List the known target/drafter pairs and what is already downloaded."),
+    "pull": ("dflash_mac.manage", "pull_command",
+             "Download a target and its DFlash drafter (resumable; progress bars)."),
+    "doctor": ("dflash_mac.doctor", "doctor_command",
+               "Check this machine: platform, MLX, Metal, kernels, BLAS, memory, cache, "
+               "self-test."),
+    "serve": ("dflash_mac.serve_cmd", "serve",
+              "Serve the pair as an OpenAI-compatible API (for Continue, Cline, Aider, Zed, ...)."),
+}
+# Exceptions whose message is the one sentence shown to the user: (module, class). Checked
+# only among modules already imported (an exception of a class implies its module is loaded).
+USER_ERRORS: tuple[tuple[str, str], ...] = (
+    ("dflash_mac.loading", "LoadError"),
+    ("dflash_mac.generate", "PromptError"),
+    ("dflash_mac.models.config", "ConfigError"),
+    ("dflash_mac.rollback", "RollbackError"),
 )
+
+
+def is_user_error(e: BaseException) -> bool:
+    """True for the exceptions the CLI shows as one red sentence."""
+    for module, name in USER_ERRORS:
+        mod = sys.modules.get(module)
+        if mod is not None and isinstance(e, getattr(mod, name)):
+            return True
+    return False
+
+
+class LazyGroup(TyperGroup):
+    """A Typer group that imports a command's module only when that command runs (or shows
+    its own help); the command list in `--help` uses the short help lines above."""
+
+    _listing = False
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return [*super().list_commands(ctx), *LAZY_COMMANDS]
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in LAZY_COMMANDS:
+            return super().get_command(ctx, cmd_name)
+        module, attr, short = LAZY_COMMANDS[cmd_name]
+        if self._listing:
+            return click.Command(cmd_name, help=short)
+        sub = typer.Typer(add_completion=False)
+        sub.command(cmd_name)(getattr(importlib.import_module(module), attr))
+        return typer.main.get_command(sub)
+
+    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        self._listing = True
+        try:
+            super().format_help(ctx, formatter)
+        finally:
+            self._listing = False
+
+
 err = Console(stderr=True, soft_wrap=True)
 app = typer.Typer(
     name="dflash-mac",
+    cls=LazyGroup,
     help="Fast local LLM generation with DFlash / DFlash 2 speculative decoding on MLX.",
     context_settings={"help_option_names": ["-h", "--help"]},
     no_args_is_help=True,
@@ -73,15 +129,21 @@ def read_prompt(prompt: str) -> str:
     return prompt
 
 
+def prompt_error(message: str) -> Exception:
+    from .generate import PromptError
+
+    return PromptError(message)
+
+
 def parse_template_args(text: str | None) -> dict:
     if not text:
         return {}
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise PromptError(f"--chat-template-args is not valid JSON ({e.msg}).")
+        raise prompt_error(f"--chat-template-args is not valid JSON ({e.msg}).")
     if not isinstance(value, dict):
-        raise PromptError("--chat-template-args must be a JSON object.")
+        raise prompt_error("--chat-template-args must be a JSON object.")
     return value
 
 
@@ -115,7 +177,7 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
 ) -> None:
     """Generate text for PROMPT with DFlash speculative decoding."""
-    from .frontends import load_pair, print_stats, stream_to_terminal
+    from .frontends import load_pair, print_stats, stream_to_terminal, summary_line
 
     text = read_prompt(prompt)
     template_args = parse_template_args(chat_template_args)
@@ -126,7 +188,7 @@ def generate(
         text,
         echo=not as_json,
         max_tokens=max_tokens,
-        block_size=block_size,
+        block_size=pair.block_size,
         temp=temp,
         top_p=top_p,
         top_k=top_k,
@@ -139,43 +201,41 @@ def generate(
         ignore_chat_template=ignore_chat_template,
     )
     if as_json:
-        typer.echo(json.dumps(result.as_dict()))
+        typer.echo(json.dumps({"model": pair.model_id, "drafter": pair.draft_id,
+                               **result.as_dict()}))
     elif verbose:
         print_stats(pair, result, err)
+    else:
+        err.print(summary_line(result), highlight=False)
 
 
-app.command("bench")(bench_command)
+NO_MATH_COMMANDS = ("models", "pull")
 
 
-app.command("chat")(chat)
-
-
-app.command("convert")(convert_command)
-
-
-app.command("train")(train_command)
-
-
-app.command("models")(models_command)
-app.command("pull")(pull_command)
-app.command("doctor")(doctor_command)
-
-
-app.command("serve")(serve_command)
+def needs_blas(argv: list[str]) -> bool:
+    """Whether this command line runs matrix math (worth re-executing with OpenBLAS): not for
+    help, --version, or the commands that only read the registry and the cache."""
+    if not argv or argv[0] in NO_MATH_COMMANDS:
+        return False
+    return not {"-h", "--help", "--version"} & set(argv)
 
 
 def main() -> None:
     """Console-script entry point: clean one-sentence errors, never a traceback."""
-    from .platform import maybe_reexec_with_openblas
+    if needs_blas(sys.argv[1:]):
+        from .platform import maybe_reexec_with_openblas
 
-    maybe_reexec_with_openblas(sys.argv[1:])
+        maybe_reexec_with_openblas(sys.argv[1:])
     try:
         app()
-    except USER_ERRORS as e:
+    except KeyboardInterrupt:
+        err.print("interrupted.", highlight=False)
+        sys.exit(130)
+    except Exception as e:
+        if not is_user_error(e):
+            raise
         err.print(f"[bold red]error:[/] {e}", highlight=False)
         sys.exit(1)
-    except KeyboardInterrupt:
-        sys.exit(130)
 
 
 if __name__ == "__main__":

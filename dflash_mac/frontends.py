@@ -8,7 +8,14 @@ from typing import Any
 from rich.console import Console
 
 from .generate import GenerationResult, stream_generate
-from .loading import LoadError, Pair, load, quantize_drafter
+from .loading import (
+    QUANTIZED_MAX_BLOCK,
+    LoadError,
+    Pair,
+    default_block_size,
+    load,
+    quantize_drafter,
+)
 
 err = Console(stderr=True, soft_wrap=True)
 
@@ -19,15 +26,20 @@ def warn_line(message: str) -> None:
 
 
 def block_size_policy(pair: Pair, requested: int | None, warn=warn_line) -> int:
-    """Default block size: the drafter's, or min(5, drafter block) when anything is quantized
-    (MLX's quantized matmul loses efficiency at wide verify widths); larger explicit values run
-    with a one-line warning."""
+    """The block size to run: by default `loading.default_block_size` (the drafter's, or
+    min(5, it) when anything is quantized); an explicit value above the drafter's trained block
+    is clamped to it, and one above 5 on a quantized pair runs; both with a one-line warning."""
     drafter_bs = pair.drafter.config.block_size
+    default = default_block_size(pair.drafter.config, pair.target_config)
     if requested is None:
-        return min(5, drafter_bs) if pair.quantized else drafter_bs
-    if pair.quantized and requested > 5:
-        warn(f"[yellow]warning:[/] block size {requested} > 5 is slower with a quantized "
-             f"model (default {min(5, drafter_bs)}).")
+        return default
+    if requested > drafter_bs:
+        warn(f"[yellow]warning:[/] block size {requested} > the drafter's trained block "
+             f"{drafter_bs}; using {drafter_bs}.")
+        return drafter_bs
+    if pair.quantized and requested > QUANTIZED_MAX_BLOCK:
+        warn(f"[yellow]warning:[/] block size {requested} > {QUANTIZED_MAX_BLOCK} is slower "
+             f"with a quantized model (default {default}).")
     return requested
 
 
@@ -81,6 +93,13 @@ def bars(counts: list[int], width: int = 30) -> list[str]:
     top = max(counts) if counts and max(counts) > 0 else 1
     return [f"{i + 1:>3} │{'█' * round(width * c / top):<{width}} {c}" for i, c in
             enumerate(counts)]
+
+
+def summary_line(result: GenerationResult) -> str:
+    """The one stats line `generate` prints without -v (as mlx-lm prints its speed)."""
+    s = result.stats
+    return (f"[dim]{s.generation_tokens} tokens · {s.decode_tps:.1f} tok/s · τ {s.tau:.2f} · "
+            f"block {s.block_size} · TTFT {s.ttft * 1000:.0f} ms (-v for details)[/]")
 
 
 def print_stats(pair: Pair, result: GenerationResult, console: Console = err) -> None:

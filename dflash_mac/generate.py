@@ -9,8 +9,7 @@ from typing import Any
 from .engine import DecodeState, GenerationConfig, GenerationEvent, speculative_stream
 from .sampling import SamplingParams
 from .stats import DecodeStats
-
-REASONING_CHOICES = ("on", "off", "low", "medium", "high", "xhigh")
+from .think import REASONING_CHOICES
 
 
 class PromptError(ValueError):
@@ -77,6 +76,8 @@ def make_config(
         raise PromptError(f"--max-tokens must be at least 1 (got {max_tokens}).")
     if block_size is not None and block_size < 1:
         raise PromptError(f"--block-size must be at least 1 (got {block_size}).")
+    if seed is not None and not 0 <= seed < 2**64:
+        raise PromptError(f"--seed must be between 0 and 2**64 - 1 (got {seed}).")
     try:
         sp = SamplingParams(temp, top_p, top_k, min_p).validate()
     except ValueError as e:
@@ -85,6 +86,8 @@ def make_config(
 
 
 def check_context(pair: Any, ids: list[int], max_tokens: int) -> None:
+    if not ids:
+        raise PromptError("the prompt is empty; give at least one token of text.")
     limit = pair.context_length
     if len(ids) >= limit:
         raise PromptError(

@@ -278,13 +278,13 @@ runner = CliRunner()
 def cli(tiny_dirs, *args):
     t, d = tiny_dirs
     return runner.invoke(app, ["bench", "-m", str(t), "-d", str(d), "--suite", "math",
-                               "--limit", "2", "-n", "1", "--max-tokens", "8", "--no-live",
+                               "--limit", "2", "-t", "1", "--max-tokens", "8", "--no-live",
                                *args])
 
 
 def test_cli_json_and_out(tiny_dirs, tmp_path):
     out = tmp_path / "r.jsonl"
-    res = cli(tiny_dirs, "-b", "2,3", "-o", "json", "--out", str(out))
+    res = cli(tiny_dirs, "-b", "2,3", "-f", "json", "--out", str(out))
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert bench_report.validate(doc) == []
@@ -296,7 +296,7 @@ def test_cli_json_and_out(tiny_dirs, tmp_path):
 
 @pytest.mark.parametrize("fmt", ["md", "csv", "jsonl"])
 def test_cli_formats(tiny_dirs, fmt):
-    res = cli(tiny_dirs, "-b", "3", "-o", fmt)
+    res = cli(tiny_dirs, "-b", "3", "-f", fmt)
     assert res.exit_code == 0, res.output
     first = res.stdout.splitlines()[0]
     assert {"md": "# dflash-mac bench", "csv": "machine,cpu"}.get(fmt, "{") in first
@@ -313,7 +313,7 @@ def test_lossy_drafter_path_fails_strict(tiny_dirs, monkeypatch):
     assert res.exit_code == 1
     assert "lossless check failed" in res.stderr and "differ from the baseline" in res.stderr
     assert "✗" in res.stdout
-    res = cli(tiny_dirs, "-b", "4", "-o", "json")
+    res = cli(tiny_dirs, "-b", "4", "-f", "json")
     assert res.exit_code == 0 and "warning" in res.stderr
     doc = json.loads(res.stdout)
     assert doc["lossless"]["equal"] < doc["lossless"]["checked"] == 2
@@ -322,7 +322,7 @@ def test_lossy_drafter_path_fails_strict(tiny_dirs, monkeypatch):
 
 @pytest.mark.parametrize("args,msg", [
     (["--block-size", "2,x"], "--block-size must be an integer"),
-    (["-o", "yaml"], "-o must be one of"),
+    (["-f", "yaml"], "--format must be one of"),
     (["--prompts", "/nonexistent/p.jsonl"], "does not exist"),
     (["--suite", "poetry"], "--suite must be one of"),
 ])
@@ -368,8 +368,8 @@ def test_committed_results_pass_schema():
 @pytest.mark.skipif(not (BUNDLED_DRAFT / "config.json").exists(), reason="no bundled pair")
 def test_bundled_pair_default_bench_json():
     """The default command on the bundled pair (shortened): JSON passes the schema, lossless."""
-    res = runner.invoke(app, ["bench", "--limit", "2", "-n", "1", "--max-tokens", "16",
-                              "--no-live", "-o", "json"])
+    res = runner.invoke(app, ["bench", "--limit", "2", "-t", "1", "--max-tokens", "16",
+                              "--no-live", "-f", "json"])
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert bench_report.validate(doc) == []
