@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import signal
 import sys
 
 import click
@@ -12,6 +13,7 @@ from rich.console import Console
 from typer.core import TyperGroup
 
 from . import __version__
+from .entry import INTERRUPTED
 from .think import REASONING_CHOICES
 
 # Commands imported only when they run (as mlx-lm's CLI does), so `--help`, `models` and
@@ -73,6 +75,15 @@ class LazyGroup(TyperGroup):
         sub = typer.Typer(add_completion=False)
         sub.command(cmd_name)(getattr(importlib.import_module(module), attr))
         return typer.main.get_command(sub)
+
+    def invoke(self, ctx: click.Context) -> object:
+        # From here Ctrl-C raises KeyboardInterrupt (commands may clean up), reported below.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:  # Typer would exit 130 without a word
+            err.print(INTERRUPTED, highlight=False)
+            raise typer.Exit(130)
 
     def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         self._listing = True
@@ -225,11 +236,14 @@ def main() -> None:
     if needs_blas(sys.argv[1:]):
         from .platform import maybe_reexec_with_openblas
 
+        # Ctrl-C stays pending across the exec until the new process's entry.main handles it.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         maybe_reexec_with_openblas(sys.argv[1:])
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     try:
         app()
     except KeyboardInterrupt:
-        err.print("interrupted.", highlight=False)
+        err.print(INTERRUPTED, highlight=False)
         sys.exit(130)
     except Exception as e:
         if not is_user_error(e):
