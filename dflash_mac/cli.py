@@ -6,11 +6,11 @@ import importlib
 import json
 import signal
 import sys
+from typing import Any
 
-import click
 import typer
 from rich.console import Console
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 from . import __version__
 from .entry import INTERRUPTED
@@ -57,26 +57,44 @@ def is_user_error(e: BaseException) -> bool:
     return False
 
 
+def plain_flags(params: list[Any]) -> list[Any]:
+    """Show on/off flags without a `<bool>` type placeholder in help."""
+    for p in params:
+        if getattr(p, "is_flag", False) and p.metavar is None:
+            p.metavar = ""
+    return params
+
+
+class Command(TyperCommand):
+    """A command whose help shows flags as flags (no `<bool>`)."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return plain_flags(super().get_params(ctx))
+
+
 class LazyGroup(TyperGroup):
     """A Typer group that imports a command's module only when that command runs (or shows
     its own help); the command list in `--help` uses the short help lines above."""
 
     _listing = False
 
-    def list_commands(self, ctx: click.Context) -> list[str]:
+    def get_params(self, ctx: Any) -> list[Any]:
+        return plain_flags(super().get_params(ctx))
+
+    def list_commands(self, ctx: Any) -> list[str]:
         return [*super().list_commands(ctx), *LAZY_COMMANDS]
 
-    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
         if cmd_name not in LAZY_COMMANDS:
             return super().get_command(ctx, cmd_name)
         module, attr, short = LAZY_COMMANDS[cmd_name]
         if self._listing:
-            return click.Command(cmd_name, help=short)
+            return TyperCommand(cmd_name, help=short)
         sub = typer.Typer(add_completion=False)
-        sub.command(cmd_name)(getattr(importlib.import_module(module), attr))
+        sub.command(cmd_name, cls=Command)(getattr(importlib.import_module(module), attr))
         return typer.main.get_command(sub)
 
-    def invoke(self, ctx: click.Context) -> object:
+    def invoke(self, ctx: Any) -> object:
         # From here Ctrl-C raises KeyboardInterrupt (commands may clean up), reported below.
         signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
@@ -85,7 +103,7 @@ class LazyGroup(TyperGroup):
             err.print(INTERRUPTED, highlight=False)
             raise typer.Exit(130)
 
-    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+    def format_help(self, ctx: Any, formatter: Any) -> None:
         self._listing = True
         try:
             super().format_help(ctx, formatter)
@@ -158,7 +176,7 @@ def parse_template_args(text: str | None) -> dict:
     return value
 
 
-@app.command()
+@app.command(cls=Command)
 def generate(
     prompt: str = typer.Argument(..., help="The prompt, or - to read it from stdin."),
     model: str | None = typer.Option(None, "--model", "-m", help=MODEL_HELP),

@@ -62,6 +62,15 @@ class Pair:
         return int(cfg.get("max_position_embeddings", 32768))
 
 
+def missing_folder(name: str | os.PathLike) -> None:
+    """Raise when `name` is written as a path (not a Hub id `org/name`) that does not exist."""
+    text = str(name)
+    pathlike = isinstance(name, os.PathLike) or text.startswith(("/", ".", "~")) or (
+        text.count("/") > 1 or "\\" in text)
+    if pathlike and not Path(text).expanduser().exists():
+        raise LoadError(f"the folder {text} does not exist.")
+
+
 def resolve(name: str | os.PathLike) -> Path:
     """A local folder as is; otherwise a Hub id through `huggingface_hub.snapshot_download`."""
     path = Path(name).expanduser()
@@ -69,12 +78,26 @@ def resolve(name: str | os.PathLike) -> Path:
         if not path.is_dir():
             raise LoadError(f"{path} is a file; pass the model folder instead.")
         return path
+    missing_folder(name)
     return download(str(name))
 
 
-def download(name: str, **kwargs: Any) -> Path:
+def offline_message(name: str, pulling: bool = False) -> str:
+    """Why `name` cannot be had offline, with advice that does not send `pull` to itself."""
+    head = f"'{name}' is not in the local Hugging Face cache and the Hub cannot be reached"
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        tail = "" if pulling else ", or pass a local folder"
+        return f"{head} (HF_HUB_OFFLINE is set); unset HF_HUB_OFFLINE to download it{tail}."
+    if pulling:
+        return f"{head} (offline); connect to the internet and run the same command again."
+    return (f"{head} (offline); connect once and run `dflash-mac pull {name}`, or pass a local "
+            "folder.")
+
+
+def download(name: str, *, pulling: bool = False, **kwargs: Any) -> Path:
     """`huggingface_hub.snapshot_download` (resumable; cache first when offline) with its
-    errors mapped onto one-sentence `LoadError`s; kwargs go to snapshot_download."""
+    errors mapped onto one-sentence `LoadError`s (`pulling`: for `dflash-mac pull`, which
+    must not advise itself); kwargs go to snapshot_download."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -93,10 +116,7 @@ def download(name: str, **kwargs: Any) -> Path:
     except RepositoryNotFoundError:
         raise LoadError(f"'{name}' was not found on the Hugging Face Hub.")
     except LocalEntryNotFoundError:
-        raise LoadError(
-            f"'{name}' is not in the local Hugging Face cache and the Hub cannot be reached "
-            f"(offline); connect once and run `dflash-mac pull {name}`, or pass a local folder."
-        )
+        raise LoadError(offline_message(name, pulling))
     except OSError as e:
         raise LoadError(f"could not download '{name}': {e}.")
 

@@ -207,7 +207,7 @@ def pull(name: str, draft: str | None = None, full: bool = False,
     for repo in repos:
         gb = approx_gb(entry, repo)
         console.print(f"[bold]↓ {repo}[/]" + (f" (≈{gb:.1f} GB)" if gb else ""))
-        path = download(repo)
+        path = download(repo, pulling=True)
         console.print(f"[green]✓[/] {repo} → {path} ({fmt_size(folder_size(path))})",
                       highlight=False)
         paths.append(path)
