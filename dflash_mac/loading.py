@@ -86,8 +86,10 @@ def offline_message(name: str, pulling: bool = False) -> str:
     """Why `name` cannot be had offline, with advice that does not send `pull` to itself."""
     head = f"'{name}' is not in the local Hugging Face cache and the Hub cannot be reached"
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-        tail = "" if pulling else ", or pass a local folder"
-        return f"{head} (HF_HUB_OFFLINE is set); unset HF_HUB_OFFLINE to download it{tail}."
+        if pulling:
+            return f"{head} (HF_HUB_OFFLINE is set); unset HF_HUB_OFFLINE to download it."
+        return (f"{head} (HF_HUB_OFFLINE is set); unset it and run `dflash-mac pull {name}`, "
+                "or pass a local folder.")
     if pulling:
         return f"{head} (offline); connect to the internet and run the same command again."
     return (f"{head} (offline); connect once and run `dflash-mac pull {name}`, or pass a local "
