@@ -41,7 +41,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
 # Exceptions whose message is the one sentence shown to the user: (module, class). Checked
 # only among modules already imported (an exception of a class implies its module is loaded).
 USER_ERRORS: tuple[tuple[str, str], ...] = (
-    ("dflash_mac.loading", "LoadError"),
+    ("dflash_mac.sources", "LoadError"),
     ("dflash_mac.generate", "PromptError"),
     ("dflash_mac.models.config", "ConfigError"),
     ("dflash_mac.rollback", "RollbackError"),

@@ -14,8 +14,8 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from .loading import LoadError, download
 from .registry import NO_DRAFTER_HELP, PairEntry, Registry, load_registry
+from .sources import LoadError, download
 
 out = Console()
 err = Console(stderr=True)

@@ -15,7 +15,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from .loading import PACKAGE_MODELS, LoadError, missing_folder
+from .sources import PACKAGE_MODELS, LoadError, missing_folder
 
 REGISTRY_PATH = PACKAGE_MODELS / "registry.toml"
 KINDS = {"dflash": "DFlash", "dflash2": "DFlash 2"}

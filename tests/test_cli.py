@@ -74,8 +74,9 @@ def test_ctrl_c_during_start_up_is_one_line(delay):
     assert proc.returncode == 130 and err == "interrupted.\n", err
 
 
-def test_help_imports_no_mlx():
-    """Building the app and rendering --help (top level) never imports MLX or a command."""
+def test_help_models_and_pull_import_no_mlx():
+    """Building the app and rendering --help (top level) never imports MLX or a command;
+    neither does the `models` / `pull` module."""
     code = (
         "import sys\n"
         "from typer.testing import CliRunner\n"
@@ -88,6 +89,11 @@ def test_help_imports_no_mlx():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True).stdout
     assert out.strip() == "['dflash_mac.cli', 'dflash_mac.entry', 'dflash_mac.think']"
+    code = ("import sys\nfrom dflash_mac import manage\nmanage.models_report()\n"
+            "print('mlx' in sys.modules, 'mlx_lm' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert out.strip() == "False False"  # `models` and `pull` start without MLX
 
 
 def test_installed_help_is_fast_and_lists_every_command():
