@@ -208,6 +208,8 @@ def generate(
     """Generate text for PROMPT with DFlash speculative decoding."""
     from .frontends import load_pair, print_stats, stream_to_terminal, summary_line
 
+    if reasoning is not None and reasoning not in REASONING_CHOICES:  # before the slow load
+        raise prompt_error(f"--reasoning must be one of {', '.join(REASONING_CHOICES)}.")
     text = read_prompt(prompt)
     template_args = parse_template_args(chat_template_args)
     pair = load_pair(model, draft, block_size=block_size, draft_bits=draft_bits,

@@ -15,7 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .registry import NO_DRAFTER_HELP, PairEntry, Registry, load_registry
-from .sources import LoadError, download
+from .sources import LoadError, download, missing_folder
 
 out = Console()
 err = Console(stderr=True)
@@ -220,6 +220,7 @@ def pull_plan(name: str, draft: str | None = None, full: bool = False,
     else:
         if Path(name).expanduser().exists():
             raise LoadError(f"'{name}' is a local folder; `pull` downloads Hugging Face ids.")
+        missing_folder(name)
         entry, target = reg.find_target(name), name
     if draft is None:
         if entry is None:

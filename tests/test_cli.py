@@ -47,6 +47,9 @@ def test_bad_input_is_one_sentence(tmp_path):
          "--data missing.jsonl does not exist; pass a JSONL file of prompts."),
         (["generate", "hi", "--model", "/no/such/folder"],
          "the folder /no/such/folder does not exist."),
+        (["pull", "/no/such/folder"], "the folder /no/such/folder does not exist."),
+        (["generate", "hi", "--reasoning", "foo"],  # refused before loading: no warning first
+         "--reasoning must be one of on, off, low, medium, high, xhigh."),
         (["convert", "bundled", str(tmp_path / "q")],
          f"'bundled' is a pair name; convert takes one model: its target "
          f"{bundled.target_source()} or its drafter {bundled.draft_source()}."),

@@ -105,5 +105,5 @@ def check_inputs(data: Path, eval_prompts: Path | None, init_from: Path | None) 
 
 
 def _fail(msg: str) -> None:
-    Console(stderr=True).print(f"[bold red]error:[/] {msg}", highlight=False)
+    Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {msg}", highlight=False)
     sys.exit(1)
