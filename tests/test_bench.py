@@ -131,6 +131,30 @@ def test_json_report_passes_schema(doc):
     assert loaded["lossless"] == {"checked": 4, "equal": 4, "mismatches": []}
 
 
+def test_one_trial_shows_no_spread():
+    one = [r for r in synthetic_records() if r["trial"] == 0]
+    doc = bench_report.build_report(HEADER, {**CONFIG, "trials": 1}, one, [4], greedy=True)
+    md = bench_report.render(doc, "md")
+    assert "| 4 | s | 2 | 100.0 | 200.0 | 2.00× | 2.38 |" in md and "± 0.0" not in md
+
+
+def test_live_view_progress_bar_has_its_own_line():
+    """The bar ends its line: the stats header starts the next one instead of overlapping."""
+    from rich.console import Console
+
+    from dflash_mac.bench_view import BenchView
+
+    console = Console(width=100, color_system=None, force_terminal=True, record=True)
+    view = BenchView(console, 12, [4, 8], live=False)
+    view.done_prompts = 3
+    console.print(view.render())
+    lines = console.export_text().splitlines()
+    bar = next(i for i, line in enumerate(lines) if "━" in line)
+    assert set(lines[bar].strip("│ ")) <= set("━╸╺")
+    assert lines[bar + 1].split("│")[1].split() == ["block", "τ", "DFlash", "tok/s", "baseline",
+                                                     "tok/s", "speedup"]
+
+
 def test_schema_validator_catches_errors(doc):
     bad = json.loads(json.dumps(doc))
     del bad["rows"][0]["tau"]
