@@ -212,7 +212,7 @@ def test_parse_block_sizes_and_format():
     for bad in ("2,x", "0", "3,-1", "2,,3"):
         with pytest.raises(BenchError, match="block-size"):
             bench.parse_block_sizes(bad)
-    with pytest.raises(BenchError, match="-o must be one of"):
+    with pytest.raises(BenchError, match="--format must be one of"):
         bench.check_format("yaml")
 
 
