@@ -164,6 +164,13 @@ def prompt_error(message: str) -> Exception:
     return PromptError(message)
 
 
+def check_reasoning(value: str | None) -> str | None:
+    """Refuse a bad --reasoning before the slow load (and before any thinking warning)."""
+    if value is not None and value not in REASONING_CHOICES:
+        raise prompt_error(f"--reasoning must be one of {', '.join(REASONING_CHOICES)}.")
+    return value
+
+
 def parse_template_args(text: str | None) -> dict:
     if not text:
         return {}
@@ -191,7 +198,8 @@ def generate(
     system: str | None = typer.Option(None, "--system", help="System prompt."),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     reasoning: str | None = typer.Option(
-        None, "--reasoning", help=f"Thinking mode: {', '.join(REASONING_CHOICES)}."
+        None, "--reasoning", help=f"Thinking mode: {', '.join(REASONING_CHOICES)}.",
+        callback=lambda value: check_reasoning(value),
     ),
     chat_template_args: str | None = typer.Option(
         None, "--chat-template-args", help="Extra chat-template arguments as a JSON object."
@@ -206,10 +214,8 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
 ) -> None:
     """Generate text for PROMPT with DFlash speculative decoding."""
-    from .frontends import load_pair, print_stats, stream_to_terminal, summary_line
+    from .frontends import load_pair, print_stats, stream_to_terminal
 
-    if reasoning is not None and reasoning not in REASONING_CHOICES:  # before the slow load
-        raise prompt_error(f"--reasoning must be one of {', '.join(REASONING_CHOICES)}.")
     text = read_prompt(prompt)
     template_args = parse_template_args(chat_template_args)
     pair = load_pair(model, draft, block_size=block_size, draft_bits=draft_bits,
@@ -219,7 +225,7 @@ def generate(
         text,
         echo=not as_json,
         max_tokens=max_tokens,
-        block_size=pair.block_size,
+        block_size=block_size,
         temp=temp,
         top_p=top_p,
         top_k=top_k,
@@ -237,6 +243,8 @@ def generate(
     elif verbose:
         print_stats(pair, result, err)
     else:
+        from .frontends import summary_line
+
         err.print(summary_line(result), highlight=False)
 
 

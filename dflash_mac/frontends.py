@@ -73,7 +73,9 @@ def warn_thinking_mismatch(pair: Pair, reasoning: str | None, warn=err.print) ->
 
 
 def stream_to_terminal(pair: Pair, prompt: Any, echo: bool = True, **kwargs) -> GenerationResult:
-    """Stream committed text to stdout as it arrives; return the whole result."""
+    """Stream committed text to stdout as it arrives; return the whole result. Runs at
+    `pair.block_size`, which `load_pair` chose from the requested one (`block_size_policy`)."""
+    kwargs["block_size"] = pair.block_size
     text, tokens, last = [], [], None
     for ev in stream_generate(pair, prompt, **kwargs):
         if echo and ev.text:

@@ -51,7 +51,10 @@ def prompt_ids(
     if ignore_chat_template or not getattr(tokenizer, "chat_template", None):
         if not isinstance(prompt, str):
             raise PromptError("chat messages need a model with a chat template.")
-        return list(tokenizer.encode(prompt))
+        ids = list(tokenizer.encode(prompt))
+        if not ids:
+            raise PromptError("the prompt is empty; give at least one token of text.")
+        return ids
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if system:
         messages = [{"role": "system", "content": system}] + messages
@@ -86,8 +89,6 @@ def make_config(
 
 
 def check_context(pair: Any, ids: list[int], max_tokens: int) -> None:
-    if not ids:
-        raise PromptError("the prompt is empty; give at least one token of text.")
     limit = pair.context_length
     if len(ids) >= limit:
         raise PromptError(
