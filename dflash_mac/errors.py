@@ -5,6 +5,8 @@ over the context) raises a subclass; everything else is a bug and keeps its trac
 
 from __future__ import annotations
 
+INTERRUPTED = "interrupted."  # what Ctrl-C prints, at start-up or while a command runs
+
 
 class UserError(Exception):
     """A problem the user can fix; the message is one sentence for them."""

@@ -11,8 +11,7 @@ from .errors import PromptError  # noqa: F401  (re-exported)
 from .pair import Pair
 from .sampling import SamplingParams
 from .stats import DecodeStats
-
-REASONING_CHOICES = ("on", "off", "low", "medium", "high", "xhigh")
+from .think import REASONING_CHOICES
 
 
 def reasoning_args(tokenizer: Any, reasoning: str | None) -> dict:
@@ -50,7 +49,10 @@ def prompt_ids(
     if ignore_chat_template or not getattr(tokenizer, "chat_template", None):
         if not isinstance(prompt, str):
             raise PromptError("chat messages need a model with a chat template.")
-        return list(tokenizer.encode(prompt))
+        ids = list(tokenizer.encode(prompt))
+        if not ids:
+            raise PromptError("the prompt is empty; give at least one token of text.")
+        return ids
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if system:
         messages = [{"role": "system", "content": system}] + messages
@@ -75,6 +77,8 @@ def make_config(
         raise PromptError(f"--max-tokens must be at least 1 (got {max_tokens}).")
     if block_size is not None and block_size < 1:
         raise PromptError(f"--block-size must be at least 1 (got {block_size}).")
+    if seed is not None and not 0 <= seed < 2**64:
+        raise PromptError(f"--seed must be between 0 and 2**64 - 1 (got {seed}).")
     try:
         sp = SamplingParams(temp, top_p, top_k, min_p).validate()
     except ValueError as e:

@@ -15,9 +15,16 @@ from mlx.utils import tree_flatten, tree_map
 from .capture import decoder_layers, target_head
 from .errors import LoadError  # noqa: F401  (re-exported)
 from .models.config import ConfigError, DraftConfig
-from .registry import BUNDLED_DRAFT, BUNDLED_TARGET, PACKAGE_MODELS, resolve_pair  # noqa: F401
-
-DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+from .registry import resolve_pair
+from .sources import (  # noqa: F401  (re-exported: the names loading always had)
+    BUNDLED_DRAFT,
+    BUNDLED_TARGET,
+    DOWNLOAD_PATTERNS,
+    PACKAGE_MODELS,
+    download,
+    missing_folder,
+    offline_message,
+)
 
 
 @dataclass
@@ -63,36 +70,8 @@ def resolve(name: str | os.PathLike) -> Path:
         if not path.is_dir():
             raise LoadError(f"{path} is a file; pass the model folder instead.")
         return path
+    missing_folder(name)
     return download(str(name))
-
-
-def download(name: str, **kwargs: Any) -> Path:
-    """`huggingface_hub.snapshot_download` (resumable; cache first when offline) with its
-    errors mapped onto one-sentence `LoadError`s; kwargs go to snapshot_download."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        HFValidationError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-    )
-
-    try:
-        kwargs.setdefault("allow_patterns", DOWNLOAD_PATTERNS)
-        return Path(snapshot_download(name, **kwargs))
-    except HFValidationError:
-        raise LoadError(f"'{name}' is neither a local folder nor a valid Hugging Face model id.")
-    except GatedRepoError:
-        raise LoadError(f"'{name}' is gated on the Hub; accept its licence and log in first.")
-    except RepositoryNotFoundError:
-        raise LoadError(f"'{name}' was not found on the Hugging Face Hub.")
-    except LocalEntryNotFoundError:
-        raise LoadError(
-            f"'{name}' is not in the local Hugging Face cache and the Hub cannot be reached "
-            f"(offline); connect once and run `dflash-mac pull {name}`, or pass a local folder."
-        )
-    except OSError as e:
-        raise LoadError(f"could not download '{name}': {e}.")
 
 
 def read_json(path: Path) -> dict:

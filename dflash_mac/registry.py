@@ -15,12 +15,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from . import models as _models_pkg
 from .errors import LoadError
-
-PACKAGE_MODELS = Path(_models_pkg.__file__).resolve().parent
-BUNDLED_TARGET = PACKAGE_MODELS / "bundled" / "target"
-BUNDLED_DRAFT = PACKAGE_MODELS / "bundled" / "dflash"
+from .sources import BUNDLED_DRAFT, BUNDLED_TARGET, PACKAGE_MODELS, missing_folder  # noqa: F401
 
 REGISTRY_PATH = PACKAGE_MODELS / "registry.toml"
 KINDS = {"dflash": "DFlash", "dflash2": "DFlash 2"}
@@ -274,6 +270,7 @@ def resolve_pair(
     if entry is not None:
         model = entry.target_source()
     elif auto:
+        missing_folder(model)
         entry = reg.find_target(model)
     if not auto:
         return model, draft
@@ -305,8 +302,11 @@ def thinking_warning(entry: PairEntry | None, reasoning: str | None, tokenizer: 
     if on is None or on == entry.thinking:
         return None
     how = f"--reasoning {reasoning}" if reasoning is not None else "the chat template's default"
-    if on:
+    if on:  # advise only a flag that helps: the template may have no thinking switch
+        template = getattr(tokenizer, "chat_template", None) or ""
+        fix = ("pass --reasoning off" if "enable_thinking" in template
+               else f"omit --reasoning {reasoning}" if reasoning is not None else "")
         return (f"drafter '{entry.draft}' was trained without thinking but {how} turns thinking "
-                "on; acceptance will be low (pass --reasoning off).")
+                f"on; acceptance will be low{f' ({fix})' if fix else ''}.")
     return (f"drafter '{entry.draft}' was trained with thinking on but {how} turns it off; "
             "acceptance will be low (omit --reasoning off).")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 OPEN, CLOSE = "<think>", "</think>"
+REASONING_CHOICES = ("on", "off", "low", "medium", "high", "xhigh")
 
 
 def prompt_opens_think(prompt_tail: str) -> bool:

@@ -134,6 +134,30 @@ def test_json_report_passes_schema(doc):
     assert loaded["lossless"] == {"checked": 4, "equal": 4, "mismatches": []}
 
 
+def test_one_trial_shows_no_spread():
+    one = [r for r in synthetic_records() if r["trial"] == 0]
+    doc = bench_report.build_report(HEADER, {**CONFIG, "trials": 1}, one, [4], greedy=True)
+    md = bench_report.render(doc, "md")
+    assert "| 4 | s | 2 | 100.0 | 200.0 | 2.00× | 2.38 |" in md and "± 0.0" not in md
+
+
+def test_live_view_progress_bar_has_its_own_line():
+    """The bar ends its line: the stats header starts the next one instead of overlapping."""
+    from rich.console import Console
+
+    from dflash_mac.bench.view import BenchView
+
+    console = Console(width=100, color_system=None, force_terminal=True, record=True)
+    view = BenchView(console, 12, [4, 8], live=False)
+    view.done_prompts = 3
+    console.print(view.render())
+    lines = console.export_text().splitlines()
+    bar = next(i for i, line in enumerate(lines) if "━" in line)
+    assert set(lines[bar].strip("│ ")) <= set("━╸╺")
+    assert lines[bar + 1].split("│")[1].split() == ["block", "τ", "DFlash", "tok/s", "baseline",
+                                                     "tok/s", "speedup"]
+
+
 def test_schema_validator_catches_errors(doc):
     bad = json.loads(json.dumps(doc))
     del bad["rows"][0]["tau"]
@@ -191,7 +215,7 @@ def test_parse_block_sizes_and_format():
     for bad in ("2,x", "0", "3,-1", "2,,3"):
         with pytest.raises(BenchError, match="block-size"):
             bench.parse_block_sizes(bad)
-    with pytest.raises(BenchError, match="-o must be one of"):
+    with pytest.raises(BenchError, match="--format must be one of"):
         bench.check_format("yaml")
 
 
@@ -281,13 +305,13 @@ runner = CliRunner()
 def cli(tiny_dirs, *args):
     t, d = tiny_dirs
     return runner.invoke(app, ["bench", "-m", str(t), "-d", str(d), "--suite", "math",
-                               "--limit", "2", "-n", "1", "--max-tokens", "8", "--no-live",
+                               "--limit", "2", "-t", "1", "--max-tokens", "8", "--no-live",
                                *args])
 
 
 def test_cli_json_and_out(tiny_dirs, tmp_path):
     out = tmp_path / "r.jsonl"
-    res = cli(tiny_dirs, "-b", "2,3", "-o", "json", "--out", str(out))
+    res = cli(tiny_dirs, "-b", "2,3", "-f", "json", "--out", str(out))
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert bench_report.validate(doc) == []
@@ -299,7 +323,7 @@ def test_cli_json_and_out(tiny_dirs, tmp_path):
 
 @pytest.mark.parametrize("fmt", ["md", "csv", "jsonl"])
 def test_cli_formats(tiny_dirs, fmt):
-    res = cli(tiny_dirs, "-b", "3", "-o", fmt)
+    res = cli(tiny_dirs, "-b", "3", "-f", fmt)
     assert res.exit_code == 0, res.output
     first = res.stdout.splitlines()[0]
     assert {"md": "# dflash-mac bench", "csv": "machine,cpu"}.get(fmt, "{") in first
@@ -316,7 +340,7 @@ def test_lossy_drafter_path_fails_strict(tiny_dirs, monkeypatch):
     assert res.exit_code == 1
     assert "lossless check failed" in res.stderr and "differ from the baseline" in res.stderr
     assert "✗" in res.stdout
-    res = cli(tiny_dirs, "-b", "4", "-o", "json")
+    res = cli(tiny_dirs, "-b", "4", "-f", "json")
     assert res.exit_code == 0 and "warning" in res.stderr
     doc = json.loads(res.stdout)
     assert doc["lossless"]["equal"] < doc["lossless"]["checked"] == 2
@@ -325,7 +349,7 @@ def test_lossy_drafter_path_fails_strict(tiny_dirs, monkeypatch):
 
 @pytest.mark.parametrize("args,msg", [
     (["--block-size", "2,x"], "--block-size must be an integer"),
-    (["-o", "yaml"], "-o must be one of"),
+    (["-f", "yaml"], "--format must be one of"),
     (["--prompts", "/nonexistent/p.jsonl"], "does not exist"),
     (["--suite", "poetry"], "--suite must be one of"),
 ])
@@ -371,8 +395,8 @@ def test_committed_results_pass_schema():
 @pytest.mark.skipif(not (BUNDLED_DRAFT / "config.json").exists(), reason="no bundled pair")
 def test_bundled_pair_default_bench_json():
     """The default command on the bundled pair (shortened): JSON passes the schema, lossless."""
-    res = runner.invoke(app, ["bench", "--limit", "2", "-n", "1", "--max-tokens", "16",
-                              "--no-live", "-o", "json"])
+    res = runner.invoke(app, ["bench", "--limit", "2", "-t", "1", "--max-tokens", "16",
+                              "--no-live", "-f", "json"])
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert bench_report.validate(doc) == []

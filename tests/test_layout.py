@@ -18,7 +18,7 @@ FOLDERS = {
     "metal_kernels": "dflash_mac.metal_kernels",
     "app": "dflash_mac.app",
 }
-FRONT_ENDS = ("__main__", "cli", "serve", "bench", "app", "train", "bundle", "testing")
+FRONT_ENDS = ("__main__", "entry", "cli", "serve", "bench", "app", "train", "bundle", "testing")
 
 
 def modules() -> dict[str, Path]:

@@ -87,8 +87,8 @@ def test_offline_and_not_cached(tmp_path, monkeypatch):
         resolve("z-lab/Qwen3-4B-DFlash-b16")
     assert str(e.value) == (
         "'z-lab/Qwen3-4B-DFlash-b16' is not in the local Hugging Face cache and the Hub cannot "
-        "be reached (offline); connect once and run `dflash-mac pull z-lab/Qwen3-4B-DFlash-b16`, "
-        "or pass a local folder."
+        "be reached (HF_HUB_OFFLINE is set); unset it and run "
+        "`dflash-mac pull z-lab/Qwen3-4B-DFlash-b16`, or pass a local folder."
     )
 
 

@@ -167,6 +167,7 @@ def test_pull_offline_is_one_clear_sentence(monkeypatch, capsys):
         raise LocalEntryNotFoundError("cannot reach the Hub")
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     with pytest.raises(LoadError, match="offline"):
         manage.pull("qwen3-4b")
     monkeypatch.setenv("DFLASH_MAC_BLAS", "reference")  # no OpenBLAS re-exec inside the test
@@ -175,8 +176,10 @@ def test_pull_offline_is_one_clear_sentence(monkeypatch, capsys):
         cli.main()
     assert e.value.code == 1
     err = capsys.readouterr().err
-    assert "error:" in err and "cannot be reached (offline)" in err
-    assert "Traceback" not in err
+    assert err.splitlines()[-1] == (
+        "error: 'mlx-community/Qwen3-4B-4bit' is not in the local Hugging Face cache and the Hub "
+        "cannot be reached (offline); connect to the internet and run the same command again.")
+    assert "Traceback" not in err and "dflash-mac pull" not in err  # no advice to run itself
 
 
 def test_pull_command_through_the_cli(fake_hub):

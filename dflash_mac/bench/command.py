@@ -115,8 +115,9 @@ def bench_command(
                                              "of a suite."),
     limit: int | None = typer.Option(None, "--limit", help="Use the first K prompts of "
                                      "each suite."),
-    trials: int = typer.Option(2, "-n", "--trials", help="Measured passes over the prompts."),
-    max_tokens: int = typer.Option(128, "--max-tokens", help="Tokens per generation at most."),
+    trials: int = typer.Option(2, "--trials", "-t", help="Measured passes over the prompts."),
+    max_tokens: int = typer.Option(128, "--max-tokens", "-n",
+                                   help="Tokens per generation at most."),
     block_size: str | None = typer.Option(None, "--block-size", "-b", help="Block size, or a "
                                           "comma-separated sweep such as 2,3,4,5,8."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy, "
@@ -131,7 +132,7 @@ def bench_command(
                                          "templates: on, off, low, medium, high, xhigh."),
     no_eos: bool = typer.Option(False, "--no-eos", help="Ignore EOS: always generate "
                                 "--max-tokens tokens."),
-    fmt: str = typer.Option("md", "-o", "--format", help="Report format on stdout: md, json, "
+    fmt: str = typer.Option("md", "--format", "-f", help="Report format on stdout: md, json, "
                             "jsonl or csv."),
     out: Path | None = typer.Option(None, "--out", help="Append the full report as one JSON "
                                     "line to FILE."),
@@ -155,7 +156,7 @@ def bench_command(
     check_format(fmt)
     sizes = parse_block_sizes(block_size)
     if trials < 1:
-        raise BenchError(f"-n/--trials must be at least 1 (got {trials}).")
+        raise BenchError(f"--trials must be at least 1 (got {trials}).")
     if cooldown < 0:
         raise BenchError(f"--cooldown must be >= 0 (got {cooldown}).")
     make_config(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
@@ -163,7 +164,8 @@ def bench_command(
     prompts = read_prompts(prompts_file) if prompts_file else suite_prompts(suite, warn)
     prompts = limit_per_suite(prompts, limit)
     pair = load_pair(model, draft, draft_bits=draft_bits, reasoning=reasoning)
-    sizes = [block_size_policy(pair, s, warn=err.print) for s in sizes or [pair.block_size]]
+    sizes = list(dict.fromkeys(block_size_policy(pair, s, warn=err.print)
+                               for s in sizes or [pair.block_size]))
     ids = [prompt_ids(pair.tokenizer, p.prompt, reasoning=reasoning) for p in prompts]
     for i in ids:
         check_context(pair, i, max_tokens)

@@ -175,8 +175,10 @@ def build_report(header: dict, config: dict, records: list[dict], block_sizes: l
 # -- renderers ----------------------------------------------------------------------------
 
 
-def _pm(pair: list[float], digits: int = 1) -> str:
-    return f"{pair[0]:.{digits}f} ± {pair[1]:.{digits}f}"
+def _pm(pair: list[float], trials: int, digits: int = 1, unit: str = "") -> str:
+    """mean ± std; the mean alone for one trial (no spread to show)."""
+    mean = f"{pair[0]:.{digits}f}{unit}"
+    return mean if trials < 2 else f"{mean} ± {pair[1]:.{digits}f}"
 
 
 def _gb(n: float) -> str:
@@ -197,9 +199,9 @@ def table_cells(row: dict, drafter_bytes: int) -> dict[str, str]:
         "bs": str(row["block_size"]),
         "suite": row["suite"],
         "prompts": str(row["prompts"]),
-        "baseline t/s": _pm(row["baseline_tps"]),
-        "DFlash t/s": _pm(row["dflash_tps"]),
-        "speedup": f"{row['speedup'][0]:.2f}× ± {row['speedup'][1]:.2f}",
+        "baseline t/s": _pm(row["baseline_tps"], row["trials"]),
+        "DFlash t/s": _pm(row["dflash_tps"], row["trials"]),
+        "speedup": _pm(row["speedup"], row["trials"], 2, "×"),
         "τ": f"{row['tau'][0]:.2f}",
         "prefill t/s (base / DFlash)":
             f"{row['baseline_prefill_tps']:.0f} / {row['dflash_prefill_tps']:.0f}",

@@ -100,7 +100,7 @@ def parse_block_sizes(text: str | None) -> list[int] | None:
 
 def check_format(fmt: str) -> str:
     if fmt not in FORMATS:
-        raise BenchError(f"-o must be one of {', '.join(FORMATS)} (got {fmt!r}).")
+        raise BenchError(f"--format must be one of {', '.join(FORMATS)} (got {fmt!r}).")
     return fmt
 
 

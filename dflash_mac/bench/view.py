@@ -91,10 +91,13 @@ class BenchView(Observer):
                           speed)
         lossless = f"lossless {self.n_equal}/{self.n_checked}" if self.n_checked else ""
         hist = histogram(self.lengths[self.bs], self.bs)
+        bar = Table.grid()  # a bare ProgressBar ends without a newline: the next row would
+        bar.add_row(ProgressBar(total=max(self.total, 1), completed=self.done_prompts,
+                                width=60))  # start on its line
         return Panel(Group(
             Text.assemble(("prompts ", "dim"), f"{self.done_prompts}/{self.total}  ",
                           (self.label, "cyan"), f"  {lossless}"),
-            ProgressBar(total=max(self.total, 1), completed=self.done_prompts, width=60),
+            bar,
             stats,
             Text(f"acceptance histogram, block {self.bs} (tokens per cycle)", style="dim"),
             Text("\n".join(bars(hist))),

@@ -2,35 +2,107 @@
 
 from __future__ import annotations
 
+import importlib
 import json
+import signal
 import sys
+from typing import Any
 
 import typer
 from rich.console import Console
+from typer.core import TyperCommand, TyperGroup
 
 from dflash_mac import __version__
-from dflash_mac.app.command import chat
-from dflash_mac.bench.command import bench_command
-from dflash_mac.generate import REASONING_CHOICES, PromptError
-from dflash_mac.loading import LoadError
+from dflash_mac.errors import INTERRUPTED, UserError
 from dflash_mac.models.config import ConfigError
-from dflash_mac.rollback import RollbackError
-from dflash_mac.serve.command import serve as serve_command
-from dflash_mac.train.command import train as train_command
+from dflash_mac.think import REASONING_CHOICES
 
-from .convert import convert as convert_command
-from .doctor import doctor_command
-from .models import models_command, pull_command
+# Commands imported only when they run (as mlx-lm's CLI does), so `--help`, `models` and
+# `pull` never import MLX. name -> (module, function, the docstring's first line for the list).
+LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
+    "bench": ("dflash_mac.bench.command", "bench_command",
+              "Benchmark DFlash against plain decoding of the same target, in one process."),
+    "chat": ("dflash_mac.app.command", "chat",
+             "Chat in the terminal: streamed answers, a live acceptance histogram, saved chats."),
+    "convert": ("dflash_mac.cli.convert", "convert",
+                "Quantize a target model or a DFlash drafter to 4 or 8 bits (group 64 by "
+                "default)."),
+    "train": ("dflash_mac.train.command", "train",
+              "Train a DFlash drafter for TARGET on the target's own answers to --data prompts."),
+    "models": ("dflash_mac.cli.models", "models_command",
+               "List the known target/drafter pairs and what is already downloaded."),
+    "pull": ("dflash_mac.cli.models", "pull_command",
+             "Download a target and its DFlash drafter (resumable; progress bars)."),
+    "doctor": ("dflash_mac.cli.doctor", "doctor_command",
+               "Check this machine: platform, MLX, Metal, kernels, BLAS, memory, cache, "
+               "self-test."),
+    "serve": ("dflash_mac.serve.command", "serve",
+              "Serve the pair as an OpenAI-compatible API (for Continue, Cline, Aider, Zed, ...)."),
+}
+def is_user_error(e: BaseException) -> bool:
+    """True for the exceptions the CLI shows as one red sentence (errors.UserError; a drafter
+    config error from models/, which cannot know the engine's base class)."""
+    return isinstance(e, (UserError, ConfigError))
 
-USER_ERRORS: tuple[type[Exception], ...] = (
-    LoadError,
-    PromptError,
-    ConfigError,
-    RollbackError,
-)
+
+def plain_flags(params: list[Any]) -> list[Any]:
+    """Show on/off flags without a `<bool>` type placeholder in help."""
+    for p in params:
+        if getattr(p, "is_flag", False) and p.metavar is None:
+            p.metavar = ""
+    return params
+
+
+class Command(TyperCommand):
+    """A command whose help shows flags as flags (no `<bool>`)."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return plain_flags(super().get_params(ctx))
+
+
+class LazyGroup(TyperGroup):
+    """A Typer group that imports a command's module only when that command runs (or shows
+    its own help); the command list in `--help` uses the short help lines above."""
+
+    _listing = False
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return plain_flags(super().get_params(ctx))
+
+    def list_commands(self, ctx: Any) -> list[str]:
+        return [*super().list_commands(ctx), *LAZY_COMMANDS]
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        if cmd_name not in LAZY_COMMANDS:
+            return super().get_command(ctx, cmd_name)
+        module, attr, short = LAZY_COMMANDS[cmd_name]
+        if self._listing:
+            return TyperCommand(cmd_name, help=short)
+        sub = typer.Typer(add_completion=False)
+        sub.command(cmd_name, cls=Command)(getattr(importlib.import_module(module), attr))
+        return typer.main.get_command(sub)
+
+    def invoke(self, ctx: Any) -> object:
+        # From here Ctrl-C raises KeyboardInterrupt (commands may clean up), reported below.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:  # Typer would exit 130 without a word
+            err.print(INTERRUPTED, highlight=False)
+            raise typer.Exit(130)
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        self._listing = True
+        try:
+            super().format_help(ctx, formatter)
+        finally:
+            self._listing = False
+
+
 err = Console(stderr=True, soft_wrap=True)
 app = typer.Typer(
     name="dflash-mac",
+    cls=LazyGroup,
     help="Fast local LLM generation with DFlash / DFlash 2 speculative decoding on MLX.",
     context_settings={"help_option_names": ["-h", "--help"]},
     no_args_is_help=True,
@@ -74,19 +146,32 @@ def read_prompt(prompt: str) -> str:
     return prompt
 
 
+def prompt_error(message: str) -> Exception:
+    from dflash_mac.errors import PromptError
+
+    return PromptError(message)
+
+
+def check_reasoning(value: str | None) -> str | None:
+    """Refuse a bad --reasoning before the slow load (and before any thinking warning)."""
+    if value is not None and value not in REASONING_CHOICES:
+        raise prompt_error(f"--reasoning must be one of {', '.join(REASONING_CHOICES)}.")
+    return value
+
+
 def parse_template_args(text: str | None) -> dict:
     if not text:
         return {}
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise PromptError(f"--chat-template-args is not valid JSON ({e.msg}).")
+        raise prompt_error(f"--chat-template-args is not valid JSON ({e.msg}).")
     if not isinstance(value, dict):
-        raise PromptError("--chat-template-args must be a JSON object.")
+        raise prompt_error("--chat-template-args must be a JSON object.")
     return value
 
 
-@app.command()
+@app.command(cls=Command)
 def generate(
     prompt: str = typer.Argument(..., help="The prompt, or - to read it from stdin."),
     model: str | None = typer.Option(None, "--model", "-m", help=MODEL_HELP),
@@ -101,7 +186,8 @@ def generate(
     system: str | None = typer.Option(None, "--system", help="System prompt."),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     reasoning: str | None = typer.Option(
-        None, "--reasoning", help=f"Thinking mode: {', '.join(REASONING_CHOICES)}."
+        None, "--reasoning", help=f"Thinking mode: {', '.join(REASONING_CHOICES)}.",
+        callback=lambda value: check_reasoning(value),
     ),
     chat_template_args: str | None = typer.Option(
         None, "--chat-template-args", help="Extra chat-template arguments as a JSON object."
@@ -140,43 +226,46 @@ def generate(
         ignore_chat_template=ignore_chat_template,
     )
     if as_json:
-        typer.echo(json.dumps(result.as_dict()))
+        typer.echo(json.dumps({"model": pair.model_id, "drafter": pair.draft_id,
+                               **result.as_dict()}))
     elif verbose:
         print_stats(pair, result, err)
+    else:
+        from .terminal import summary_line
+
+        err.print(summary_line(result), highlight=False)
 
 
-app.command("bench")(bench_command)
+NO_MATH_COMMANDS = ("models", "pull")
 
 
-app.command("chat")(chat)
-
-
-app.command("convert")(convert_command)
-
-
-app.command("train")(train_command)
-
-
-app.command("models")(models_command)
-app.command("pull")(pull_command)
-app.command("doctor")(doctor_command)
-
-
-app.command("serve")(serve_command)
+def needs_blas(argv: list[str]) -> bool:
+    """Whether this command line runs matrix math (worth re-executing with OpenBLAS): not for
+    help, --version, or the commands that only read the registry and the cache."""
+    if not argv or argv[0] in NO_MATH_COMMANDS:
+        return False
+    return not {"-h", "--help", "--version"} & set(argv)
 
 
 def main() -> None:
     """Console-script entry point: clean one-sentence errors, never a traceback."""
-    from dflash_mac.platform import maybe_reexec_with_openblas
+    if needs_blas(sys.argv[1:]):
+        from dflash_mac.platform import maybe_reexec_with_openblas
 
-    maybe_reexec_with_openblas(sys.argv[1:])
+        # Ctrl-C stays pending across the exec until the new process's entry.main handles it.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        maybe_reexec_with_openblas(sys.argv[1:])
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     try:
         app()
-    except USER_ERRORS as e:
+    except KeyboardInterrupt:
+        err.print(INTERRUPTED, highlight=False)
+        sys.exit(130)
+    except Exception as e:
+        if not is_user_error(e):
+            raise
         err.print(f"[bold red]error:[/] {e}", highlight=False)
         sys.exit(1)
-    except KeyboardInterrupt:
-        sys.exit(130)
 
 
 if __name__ == "__main__":

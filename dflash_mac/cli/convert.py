@@ -13,6 +13,36 @@ from dflash_mac.loading import LoadError, load_drafter, quantize_drafter, read_j
 from dflash_mac.models.config import DFLASH1, DFLASH2, ConfigError, DraftConfig
 
 BITS_HELP = "Bits per weight: 4 or 8 (MLX affine quantization)."
+GROUP_SIZES = (32, 64, 128)  # what MLX's affine quantization accepts
+
+
+def check_options(bits: int, group_size: int) -> None:
+    if bits not in (4, 8):
+        raise LoadError(f"--bits must be 4 or 8 (got {bits}).")
+    if group_size not in GROUP_SIZES:
+        raise LoadError(f"--group-size must be 32, 64 or 128, the sizes MLX quantizes with "
+                        f"(got {group_size}).")
+
+
+def quantized_tensors(folder: Path) -> int:
+    """How many quantized weights (`*.scales` tensors) the safetensors files of `folder` hold;
+    read from the file headers, without loading weights."""
+    count = 0
+    for f in folder.glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            size = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(size))
+        count += sum(k.endswith(".scales") for k in header)
+    return count
+
+
+def check_quantized(src: str, out: Path, group_size: int) -> None:
+    """Fail (and remove `out`) when nothing was quantized: no weight width divisible by the
+    group size, so every layer stayed in float."""
+    if quantized_tensors(out) == 0:
+        shutil.rmtree(out, ignore_errors=True)
+        raise LoadError(f"nothing in '{src}' could be quantized with group size {group_size} "
+                        "(no weight width is a multiple of it); try --group-size 32.")
 
 
 def is_drafter(cfg: dict) -> bool:
@@ -46,8 +76,6 @@ def convert_target(src: str, out: Path, bits: int, group_size: int = 64) -> Path
     """Quantize a target with mlx-lm's converter (what `mlx_lm.convert -q` does)."""
     from mlx_lm import convert as mlx_convert
 
-    if bits not in (4, 8):
-        raise LoadError(f"--bits must be 4 or 8 (got {bits}).")
     try:
         mlx_convert(str(src), mlx_path=str(out), quantize=True, q_bits=bits,
                     q_group_size=group_size)
@@ -66,8 +94,14 @@ def convert(
 
     Quantized pairs default to block size min(5, drafter block): MLX's quantized matmul loses
     efficiency at wide verify widths."""
+    from dflash_mac.registry import load_registry
+
+    check_options(bits, group_size)
     if out.exists():
         raise LoadError(f"{out} already exists; pass a new output folder.")
+    if (entry := load_registry().get(src)) is not None and not Path(src).exists():
+        raise LoadError(f"'{src}' is a pair name; convert takes one model: its target "
+                        f"{entry.target_source()} or its drafter {entry.draft_source()}.")
     path = resolve(src)
     if is_drafter(read_json(path / "config.json")):
         convert_drafter(path, out, bits, group_size)
@@ -75,4 +109,5 @@ def convert(
     else:
         convert_target(str(path), out, bits, group_size)
         kind = "target"
-    typer.echo(f"wrote {bits}-bit {kind} to {out}")
+    check_quantized(src, out, group_size)
+    typer.echo(f"wrote {bits}-bit {kind} to {out} ({quantized_tensors(out)} quantized weights)")

@@ -8,11 +8,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import typer
+from rich import box
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
+from rich.text import Text
 
-from dflash_mac.loading import LoadError, download
+from dflash_mac.errors import LoadError
 from dflash_mac.registry import NO_DRAFTER_HELP, PairEntry, Registry, load_registry
+from dflash_mac.sources import download, missing_folder
 
 out = Console()
 err = Console(stderr=True)
@@ -121,15 +125,14 @@ def models_report(registry: Registry | None = None, cache_dir: Path | None = Non
     return {"cache_dir": str(cache_dir), "default": reg.default, "pairs": pairs}
 
 
-def models_table(report: dict) -> Table:
-    table = Table(title="DFlash pairs", caption=f"Hugging Face cache: {report['cache_dir']}",
-                  caption_justify="left")
-    for col, kw in (("", {}), ("pair", {"style": "bold", "no_wrap": True}),
-                    ("kind", {"no_wrap": True}), ("target", {"overflow": "fold"}),
-                    ("drafter", {"overflow": "fold"}), ("block", {"no_wrap": True}),
-                    ("thinking", {}), ("download", {"justify": "right", "no_wrap": True}),
-                    ("cached", {"justify": "right", "no_wrap": True})):
-        table.add_column(col, **kw)
+MODELS_NOTE = ("★ default pair · target: the MLX 4-bit conversion where one exists · block: "
+               "drafter's / recommended when quantized · download: ≈ target + drafter · get one "
+               "with `dflash-mac pull NAME`")
+
+
+def models_rows(report: dict) -> list[dict[str, str]]:
+    """One dict of display cells per pair (Rich markup in `cached`)."""
+    rows = []
     for p in report["pairs"]:
         if p["local"]:
             cached = "[green]bundled[/]" if p["ready"] else "[yellow]not built[/]"
@@ -138,15 +141,48 @@ def models_table(report: dict) -> Table:
             cached = f"[green]{size} ✓[/]" if p["ready"] else f"[yellow]{size} partial[/]"
         else:
             cached = "[dim]—[/]"
-        table.add_row(
-            "★" if p["default"] else "", p["name"], p["kind_label"],
-            "package" if p["local"] else (p["mlx_4bit"] or p["target"]),
-            "package" if p["local"] else p["draft"],
-            f"{p['block_size']} / {p['quantized_block_size']}",
-            "on" if p["thinking"] else "off",
-            f"≈{p['download_gb']:.1f} GB" if not p["local"] else "—", cached,
-        )
+        rows.append({
+            "": "★" if p["default"] else "", "pair": p["name"], "kind": p["kind_label"],
+            "target": "package" if p["local"] else (p["mlx_4bit"] or p["target"]),
+            "drafter": "package" if p["local"] else p["draft"],
+            "block": f"{p['block_size']} / {p['quantized_block_size']}",
+            "thinking": "on" if p["thinking"] else "off",
+            "download": f"≈{p['download_gb']:.1f} GB" if not p["local"] else "—",
+            "cached": cached,
+        })
+    return rows
+
+
+NARROW = ("", "pair", "kind", "block", "thinking", "download", "cached")  # no ids
+RIGHT = ("download", "cached")
+
+
+def models_table(report: dict, columns: tuple[str, ...] | None = None) -> Table:
+    """The pairs as a Rich table: every column, or `columns` (the narrow set at 80 columns)."""
+    rows = models_rows(report)
+    columns = columns or (tuple(rows[0]) if rows else ())
+    narrow = "target" not in columns
+    table = Table(title="DFlash pairs", caption=f"Hugging Face cache: {report['cache_dir']}",
+                  caption_justify="left", box=box.SIMPLE_HEAD if narrow else box.HEAVY_HEAD,
+                  show_edge=not narrow, padding=(0, 1) if narrow else (0, 1, 0, 1))
+    for col in columns:
+        table.add_column(col, no_wrap=col not in ("target", "drafter"), overflow="fold",
+                         justify="right" if col in RIGHT else "left",
+                         style="bold" if col == "pair" else None)
+    for r in rows:
+        table.add_row(*(r[c] for c in columns))
     return table
+
+
+def models_plain(report: dict) -> str:
+    """The pairs as plain aligned text (stdout not a terminal): one line per pair, no wrapping,
+    no colour or box characters, so `grep` and `awk` see whole rows."""
+    rows = [{k: Text.from_markup(v).plain for k, v in r.items()} for r in models_rows(report)]
+    cols = list(rows[0]) if rows else []
+    width = {c: max(len(c), *(len(r[c]) for r in rows)) for c in cols}
+    lines = ["  ".join(c.ljust(width[c]) for c in cols).rstrip()]
+    lines += ["  ".join(r[c].ljust(width[c]) for c in cols).rstrip() for r in rows]
+    return "\n".join(lines)
 
 
 def models_command(
@@ -157,10 +193,17 @@ def models_command(
     if as_json:
         typer.echo(json.dumps(report, indent=1))
         return
-    out.print(models_table(report))
-    out.print("[dim]★ default pair · target: the MLX 4-bit conversion where one exists · "
-              "block: drafter's / recommended when quantized · download: ≈ target + drafter · "
-              "get one with `dflash-mac pull NAME`[/]")
+    if not out.is_terminal:
+        typer.echo(models_plain(report))
+        return
+    table = models_table(report)
+    if Measurement.get(out, out.options.update_width(10_000), table).maximum > out.width:
+        table = models_table(report, NARROW)
+        note = MODELS_NOTE + " · Hub ids: a wider terminal or `dflash-mac models --json`"
+    else:
+        note = MODELS_NOTE
+    out.print(table)
+    out.print(f"[dim]{note}[/]", highlight=False)
 
 
 def folder_size(path: Path) -> int:
@@ -178,6 +221,7 @@ def pull_plan(name: str, draft: str | None = None, full: bool = False,
     else:
         if Path(name).expanduser().exists():
             raise LoadError(f"'{name}' is a local folder; `pull` downloads Hugging Face ids.")
+        missing_folder(name)
         entry, target = reg.find_target(name), name
     if draft is None:
         if entry is None:
@@ -207,7 +251,7 @@ def pull(name: str, draft: str | None = None, full: bool = False,
     for repo in repos:
         gb = approx_gb(entry, repo)
         console.print(f"[bold]↓ {repo}[/]" + (f" (≈{gb:.1f} GB)" if gb else ""))
-        path = download(repo)
+        path = download(repo, pulling=True)
         console.print(f"[green]✓[/] {repo} → {path} ({fmt_size(folder_size(path))})",
                       highlight=False)
         paths.append(path)

@@ -7,8 +7,9 @@ from typing import Any
 
 from rich.console import Console
 
+from dflash_mac.errors import LoadError
 from dflash_mac.generate import GenerationResult, stream_generate
-from dflash_mac.loading import LoadError, load, quantize_drafter
+from dflash_mac.loading import QUANTIZED_MAX_BLOCK, default_block_size, load, quantize_drafter
 from dflash_mac.pair import Pair
 
 err = Console(stderr=True, soft_wrap=True)
@@ -20,15 +21,20 @@ def warn_line(message: str) -> None:
 
 
 def block_size_policy(pair: Pair, requested: int | None, warn=warn_line) -> int:
-    """Default block size: the drafter's, or min(5, drafter block) when anything is quantized
-    (MLX's quantized matmul loses efficiency at wide verify widths); larger explicit values run
-    with a one-line warning."""
+    """The block size to run: by default `loading.default_block_size` (the drafter's, or
+    min(5, it) when anything is quantized); an explicit value above the drafter's trained block
+    is clamped to it, and one above 5 on a quantized pair runs; both with a one-line warning."""
     drafter_bs = pair.drafter.config.block_size
+    default = default_block_size(pair.drafter.config, pair.target_config)
     if requested is None:
-        return min(5, drafter_bs) if pair.quantized else drafter_bs
-    if pair.quantized and requested > 5:
-        warn(f"[yellow]warning:[/] block size {requested} > 5 is slower with a quantized "
-             f"model (default {min(5, drafter_bs)}).")
+        return default
+    if requested > drafter_bs:
+        warn(f"[yellow]warning:[/] block size {requested} > the drafter's trained block "
+             f"{drafter_bs}; using {drafter_bs}.")
+        return drafter_bs
+    if pair.quantized and requested > QUANTIZED_MAX_BLOCK:
+        warn(f"[yellow]warning:[/] block size {requested} > {QUANTIZED_MAX_BLOCK} is slower "
+             f"with a quantized model (default {default}).")
     return requested
 
 
@@ -62,7 +68,9 @@ def warn_thinking_mismatch(pair: Pair, reasoning: str | None, warn=err.print) ->
 
 
 def stream_to_terminal(pair: Pair, prompt: Any, echo: bool = True, **kwargs) -> GenerationResult:
-    """Stream committed text to stdout as it arrives; return the whole result."""
+    """Stream committed text to stdout as it arrives; return the whole result. Runs at
+    `pair.block_size`, which `load_pair` chose from the requested one (`block_size_policy`)."""
+    kwargs["block_size"] = pair.block_size
     text, tokens, last = [], [], None
     for ev in stream_generate(pair, prompt, **kwargs):
         if echo and ev.text:
@@ -82,6 +90,13 @@ def bars(counts: list[int], width: int = 30) -> list[str]:
     top = max(counts) if counts and max(counts) > 0 else 1
     return [f"{i + 1:>3} │{'█' * round(width * c / top):<{width}} {c}" for i, c in
             enumerate(counts)]
+
+
+def summary_line(result: GenerationResult) -> str:
+    """The one stats line `generate` prints without -v (as mlx-lm prints its speed)."""
+    s = result.stats
+    return (f"[dim]{s.generation_tokens} tokens · {s.decode_tps:.1f} tok/s · τ {s.tau:.2f} · "
+            f"block {s.block_size} · TTFT {s.ttft * 1000:.0f} ms (-v for details)[/]")
 
 
 def print_stats(pair: Pair, result: GenerationResult, console: Console = err) -> None:

@@ -84,6 +84,7 @@ def train(
     from .data import DataError
     from .trainer import train_drafter
 
+    check_inputs(data, eval_prompts, init_from)
     ids = None
     if target_layer_ids:
         try:
@@ -149,6 +150,16 @@ class ProgressReporter(TrainingCallback):
             self.bar.stop()
 
 
+def check_inputs(data: Path, eval_prompts: Path | None, init_from: Path | None) -> None:
+    """Fail in one sentence, before the target loads, on input paths that are not there."""
+    for flag, path in (("--data", data), ("--eval-prompts", eval_prompts)):
+        if path is not None and not path.is_file():
+            what = "is a folder" if path.is_dir() else "does not exist"
+            _fail(f"{flag} {path} {what}; pass a JSONL file of prompts.")
+    if init_from is not None and not (init_from / "config.json").is_file():
+        _fail(f"--init-from {init_from} is not a drafter folder (no config.json).")
+
+
 def _fail(msg: str) -> None:
-    Console(stderr=True).print(f"[bold red]error:[/] {msg}", highlight=False)
+    Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {msg}", highlight=False)
     sys.exit(1)
