@@ -15,6 +15,7 @@ from mlx.utils import tree_flatten, tree_map
 from .capture import decoder_layers, target_head
 from .errors import LoadError  # noqa: F401  (re-exported)
 from .models.config import ConfigError, DraftConfig
+from .policy import block_size_for
 from .registry import resolve_pair
 from .sources import (  # noqa: F401  (re-exported: the names loading always had)
     BUNDLED_DRAFT,
@@ -245,25 +246,17 @@ def load(
     drafter = load_drafter(dpath, dcfg, dtype)
     drafter.bind(target_head(target))
     materialize(target, drafter)
-    return LoadedPair(
+    pair = LoadedPair(
         target=target,
         drafter=drafter,
         tokenizer=tokenizer,
         model_id=str(model),
         draft_id=str(draft),
-        block_size=block_size or default_block_size(dcfg, tcfg),
+        block_size=dcfg.block_size,
         target_config=tcfg,
     )
-
-
-QUANTIZED_MAX_BLOCK = 5
-
-
-def default_block_size(dcfg: DraftConfig, tcfg: dict) -> int:
-    """The drafter's block size, or min(5, it) when the target or the drafter is quantized:
-    MLX's quantized matmul loses efficiency at wide verify widths (docs/design.md §8)."""
-    quantized = bool(tcfg.get("quantization")) or bool(dcfg.quantization)
-    return min(QUANTIZED_MAX_BLOCK, dcfg.block_size) if quantized else dcfg.block_size
+    pair.block_size = block_size or block_size_for(pair, None).size
+    return pair
 
 
 def quantize_drafter(drafter: nn.Module, bits: int, group_size: int = 64) -> None:

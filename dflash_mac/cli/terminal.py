@@ -9,8 +9,9 @@ from rich.console import Console
 
 from dflash_mac.errors import LoadError
 from dflash_mac.generate import GenerationResult, stream_generate
-from dflash_mac.loading import QUANTIZED_MAX_BLOCK, default_block_size, load, quantize_drafter
+from dflash_mac.loading import load, quantize_drafter
 from dflash_mac.pair import Pair
+from dflash_mac.policy import block_size_for
 
 err = Console(stderr=True, soft_wrap=True)
 
@@ -21,21 +22,11 @@ def warn_line(message: str) -> None:
 
 
 def block_size_policy(pair: Pair, requested: int | None, warn=warn_line) -> int:
-    """The block size to run: by default `loading.default_block_size` (the drafter's, or
-    min(5, it) when anything is quantized); an explicit value above the drafter's trained block
-    is clamped to it, and one above 5 on a quantized pair runs; both with a one-line warning."""
-    drafter_bs = pair.drafter.config.block_size
-    default = default_block_size(pair.drafter.config, pair.target_config)
-    if requested is None:
-        return default
-    if requested > drafter_bs:
-        warn(f"[yellow]warning:[/] block size {requested} > the drafter's trained block "
-             f"{drafter_bs}; using {drafter_bs}.")
-        return drafter_bs
-    if pair.quantized and requested > QUANTIZED_MAX_BLOCK:
-        warn(f"[yellow]warning:[/] block size {requested} > {QUANTIZED_MAX_BLOCK} is slower "
-             f"with a quantized model (default {default}).")
-    return requested
+    """`policy.block_size_for`, with its warning shown on one line."""
+    choice = block_size_for(pair, requested)
+    if choice.warning:
+        warn(f"[yellow]warning:[/] {choice.warning}")
+    return choice.size
 
 
 def load_pair(model: str | None, draft: str | None, *, block_size: int | None = None,

@@ -23,6 +23,8 @@ import numpy as np
 from mlx import nn
 from mlx.utils import tree_flatten
 
+from dflash_mac.policy import quantized_default
+
 from .args import TrainError, TrainingArgs, TrainSettings
 from .blocks import decay_gamma
 from .checkpoint import SAVE_DTYPES, LoopState, discard, load_init, resume, save_drafter
@@ -188,7 +190,7 @@ def run_eval(target: Path, draft: Path, prompts: Path, block_size: int, max_toke
     pair = load(target, draft)
     ids = encode_prompts(pair.tokenizer, read_prompts(prompts)[:limit], 4096)
     log(f"held-out evaluation: {len(ids)} prompts from {prompts}, greedy, max {max_tokens}")
-    sizes = sorted({block_size, min(5, block_size)}, reverse=True)
+    sizes = sorted({block_size, quantized_default(block_size, None)}, reverse=True)
     res = evaluate(pair, ids, sizes, max_tokens, log=log)
     return [r.as_dict() for r in res]
 
