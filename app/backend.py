@@ -133,16 +133,18 @@ class Backend:
 
         When the conversation plus room for an answer (max_tokens, at most a quarter of the
         context) no longer fits the context, the oldest turns (a question and its answer)
-        are left out; `skip` only grows, so the kept prefix stays cached. A last message
+        are left out until the prompt fills at most half of the context, so that the next
+        few turns fit again and reuse the cached prefix; `skip` only grows. A last message
         that alone does not fit fails with the usual PromptError."""
+        limit = self.context
         while True:
             prompt, thinking = self.prompt(messages[skip:], system, reasoning)
             if not self.context or not prompt or not isinstance(prompt[0], int):
                 return Fit(prompt, thinking, skip, max_tokens, False)
             room = min(max_tokens, max(1, self.context // 4))
-            if len(prompt) + room <= self.context or skip + 2 >= len(messages):
+            if len(prompt) + room <= limit or skip + 2 >= len(messages):
                 break
-            skip += 2
+            skip, limit = skip + 2, self.context // 2
         budget = fit_max_tokens(self.context, len(prompt), max_tokens)
         return Fit(prompt, thinking, skip, budget.max_tokens, budget.capped)
 
