@@ -88,6 +88,33 @@ class UserMessage(Static):
         super().__init__(Text(printable(text)), classes="user")
 
 
+class LiveText(Vertical):
+    """Streamed plain text (newlines and indentation as written). Finished lines are frozen
+    in blocks of `BLOCK_LINES` that are never redrawn; only the last block changes, so a
+    refresh costs the same for a long answer as for a short one."""
+
+    BLOCK_LINES = 8
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.text = ""
+        self._frozen = 0  # length of the text held in frozen blocks
+
+    def compose(self) -> ComposeResult:
+        yield Static("", classes="tail")
+
+    async def show(self, text: str) -> None:
+        self.text = text
+        tail = self.query_one(".tail", Static)
+        rest = text[self._frozen:]
+        if rest.count("\n") >= self.BLOCK_LINES:
+            cut = rest.rindex("\n")
+            await self.mount(Static(Text(rest[:cut])), before=tail)
+            self._frozen += cut + 1
+            rest = rest[cut + 1:]
+        tail.update(Text(rest))
+
+
 class AssistantMessage(Vertical):
     """An answer: a collapsed thinking section (if any), the body and a stats line.
 
@@ -107,7 +134,7 @@ class AssistantMessage(Vertical):
 
     def compose(self) -> ComposeResult:
         yield ChatMarkdown(id="answer")
-        yield Static("", id="live", classes="live")
+        yield LiveText(id="live", classes="live")
         yield Static("", classes="stats-line")
 
     def feed(self, text: str) -> None:
@@ -139,7 +166,7 @@ class AssistantMessage(Vertical):
         if self.thinking:
             box = await self._thinking_box()
             box.query_one(".live-thinking", Static).update(Text(self.thinking.strip("\n")))
-        self.query_one("#live", Static).update(Text(self.answer))
+        await self.query_one("#live", LiveText).show(self.answer)
         return True
 
     async def finish(self, stats: dict) -> None:

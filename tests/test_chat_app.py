@@ -20,7 +20,7 @@ from dflash_mac.app.widgets import (
     UserMessage,
 )
 from textual.app import App, ComposeResult
-from textual.widgets import Collapsible, Input
+from textual.widgets import Collapsible, Input, Static
 
 from dflash_mac.generate import PromptError
 from dflash_mac.loading import BUNDLED_DRAFT, BUNDLED_TARGET, LoadError
@@ -375,8 +375,10 @@ async def test_unfenced_code_keeps_lines_indentation_and_underscores():
         widget = await ask(pilot, "a class", wait=False)
         await until(pilot, lambda: session.held.is_set())
         live = widget.query_one("#live")
-        await until(pilot, lambda: str(live.render()).startswith("class"))
-        assert str(live.render()) == script[0][0]  # streamed as plain text, as written
+        await until(pilot, lambda: live.text.startswith("class"))
+        assert live.text == script[0][0]  # streamed as plain text, as written
+        shown = "\n".join(str(s.render()) for s in live.query(Static))
+        assert shown == script[0][0]
         session.release.set()
         await until(pilot, lambda: widget.finished)
         assert widget.query_one(CodeFence).code == ("class Point:\n    def __init__(self, x):\n"
@@ -403,7 +405,10 @@ async def test_long_answer_follows_the_stream_until_the_user_scrolls_up():
         await ask(pilot, "count", wait=False)
         await until(pilot, lambda: session.held.is_set())
         log = app.query_one("#log")
-        await until(pilot, lambda: "line 39" in str(app.turn.widget.query_one("#live").render()))
+        live = app.turn.widget.query_one("#live")
+        await until(pilot, lambda: "line 39" in live.text)
+        shown = "\n".join(str(s.render()) for s in live.query(Static))
+        assert shown == "".join(t for t, _ in script[:40])  # in frozen blocks + the tail
         await pilot.pause(0.2)
         assert log.max_scroll_y > 0 and log.scroll_y == log.max_scroll_y
         session.release.set()
