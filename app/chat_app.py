@@ -66,9 +66,9 @@ def plain_warning(text: str) -> str:
 
 
 class Warmed(Message):
-    def __init__(self, cached: int, skip: int = 0) -> None:
+    def __init__(self, cached: int, skip: int = 0, chat_id: int | None = None) -> None:
         super().__init__()
-        self.cached, self.skip = cached, skip
+        self.cached, self.skip, self.chat_id = cached, skip, chat_id
 
 
 def error_sentence(e: BaseException) -> str:
@@ -215,19 +215,20 @@ class ChatApp(ChatCommands, App):
         else:
             self.post_message(TurnEnded(snap))
 
-    def _warm(self, history: list[dict], system: str, reasoning: str | None, skip: int) -> None:
+    def _warm(self, history: list[dict], system: str, reasoning: str | None, skip: int,
+              chat_id: int | None) -> None:
         try:
             with self.backend.lock:
                 n, skip = self.backend.warm(history, system, reasoning, skip)
         except Exception:  # a failed warm-up only costs the next turn a full prefill
             n = 0
-        self.post_message(Warmed(n, skip))
+        self.post_message(Warmed(n, skip, chat_id))
 
     def warm_up(self) -> None:
         """Prefill the shown conversation in the background (resume with prefix reuse)."""
         if self.backend is not None and self.history and self.turn is None:
             self.engine.submit(partial(self._warm, list(self.history), self.system,
-                                       self.reasoning, self.skip))
+                                       self.reasoning, self.skip, self.chat_id))
 
     # ---- UI side ----
 
@@ -265,6 +266,8 @@ class ChatApp(ChatCommands, App):
         self.warm_up()
 
     async def on_warmed(self, message: Warmed) -> None:
+        if message.chat_id != self.chat_id:  # another chat was opened meanwhile
+            return
         await self.note_window(message.skip)
         if message.cached and self.turn is None:
             self.set_status(f"Ready · {message.cached} tokens of this chat cached.")
@@ -303,7 +306,7 @@ class ChatApp(ChatCommands, App):
             await self.log_view.mount(note)
 
     async def on_turn_started(self, message: TurnStarted) -> None:
-        if self.turn:
+        if self.turn and self.turn.chat_id == self.chat_id:  # not a chat closed meanwhile
             await self.note_window(message.skip)
             if message.capped is not None:
                 self.set_status(f"Generating… (Esc stops) · at most {message.capped} tokens "
