@@ -116,11 +116,10 @@ def generate(
 ) -> None:
     """Generate text for PROMPT with DFlash speculative decoding."""
     from .frontends import load_pair, print_stats, stream_to_terminal, warn_line
-    from .generate import fit_max_tokens, make_config, prompt_ids
+    from .generate import fit_max_tokens, prompt_ids
 
     text = read_prompt(prompt)
     template_args = parse_template_args(chat_template_args)
-    make_config(max_tokens, block_size, temp, top_p, top_k, min_p)  # bad options before loading
     pair = load_pair(model, draft, block_size=block_size, draft_bits=draft_bits,
                      reasoning=reasoning)
     ids = prompt_ids(pair.tokenizer, text, system=system, reasoning=reasoning,
