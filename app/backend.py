@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash_mac.generate import PromptError, reasoning_args
+from dflash_mac.generate import PromptError, fit_max_tokens, reasoning_args
 
 
 @dataclass
@@ -76,6 +76,17 @@ class Snapshot:
                 "finish": self.finish_reason}
 
 
+@dataclass(frozen=True)
+class Fit:
+    """A turn's prompt after fitting the conversation into the model's context."""
+
+    prompt: Any  # ids (or the message list for a fake session without a tokenizer)
+    thinking: bool  # the answer starts inside a thinking section
+    skip: int  # messages left out from the start of the conversation (whole turns)
+    max_tokens: int  # the answer's budget, capped to the room left in the context
+    capped: bool
+
+
 @dataclass
 class Backend:
     """A session-like object (`stream(prompt, should_stop=..., **kw)`) plus what the UI shows.
@@ -93,6 +104,7 @@ class Backend:
     lock: threading.Lock = field(default_factory=threading.Lock)  # one engine job at a time
     last: tuple[str, list[int]] | None = None  # text and ids of the last finished turn
     pending: tuple[str, list[int]] | None = None  # text and ids of the turn being generated
+    context: int = 0  # the model's context in tokens (0: unknown, no window management)
 
     def render(self, messages: list[dict], system: str | None, reasoning: str | None) -> str:
         full = ([{"role": "system", "content": system}] if system else []) + messages
@@ -115,6 +127,27 @@ class Backend:
         self.pending = (text, ids)
         return ids, text.rstrip().endswith("<think>")
 
+    def fit(self, messages: list[dict], system: str | None, reasoning: str | None,
+            max_tokens: int, skip: int = 0) -> Fit:
+        """The prompt for the next answer, keeping the system prompt and the newest turns.
+
+        When the conversation plus room for an answer (max_tokens, at most a quarter of the
+        context) no longer fits the context, the oldest turns (a question and its answer)
+        are left out until the prompt fills at most half of the context, so that the next
+        few turns fit again and reuse the cached prefix; `skip` only grows. A last message
+        that alone does not fit fails with the usual PromptError."""
+        limit = self.context
+        while True:
+            prompt, thinking = self.prompt(messages[skip:], system, reasoning)
+            if not self.context or not prompt or not isinstance(prompt[0], int):
+                return Fit(prompt, thinking, skip, max_tokens, False)
+            room = min(max_tokens, max(1, self.context // 4))
+            if len(prompt) + room <= limit or skip + 2 >= len(messages):
+                break
+            skip, limit = skip + 2, self.context // 2
+        budget = fit_max_tokens(self.context, len(prompt), max_tokens)
+        return Fit(prompt, thinking, skip, budget.max_tokens, budget.capped)
+
     def record(self, answer: str, answer_ids: list[int]) -> None:
         """Remember a finished turn (its text and ids) for the next turn's prompt."""
         if self.pending is not None:
@@ -124,16 +157,18 @@ class Backend:
     def stream(self, prompt: Any, should_stop: Callable[[], bool], **kwargs: Any) -> Iterator:
         return self.session.stream(prompt, should_stop=should_stop, **kwargs)
 
-    def warm(self, messages: list[dict], system: str | None, reasoning: str | None) -> int:
+    def warm(self, messages: list[dict], system: str | None, reasoning: str | None,
+             skip: int = 0) -> tuple[int, int]:
         """Prefill a resumed conversation while the user types, so that its next turn only
-        prefills the new message; returns the number of cached tokens (0: nothing to do)."""
+        prefills the new message; returns (cached tokens (0: nothing done), messages left
+        out to fit the context)."""
         if self.tokenizer is None or not messages or not hasattr(self.session, "state"):
-            return 0
-        prompt, _ = self.prompt(messages, system, reasoning)
-        for _ in self.session.stream(prompt, should_stop=lambda: True, max_tokens=1):
+            return 0, skip
+        fit = self.fit(messages, system, reasoning, 1, skip)
+        for _ in self.session.stream(fit.prompt, should_stop=lambda: True, max_tokens=1):
             pass
         self.pending = None
-        return len(self.session.state.ids)
+        return len(self.session.state.ids), fit.skip
 
 
 def kernels_name() -> str:
@@ -184,4 +219,4 @@ def load_backend(opts: ChatOptions) -> Backend:
         kernels=kernels_name(), plain_tps=measure_plain_tps(pair.target, pair.tokenizer),
         reasoning=has_thinking_switch(pair.tokenizer),
     )
-    return Backend(Session(pair), info, pair.tokenizer, warnings)
+    return Backend(Session(pair), info, pair.tokenizer, warnings, context=pair.context_length)

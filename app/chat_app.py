@@ -1,7 +1,9 @@
 """`dflash-mac chat`: the Textual chat app.
 
-The engine runs in thread workers and never touches widgets: the workers post messages
-(`Loaded`, `TurnStarted`, `Cycle`, `TurnEnded`) and the handlers here update the screen."""
+The engine runs on one long-lived thread (`EngineThread`) and never touches widgets: jobs post
+messages (`Loaded`, `TurnStarted`, `TurnEnded`, `Warmed`) and leave each cycle's text and
+statistics in the `Turn`, which the UI picks up a few times a second (`REFRESH_HZ`), so a fast
+decode loop does not pay for a redraw per cycle. See docs/chat.md."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
-from textual import on
+from textual import events, on
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
@@ -19,6 +21,7 @@ from textual.message import Message
 from textual.widgets import Footer, Header, Label, ProgressBar, Static
 
 from .backend import Backend, ChatOptions, Snapshot, load_backend
+from .engine_thread import EngineThread
 from .palette import ChatCommands
 from .screens import ChatListScreen
 from .store import Store
@@ -35,15 +38,9 @@ class Loaded(Message):
 
 
 class TurnStarted(Message):
-    def __init__(self, thinking: bool) -> None:
+    def __init__(self, thinking: bool, skip: int = 0, capped: int | None = None) -> None:
         super().__init__()
-        self.thinking = thinking
-
-
-class Cycle(Message):
-    def __init__(self, text: str, snapshot: Snapshot) -> None:
-        super().__init__()
-        self.text, self.snapshot = text, snapshot
+        self.thinking, self.skip, self.capped = thinking, skip, capped
 
 
 class TurnEnded(Message):
@@ -52,15 +49,26 @@ class TurnEnded(Message):
         self.snapshot, self.error = snapshot, error
 
 
+def warm_highlighter() -> None:
+    """Compile the Python syntax highlighter off the UI thread (the first code block would
+    otherwise pay ~0.3 s on it)."""
+    try:
+        from pygments.lexers import get_lexer_by_name
+
+        get_lexer_by_name("python")
+    except Exception:  # only a speed-up
+        pass
+
+
 def plain_warning(text: str) -> str:
     """A CLI warning (Rich markup, `[yellow]warning:[/] ...`) as plain text for a toast."""
     return re.sub(r"^\[yellow\]warning:\[/\]\s*", "", text)
 
 
 class Warmed(Message):
-    def __init__(self, cached: int) -> None:
+    def __init__(self, cached: int, skip: int = 0, chat_id: int | None = None) -> None:
         super().__init__()
-        self.cached = cached
+        self.cached, self.skip, self.chat_id = cached, skip, chat_id
 
 
 def error_sentence(e: BaseException) -> str:
@@ -84,19 +92,48 @@ class Turn:
     history: list[dict]
     widget: AssistantMessage
     question_id: int  # the stored user message
+    skip: int = 0  # messages of `history` left out of the prompt (context window)
     stop: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    chunks: list[str] = field(default_factory=list)  # text not yet shown (engine side fills)
+    snapshot: Snapshot | None = None  # the latest statistics
+    thinking: bool = False  # the answer starts inside a thinking section (set before `put`)
+
+    def put(self, text: str, snapshot: Snapshot) -> None:
+        """Engine side: one cycle's text and statistics."""
+        with self.lock:
+            self.chunks.append(text)
+            self.snapshot = snapshot
+
+    def take(self) -> tuple[str, Snapshot | None]:
+        """UI side: the text since the last call and the latest statistics."""
+        with self.lock:
+            text, self.chunks = "".join(self.chunks), []
+            return text, self.snapshot
+
+
+def window_note(skip: int, context: int) -> str:
+    """The note shown in the chat when old turns no longer fit the model's context."""
+    turns = skip // 2
+    return (f"The conversation no longer fits the model's {context}-token context: the oldest "
+            f"{turns} turn{'s' if turns != 1 else ''} (question and answer) "
+            f"{'are' if turns != 1 else 'is'} left out of the prompt from here on.")
 
 
 class ChatApp(ChatCommands, App):
     """Chat with a DFlash pair: streamed Markdown answers and a live acceptance histogram."""
 
     CSS_PATH = "chat.tcss"
+    REFRESH_HZ = 15  # answer text updates per second while it streams
+    PANEL_EVERY = 3  # the side panel: every 3rd refresh (5 Hz)
+    NARROW, HIDE = 100, 70  # terminal widths below which the side panel narrows / hides
     TITLE = "dflash-mac chat"
     BINDINGS = [
         Binding("escape", "stop", "Stop"),
         Binding("ctrl+n", "new_chat", "New chat"),
         Binding("ctrl+o", "open_chats", "Chats"),
         Binding("ctrl+t", "toggle_reasoning", "Reasoning"),
+        Binding("f2", "toggle_panel", "Panel"),
         Binding("f1", "help", "Help"),
         Binding("y", "copy_code", "Copy code", show=False),
         Binding("ctrl+q", "quit", "Quit", priority=True),
@@ -115,7 +152,11 @@ class ChatApp(ChatCommands, App):
         self.chat_id: int | None = None
         self.history: list[dict] = []
         self.turn: Turn | None = None
+        self.skip = 0  # messages of this chat left out of the prompt (context window)
         self.resume_latest = resume
+        self.panel_wanted = True  # F2 toggles
+        self.engine: EngineThread | None = None
+        self._ticks = 0
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -132,51 +173,63 @@ class ChatApp(ChatCommands, App):
 
     def on_mount(self) -> None:
         self.query_one(ChatInput).focus()
+        self.log_view.anchor()  # follow the stream unless the user scrolls up
         self.panel.set_info(None, self.reasoning_label)
-        self.run_worker(self._load, thread=True, group="load", name="load")
+        self.engine = EngineThread()
+        self.engine.submit(self._load)
+        # Through the message queue, so that a refresh never interleaves with TurnEnded.
+        self.set_interval(1 / self.REFRESH_HZ, partial(self.call_next, self.refresh_turn))
+        self.fit_panel(self.size.width)
         if self.resume_latest and (latest := self.store.latest()):
             self.call_later(self.open_chat, latest.id)
 
-    # ---- engine side (thread workers) ----
+    # ---- engine side (the engine thread) ----
 
     def _load(self) -> None:
         try:
-            self.post_message(Loaded(self.loader()))
+            backend = self.loader()
         except Exception as e:
             self.post_message(Loaded(None, error_sentence(e)))
+            return
+        warm_highlighter()
+        self.post_message(Loaded(backend))
 
     def _generate(self, turn: Turn, system: str, reasoning: str | None) -> None:
         backend, snap = self.backend, None
         try:
-            with backend.lock:  # waits for a warm-up prefill of a resumed chat
-                prompt, thinking = backend.prompt(turn.history, system, reasoning)
-                self.post_message(TurnStarted(thinking))
+            with backend.lock:
+                fit = backend.fit(turn.history, system, reasoning, self.opts.max_tokens,
+                                  turn.skip)
+                capped = fit.max_tokens if fit.capped else None
+                turn.thinking = fit.thinking
+                self.post_message(TurnStarted(fit.thinking, fit.skip, capped))
+                kwargs = {**self.opts.generation_kwargs(), "max_tokens": fit.max_tokens}
                 text, ids = [], []
-                for ev in backend.stream(prompt, turn.stop.is_set,
-                                         **self.opts.generation_kwargs()):
+                for ev in backend.stream(fit.prompt, turn.stop.is_set, **kwargs):
                     snap = Snapshot.of(ev.stats, ev.finish_reason)
                     text.append(ev.text)
                     ids += ev.tokens
-                    self.post_message(Cycle(ev.text, snap))
+                    turn.put(ev.text, snap)
                 backend.record("".join(text), ids)
         except Exception as e:
             self.post_message(TurnEnded(snap, error_sentence(e)))
         else:
             self.post_message(TurnEnded(snap))
 
-    def _warm(self, history: list[dict], system: str, reasoning: str | None) -> None:
+    def _warm(self, history: list[dict], system: str, reasoning: str | None, skip: int,
+              chat_id: int | None) -> None:
         try:
             with self.backend.lock:
-                n = self.backend.warm(history, system, reasoning)
+                n, skip = self.backend.warm(history, system, reasoning, skip)
         except Exception:  # a failed warm-up only costs the next turn a full prefill
             n = 0
-        self.post_message(Warmed(n))
+        self.post_message(Warmed(n, skip, chat_id))
 
     def warm_up(self) -> None:
         """Prefill the shown conversation in the background (resume with prefix reuse)."""
         if self.backend is not None and self.history and self.turn is None:
-            self.run_worker(partial(self._warm, list(self.history), self.system,
-                                    self.reasoning), thread=True, group="warm", name="warm")
+            self.engine.submit(partial(self._warm, list(self.history), self.system,
+                                       self.reasoning, self.skip, self.chat_id))
 
     # ---- UI side ----
 
@@ -213,7 +266,10 @@ class ChatApp(ChatCommands, App):
             self.notify(plain_warning(w), severity="warning", timeout=10)
         self.warm_up()
 
-    def on_warmed(self, message: Warmed) -> None:
+    async def on_warmed(self, message: Warmed) -> None:
+        if message.chat_id != self.chat_id:  # another chat was opened meanwhile
+            return
+        await self.note_window(message.skip)
         if message.cached and self.turn is None:
             self.set_status(f"Ready · {message.cached} tokens of this chat cached.")
 
@@ -234,26 +290,48 @@ class ChatApp(ChatCommands, App):
         self.history.append({"role": "user", "content": text})
         widget = AssistantMessage()
         await self.log_view.mount_all([UserMessage(text), widget])
-        self.log_view.scroll_end(animate=False)
-        self.turn = Turn(self.chat_id, self.history, widget, question_id)
-        self.set_status("Generating… (Esc stops)", busy=True)
-        self.run_worker(partial(self._generate, self.turn, self.system, self.reasoning),
-                        thread=True, group="generate", name="generate")
+        self.log_view.anchor()
+        self.turn = Turn(self.chat_id, self.history, widget, question_id, self.skip)
+        self.set_status("Generating… (Esc stops)")  # no spinner: it would redraw every frame
+        self.engine.submit(partial(self._generate, self.turn, self.system, self.reasoning))
 
-    def on_turn_started(self, message: TurnStarted) -> None:
-        if self.turn:
-            self.turn.widget.splitter.thinking = message.thinking
+    async def note_window(self, skip: int) -> None:
+        """Show (once per change) that old turns were left out to fit the context."""
+        if skip <= self.skip:
+            return
+        self.skip = skip
+        note = Static(window_note(skip, self.backend.context), classes="note")
+        if self.turn and self.turn.widget.is_attached:
+            await self.log_view.mount(note, before=self.turn.widget)
+        else:
+            await self.log_view.mount(note)
 
-    async def on_cycle(self, message: Cycle) -> None:
-        self.panel.show(message.snapshot)
-        if self.turn and message.text and self.turn.widget.is_attached:
-            log = self.log_view
-            following = log.scroll_y >= log.max_scroll_y - 1  # unless the user scrolled up
-            await self.turn.widget.feed(message.text)
-            if following:
-                log.scroll_end(animate=False)
+    async def on_turn_started(self, message: TurnStarted) -> None:
+        if self.turn and self.turn.chat_id == self.chat_id:  # not a chat closed meanwhile
+            await self.note_window(message.skip)
+            if message.capped is not None:
+                self.set_status(f"Generating… (Esc stops) · at most {message.capped} tokens "
+                                "fit in the context")
+
+    async def refresh_turn(self) -> None:
+        """Show what the engine produced since the last refresh (REFRESH_HZ times a second)."""
+        turn = self.turn
+        if turn is None:
+            return
+        text, snapshot = turn.take()
+        self._ticks += 1
+        if snapshot is not None and self._ticks % self.PANEL_EVERY == 0 \
+                and snapshot is not self.panel.snapshot:
+            self.panel.show(snapshot)
+        if text and turn.widget.is_attached:
+            if not turn.widget.raw:
+                turn.widget.splitter.thinking = turn.thinking
+            turn.widget.feed(text)
+            await turn.widget.flush()
 
     async def on_turn_ended(self, message: TurnEnded) -> None:
+        if self.turn is not None:
+            await self.refresh_turn()  # what arrived after the last refresh
         turn, self.turn = self.turn, None
         if turn is None:
             return
@@ -264,14 +342,12 @@ class ChatApp(ChatCommands, App):
             self.set_status(message.error, error=True)
         else:
             self.set_status("Stopped." if stats.get("finish") == "cancelled" else "Ready.")
+        if snap is not None:
+            self.panel.show(snap)
         if turn.widget.is_attached:
-            log = self.log_view
-            following = log.scroll_y >= log.max_scroll_y - 1
             await turn.widget.finish(stats)
             if message.error:
                 await turn.widget.mount(Static(message.error, classes="error"))
-            if following:
-                log.scroll_end(animate=False)
         if snap is None:  # nothing was generated: forget the unanswered question
             self.store.delete_message(turn.question_id)
             turn.history.pop()
@@ -291,9 +367,21 @@ class ChatApp(ChatCommands, App):
             self.turn.stop.set()
         self.exit()
 
+    def action_toggle_panel(self) -> None:
+        self.panel_wanted = not self.panel_wanted
+        self.fit_panel(self.size.width)
+
+    def fit_panel(self, width: int) -> None:
+        """The side panel: narrower on small terminals, hidden on tiny ones or by F2."""
+        self.panel.set_class(width < self.NARROW, "narrow")
+        self.panel.display = self.panel_wanted and width >= self.HIDE
+
+    def on_resize(self, event: events.Resize) -> None:
+        self.fit_panel(event.size.width)
+
     async def clear_chat(self) -> None:
         self.action_stop()  # a running turn still ends (and is saved) at its next cycle
-        self.chat_id, self.history, self.sub_title = None, [], ""
+        self.chat_id, self.history, self.sub_title, self.skip = None, [], "", 0
         self.system = self.opts.system or ""
         await self.log_view.remove_children()
 
@@ -345,4 +433,8 @@ class ChatApp(ChatCommands, App):
                 plain_warning(w), severity="warning", timeout=10))
 
     def on_unmount(self) -> None:
+        if self.turn is not None:
+            self.turn.stop.set()
+        if self.engine is not None:
+            self.engine.close()  # the running turn ends at its next cycle
         self.store.close()

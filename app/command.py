@@ -42,4 +42,19 @@ def chat(
         raise PromptError(f"--reasoning must be one of {', '.join(REASONING_CHOICES)}.")
     opts = ChatOptions(model, draft, system, temp, top_p, top_k, min_p, block_size, max_tokens,
                        reasoning, draft_bits, seed)
-    ChatApp(opts, resume=resume).run()
+    app = ChatApp(opts, resume=resume)
+    app.run()
+    exit_now(app.return_code or 0)
+
+
+def exit_now(code: int) -> None:
+    """Leave without running interpreter and C++ teardown. The app has already restored the
+    terminal, saved the chats and stopped its engine thread; MLX's teardown, with a thread
+    that ran compiled code still alive, can abort ("terminate called without an active
+    exception", exit 134). See docs/chat.md."""
+    import os
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

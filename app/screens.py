@@ -23,6 +23,7 @@ KEYS = [
     ("ctrl+t", "toggle reasoning (when the chat template has a switch)"),
     ("y / click", "copy the last code block / the clicked one"),
     ("tab, shift+tab", "move focus between the input and the conversation"),
+    ("F2", "hide / show the side panel (narrower below 100 columns, hidden below 70)"),
     ("F1", "this help"),
     ("ctrl+q", "quit"),
 ]

@@ -9,10 +9,10 @@ from textual.containers import Vertical
 from textual.message import Message
 from textual.widget import Widget
 from textual.widgets import Collapsible, Markdown, Static, TextArea
-from textual.widgets.markdown import MarkdownFence, MarkdownStream
+from textual.widgets.markdown import MarkdownFence
 
 from .backend import EngineInfo, Snapshot
-from .text import ThinkSplitter, close_fences, printable, split_think
+from .text import ThinkSplitter, printable, repair_markdown, split_think
 
 EIGHTHS = " ▏▎▍▌▋▊▉█"
 
@@ -88,69 +88,109 @@ class UserMessage(Static):
         super().__init__(Text(printable(text)), classes="user")
 
 
+class LiveText(Vertical):
+    """Streamed plain text (newlines and indentation as written). Finished lines are frozen
+    in blocks of `BLOCK_LINES` that are never redrawn; only the last block changes, so a
+    refresh costs the same for a long answer as for a short one."""
+
+    BLOCK_LINES = 8
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.text = ""
+        self._frozen = 0  # length of the text held in frozen blocks
+
+    def compose(self) -> ComposeResult:
+        yield Static("", classes="tail")
+
+    async def show(self, text: str) -> None:
+        self.text = text
+        tail = self.query_one(".tail", Static)
+        rest = text[self._frozen:]
+        if rest.count("\n") >= self.BLOCK_LINES:
+            cut = rest.rindex("\n")
+            await self.mount(Static(Text(rest[:cut])), before=tail)
+            self._frozen += cut + 1
+            rest = rest[cut + 1:]
+        tail.update(Text(rest))
+
+
 class AssistantMessage(Vertical):
-    """An answer: a collapsed thinking section (if any), the Markdown body appended as it
-    streams (no re-render of what is already shown), and a stats line."""
+    """An answer: a collapsed thinking section (if any), the body and a stats line.
+
+    While the answer streams it is shown as plain text (newlines and indentation kept, nothing
+    re-parsed per token), redrawn by the app a few times a second (`flush`); when the turn
+    ends it is rendered once as Markdown, with unfenced code put in code blocks
+    (`text.repair_markdown`)."""
 
     def __init__(self, thinking: bool = False) -> None:
         super().__init__(classes="assistant")
         self.raw = ""
         self.answer = ""
+        self.thinking = ""
         self.splitter = ThinkSplitter(thinking=thinking)
-        self._streams: dict[str, MarkdownStream] = {}
         self.finished = False
+        self._dirty = False
 
     def compose(self) -> ComposeResult:
         yield ChatMarkdown(id="answer")
+        yield LiveText(id="live", classes="live")
         yield Static("", classes="stats-line")
 
-    async def _stream(self, kind: str) -> MarkdownStream:
-        if kind not in self._streams:
-            if kind == "thinking":
-                md = ChatMarkdown(classes="thinking")
-                await self.mount(Collapsible(md, title="Thinking", collapsed=True),
-                                 before=self.query_one("#answer"))
-            else:
-                md = self.query_one("#answer", ChatMarkdown)
-            self._streams[kind] = Markdown.get_stream(md)
-        return self._streams[kind]
-
-    async def feed(self, text: str) -> None:
-        """Append a streamed chunk."""
+    def feed(self, text: str) -> None:
+        """Take a streamed chunk (shown at the next `flush`)."""
         self.raw += text
-        await self._write(self.splitter.feed(printable(text)))
+        self._take(self.splitter.feed(printable(text)))
 
-    async def _write(self, parts: list[tuple[str, str]]) -> None:
+    def _take(self, parts: list[tuple[str, str]]) -> None:
         for kind, fragment in parts:
             if kind == "answer":
                 self.answer += fragment
-            await (await self._stream(kind)).write(fragment)
+            else:
+                self.thinking += fragment
+            self._dirty = True
+
+    async def _thinking_box(self) -> Collapsible:
+        if not self.query(Collapsible):
+            box = Collapsible(ChatMarkdown(classes="thinking"),
+                              Static("", classes="thinking live-thinking"),
+                              title="Thinking", collapsed=True)
+            await self.mount(box, before=self.query_one("#answer"))
+        return self.query_one(Collapsible)
+
+    async def flush(self) -> bool:
+        """Show what arrived since the last flush; True if anything changed."""
+        if not self._dirty:
+            return False
+        self._dirty = False
+        if self.thinking:
+            box = await self._thinking_box()
+            box.query_one(".live-thinking", Static).update(Text(self.thinking.strip("\n")))
+        await self.query_one("#live", LiveText).show(self.answer)
+        return True
 
     async def finish(self, stats: dict) -> None:
-        """End of the turn: flush, close an unclosed code fence, show the stats line."""
-        await self._write(self.splitter.flush())
-        for stream in self._streams.values():
-            await stream.stop()
-        md = self.query_one("#answer", ChatMarkdown)
-        if suffix := close_fences(self.answer):
-            self.answer += suffix
-            await md.append(suffix)
-        if not self.answer.strip():
-            await md.update("*(no answer)*" if stats.get("finish") != "cancelled"
-                            else "*(stopped)*")
-        self.query_one(".stats-line", Static).update(turn_line(stats))
-        self.finished = True
+        """End of the turn: render the Markdown once and show the stats line."""
+        self._take(self.splitter.flush())
+        await self._render_final(stats)
 
     async def show(self, raw: str, stats: dict) -> None:
         """Render a stored answer at once."""
         self.raw = raw
-        thinking, answer = split_think(printable(raw))
-        if thinking:
-            md = ChatMarkdown(thinking, classes="thinking")
-            await self.mount(Collapsible(md, title="Thinking", collapsed=True),
-                             before=self.query_one("#answer"))
-        self.answer = answer + close_fences(answer)
-        await self.query_one("#answer", ChatMarkdown).update(self.answer)
+        self.thinking, self.answer = split_think(printable(raw))
+        await self._render_final(stats)
+
+    async def _render_final(self, stats: dict) -> None:
+        if self.thinking.strip():
+            box = await self._thinking_box()
+            await box.query_one(ChatMarkdown).update(self.thinking.strip("\n"))
+            box.query_one(".live-thinking").display = False
+        self.answer = repair_markdown(self.answer)
+        body = self.answer
+        if not body.strip():
+            body = "*(stopped)*" if stats.get("finish") == "cancelled" else "*(no answer)*"
+        await self.query_one("#answer", ChatMarkdown).update(body)
+        self.query_one("#live").display = False
         self.query_one(".stats-line", Static).update(turn_line(stats))
         self.finished = True
 
@@ -196,12 +236,14 @@ class HistogramPanel(Widget):
         bs = (s.block_size if s else None) or (info.block_size if info else 0)
         hist = list(s.histogram) if s else [0] * bs
         top = max(hist) if hist and max(hist) else 0
+        room = self.content_size.width - 10  # label and count around the bar
+        width = max(4, min(self.BAR_WIDTH, room)) if room > -10 else self.BAR_WIDTH
         out = Text()
         out.append("Acceptance", style="bold")
         out.append("  tokens per cycle\n", style="dim")
         for i, count in enumerate(hist):
             out.append(f"{i + 1:>2} ", style="dim")
-            out.append(bar(count, top, self.BAR_WIDTH), style="cyan")
+            out.append(bar(count, top, width), style="cyan")
             out.append(f" {count}\n")
         out.append("\n")
         plain = info.plain_tps if info else 0.0

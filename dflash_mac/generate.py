@@ -86,12 +86,29 @@ def make_config(
     return GenerationConfig(max_tokens, block_size, sp, seed, list(stop or []), use_eos)
 
 
-def check_context(pair: Pair, ids: list[int], max_tokens: int) -> None:
-    limit = pair.context_length
-    if len(ids) >= limit:
-        raise PromptError(
-            f"the prompt has {len(ids)} tokens but the model's context is {limit} tokens."
-        )
+@dataclass(frozen=True)
+class TokenBudget:
+    """How many tokens an answer may have: the request's max_tokens, capped to what is left
+    of the context after the prompt."""
+
+    max_tokens: int
+    capped: bool  # smaller than requested
+
+
+def fit_max_tokens(context_length: int, prompt_tokens: int, max_tokens: int) -> TokenBudget:
+    """The one context rule of every front end (generate, serve, chat): a prompt must leave
+    room for at least one token (else PromptError, the sentence users see); max_tokens is
+    capped to the room that is left. Prints nothing: front ends decide how to tell the user."""
+    if prompt_tokens >= context_length:
+        raise PromptError(f"the prompt has {prompt_tokens} tokens but the model's context is "
+                          f"{context_length} tokens.")
+    room = context_length - prompt_tokens
+    return TokenBudget(min(max_tokens, room), max_tokens > room)
+
+
+def check_context(pair: Pair, ids: list[int], max_tokens: int) -> int:
+    """`max_tokens` capped to the pair's context (see `fit_max_tokens`)."""
+    return fit_max_tokens(pair.context_length, len(ids), max_tokens).max_tokens
 
 
 def stream_generate(
@@ -110,7 +127,7 @@ def stream_generate(
     else:
         ids = prompt_ids(pair.tokenizer, prompt, **tkw)
     cfg = make_config(**kwargs)
-    check_context(pair, ids, cfg.max_tokens)
+    cfg.max_tokens = check_context(pair, ids, cfg.max_tokens)
     yield from speculative_stream(pair, ids, cfg, state=state, should_stop=should_stop)
 
 

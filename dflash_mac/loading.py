@@ -241,6 +241,7 @@ def load(
         raise LoadError(f"could not load target '{model}' with mlx-lm ({e}).")
     if dtype is not None:
         cast_floats(target, dtype)
+        mx.eval(target.parameters())  # materialise here, not lazily on the first user's thread
     if len(decoder_layers(target)) != (tcfg.get("text_config", tcfg)).get("num_hidden_layers"):
         raise LoadError(f"target '{model}' has an unexpected layer layout.")
     drafter = load_drafter(dpath, dcfg, dtype)

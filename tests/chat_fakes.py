@@ -49,7 +49,11 @@ class FakeSession:
 
     def stream(self, prompt, should_stop=None, **kwargs):
         self.prompts.append(prompt)
-        n_prompt = sum(len(m["content"]) // 4 + 4 for m in prompt)
+        if prompt and isinstance(prompt[0], int):  # a Backend with a tokenizer
+            n_prompt = len(prompt)
+        else:
+            n_prompt = sum(len(m["content"]) // 4 + 4 for m in prompt)
+        self.max_tokens = kwargs.get("max_tokens")
         stats = FakeStats(self.block_size, prompt_tokens=n_prompt,
                           cached_tokens=min(self.cached, n_prompt - 1))
         finish = None

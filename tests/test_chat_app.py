@@ -7,10 +7,10 @@ import time
 import pytest
 from chat_fakes import ANSWER, FakeSession, fake_backend
 from dflash_mac.app.backend import ChatOptions, Snapshot
-from dflash_mac.app.chat_app import ChatApp
+from dflash_mac.app.chat_app import ChatApp, window_note
 from dflash_mac.app.screens import ChatListScreen, HelpScreen, InputScreen
 from dflash_mac.app.store import Store
-from dflash_mac.app.text import ThinkSplitter, close_fences, printable, split_think
+from dflash_mac.app.text import ThinkSplitter, close_fences, fence_code, printable, split_think
 from dflash_mac.app.widgets import (
     AssistantMessage,
     ChatInput,
@@ -20,7 +20,7 @@ from dflash_mac.app.widgets import (
     UserMessage,
 )
 from textual.app import App, ComposeResult
-from textual.widgets import Collapsible, Input
+from textual.widgets import Collapsible, Input, Static
 
 from dflash_mac.generate import PromptError
 from dflash_mac.loading import BUNDLED_DRAFT, BUNDLED_TARGET, LoadError
@@ -333,6 +333,110 @@ async def test_prompt_error_is_shown_and_the_question_forgotten():
         assert app.history == [] and app.store.messages(app.chat_id) == []
 
 
+class WindowSession(FakeSession):
+    """The fake engine behind a Backend with a (one id per character) tokenizer."""
+
+    def tokenize(self, messages, system=None, reasoning=None):
+        return TokenizingSession().tokenize(messages, system, reasoning)
+
+
+@pytest.mark.anyio
+async def test_long_conversation_leaves_out_the_oldest_turns_with_a_note():
+    session = WindowSession()
+    context = 200  # a turn is ~50 tokens: a ~30-character question, 17 generated answer ids
+    backend = fake_backend(session)
+    backend.tokenizer, backend.context = CharTokenizer(), context
+    app = ChatApp(ChatOptions(system="Be brief.", reasoning="off", max_tokens=100),
+                  loader=lambda: backend)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        for i in range(6):
+            widget = await ask(pilot, f"question {i}")
+            assert not widget.query(".error") and "17 tok" in stats_text(widget)
+            prompt = "".join(map(chr, session.prompts[-1]))
+            assert len(prompt) < context and prompt.startswith("<system>Be brief.</>")
+            assert f"question {i}" in prompt
+            assert session.max_tokens == min(100, context - len(prompt))
+        assert "question 0" not in prompt and app.skip >= 2
+        notes = [str(n.render()) for n in app.query(".note")]
+        assert notes and notes[-1] == window_note(app.skip, context)
+        assert "200-token context: the oldest" in notes[0]
+        assert len(app.store.messages(app.chat_id)) == 12  # the stored chat keeps everything
+
+
+@pytest.mark.anyio
+async def test_unfenced_code_keeps_lines_indentation_and_underscores():
+    script = [("class Point:\n    def __init__(self, x):\n", 3),
+              ("        self.x = x\n\nThe __init__ method sets x.", 4)]
+    session = FakeSession(script, hold_at=1)
+    app = make_app(session)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        widget = await ask(pilot, "a class", wait=False)
+        await until(pilot, lambda: session.held.is_set())
+        live = widget.query_one("#live")
+        await until(pilot, lambda: live.text.startswith("class"))
+        assert live.text == script[0][0]  # streamed as plain text, as written
+        shown = "\n".join(str(s.render()) for s in live.query(Static))
+        assert shown == script[0][0]
+        session.release.set()
+        await until(pilot, lambda: widget.finished)
+        assert widget.query_one(CodeFence).code == ("class Point:\n    def __init__(self, x):\n"
+                                                    "        self.x = x")
+        assert answer_source(widget).endswith("\n```\n\nThe \\_\\_init\\_\\_ method sets x.")
+        assert not live.display
+
+
+def test_fence_code_leaves_prose_and_fenced_code_alone():
+    text = "Use it like this:\n\n```\nx = 1\n```\nDone: all good."
+    assert fence_code(text) == text
+    assert fence_code("x = 1\nprint(x)\nThat prints 1.") == (
+        "```python\nx = 1\nprint(x)\n```\nThat prints 1.")
+    assert fence_code("Note: `a_b` and a_b") == "Note: `a_b` and a\\_b"
+
+
+@pytest.mark.anyio
+async def test_long_answer_follows_the_stream_until_the_user_scrolls_up():
+    script = [(f"line {i}\n\n", 1) for i in range(60)]
+    session = FakeSession(script, hold_at=40)
+    app = make_app(session)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        await ask(pilot, "count", wait=False)
+        await until(pilot, lambda: session.held.is_set())
+        log = app.query_one("#log")
+        live = app.turn.widget.query_one("#live")
+        await until(pilot, lambda: "line 39" in live.text)
+        shown = "\n".join(str(s.render()) for s in live.query(Static))
+        assert shown == "".join(t for t, _ in script[:40])  # in frozen blocks + the tail
+        await pilot.pause(0.2)
+        assert log.max_scroll_y > 0 and log.scroll_y == log.max_scroll_y
+        session.release.set()
+        await until(pilot, lambda: app.turn is None)
+        await pilot.pause(0.2)
+        assert log.scroll_y == log.max_scroll_y
+
+
+@pytest.mark.anyio
+async def test_side_panel_hides_with_f2_and_narrows_on_small_terminals():
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        panel = app.query_one(HistogramPanel)
+        assert panel.display and panel.outer_size.width == 36
+        await pilot.press("f2")
+        assert not panel.display
+        await pilot.press("f2")
+        assert panel.display
+        await pilot.resize_terminal(90, 30)
+        await pilot.pause()
+        assert panel.display and panel.outer_size.width == 26
+        assert "█" in str(panel.render()) or panel.snapshot is None
+        await pilot.resize_terminal(60, 30)
+        await pilot.pause()
+        assert not panel.display
+
+
 def test_chat_command_is_registered():
     from typer.testing import CliRunner
 
@@ -385,6 +489,36 @@ async def test_real_pair_end_to_end_second_turn_prefills_only_new_tokens(real_di
         assert third["prompt"] == len(tok.apply_chat_template(app.history[:-1],
                                                               add_generation_prompt=True))
         assert third["cached"] >= len(before)  # only the new message is prefilled
+
+
+@pytest.mark.anyio
+async def test_real_pair_conversation_longer_than_its_context_keeps_working(real_dirs):
+    from dflash_mac.app.backend import load_backend
+
+    model, draft = real_dirs
+    opts = ChatOptions(str(model), str(draft), max_tokens=8)
+
+    def loader():  # the real pair, with its context cut to 100 tokens
+        backend = load_backend(opts)
+        backend.context = 100
+        return backend
+
+    app = ChatApp(opts, loader=loader)
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.backend is not None, timeout=60)
+        skips = []
+        for question in ("def add(a, b):", "and subtract?", "and multiply?", "and divide?",
+                         "and power?", "and modulo?"):
+            widget = await ask(pilot, question)
+            assert not widget.query(".error")
+            skips.append(app.skip)
+        stats = [m.stats for m in app.store.messages(app.chat_id)[1::2]]
+        assert all(s["tokens"] >= 1 and s["prompt"] + 8 <= 100 for s in stats)
+        assert app.skip >= 2 and app.query(".note")
+        # After a cut the window start holds still: the next turn reuses the cached prefix.
+        cut = next(i for i, n in enumerate(skips) if n)
+        assert cut + 1 < len(skips) and skips[cut + 1] == skips[cut]
+        assert stats[cut + 1]["cached"] > stats[cut + 1]["prompt"] // 2
 
 
 # ---- snapshots ----

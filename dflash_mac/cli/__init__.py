@@ -202,17 +202,25 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
 ) -> None:
     """Generate text for PROMPT with DFlash speculative decoding."""
-    from .terminal import load_pair, print_stats, stream_to_terminal
+    from dflash_mac.generate import fit_max_tokens, prompt_ids
+
+    from .terminal import load_pair, print_stats, stream_to_terminal, warn_line
 
     text = read_prompt(prompt)
     template_args = parse_template_args(chat_template_args)
     pair = load_pair(model, draft, block_size=block_size, draft_bits=draft_bits,
                      reasoning=reasoning)
+    ids = prompt_ids(pair.tokenizer, text, system=system, reasoning=reasoning,
+                     chat_template_args=template_args, ignore_chat_template=ignore_chat_template)
+    budget = fit_max_tokens(pair.context_length, len(ids), max_tokens)
+    if budget.capped:
+        warn_line(f"[yellow]warning:[/] the prompt has {len(ids)} tokens and the model's "
+                  f"context is {pair.context_length}: --max-tokens capped to {budget.max_tokens}.")
     result = stream_to_terminal(
         pair,
-        text,
+        ids,
         echo=not as_json,
-        max_tokens=max_tokens,
+        max_tokens=budget.max_tokens,
         block_size=block_size,
         temp=temp,
         top_p=top_p,
@@ -220,10 +228,6 @@ def generate(
         min_p=min_p,
         seed=seed,
         stop=stop,
-        system=system,
-        reasoning=reasoning,
-        chat_template_args=template_args,
-        ignore_chat_template=ignore_chat_template,
     )
     if as_json:
         typer.echo(json.dumps({"model": pair.model_id, "drafter": pair.draft_id,

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from dflash_mac.generate import PromptError
+from dflash_mac.generate import PromptError, fit_max_tokens
 from dflash_mac.session import Session
 from dflash_mac.think import prompt_opens_think
 
@@ -126,9 +126,10 @@ class Worker:
         vocab = pair.target_config.get("text_config", pair.target_config).get("vocab_size")
         if vocab and any(not 0 <= t < vocab for t in ids):
             raise APIError(400, f"prompt token ids must be in [0, {vocab}).", param="prompt")
-        if len(ids) >= pair.context_length:
-            raise APIError(400, f"the prompt has {len(ids)} tokens but the model's context is "
-                           f"{pair.context_length} tokens.", code="context_length_exceeded")
+        try:
+            fit_max_tokens(pair.context_length, len(ids), 1)
+        except PromptError as e:
+            raise APIError(400, str(e), code="context_length_exceeded")
         return ids
 
     def _run(self, job: Job) -> None:
@@ -141,7 +142,7 @@ class Worker:
             ids = self._prepare(req)
             tail = pair.tokenizer.decode(ids[-16:]) if req.kind == "chat" else ""
             job.emit("ready", Ready(len(ids), prompt_opens_think(tail)))
-            budget = min(req.max_tokens, pair.context_length - len(ids))
+            budget = fit_max_tokens(pair.context_length, len(ids), req.max_tokens).max_tokens
             last = None
             for ev in self.session.stream(ids, should_stop=lambda: self._should_stop(job),
                                           max_tokens=budget, block_size=self.block_size,

@@ -1,0 +1,133 @@
+"""`dflash-mac chat` as a user runs it: the installed command in a real terminal (tmux).
+
+Each launch is a fresh process on the bundled pair (offline, its data directory in a temporary
+folder) that loads the model itself; the exit status comes from the shell that ran it. Five
+launches quit with ctrl+q, during and after replies, and must all exit with status 0 (MLX used
+to abort some exits: "terminate called without an active exception", status 134)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dflash_mac.loading import BUNDLED_DRAFT
+
+pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+
+CLI = Path(sys.executable).with_name("dflash-mac")
+STATS = re.compile(r"(\d+) tok · \d+ tok/s · τ [\d.]+ · [\d.–]+× · prefill (\d+) new \+ (\d+) "
+                   r"cached( · stopped)?")
+
+
+class Terminal:
+    """One `dflash-mac chat` in a 120x40 tmux session on its own tmux server."""
+
+    def __init__(self, home: Path, socket: str, max_tokens: int) -> None:
+        self.home, self.socket = home, socket
+        self.exit_file = home / f"exit-{socket}"
+        # The terminal's size, not the test runner's COLUMNS/LINES (some plugins export them).
+        env = f"-u COLUMNS -u LINES DFLASH_MAC_HOME={shlex.quote(str(home))} HF_HUB_OFFLINE=1"
+        shell = (f"env {env} {shlex.quote(str(CLI))} chat -n {max_tokens}; "
+                 f"echo $? > {shlex.quote(str(self.exit_file))}")
+        self.tmux("new-session", "-d", "-x", "120", "-y", "40", "-s", "chat",
+                  f"sh -c {shlex.quote(shell)}")
+        self.tmux("resize-window", "-t", "chat", "-x", "120", "-y", "40")
+
+    def tmux(self, *args: str) -> str:
+        return subprocess.run(["tmux", "-L", self.socket, "-f", "/dev/null", *args],
+                              capture_output=True, text=True, timeout=10).stdout
+
+    def screen(self) -> str:
+        return self.tmux("capture-pane", "-p", "-t", "chat")
+
+    def keys(self, *keys: str) -> None:
+        self.tmux("send-keys", "-t", "chat", *keys)
+
+    def wait(self, cond, what: str, timeout: float = 30.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            screen = self.screen()
+            if cond(screen):
+                return screen
+            time.sleep(0.1)
+        size = self.tmux("display", "-p", "-t", "chat", "#{window_width}x#{window_height}")
+        raise AssertionError(f"timed out waiting for {what}; the screen ({size.strip()}):\n"
+                             f"{self.screen()}")
+
+    def ask(self, text: str) -> None:
+        self.keys("-l", text)
+        self.keys("Enter")
+
+    def quit(self) -> int:
+        """ctrl+q; the command's exit status."""
+        self.keys("C-q")
+        deadline = time.monotonic() + 20
+        while not self.exit_file.exists() or not self.exit_file.read_text().strip():
+            assert time.monotonic() < deadline, f"chat did not exit:\n{self.screen()}"
+            time.sleep(0.1)
+        return int(self.exit_file.read_text())
+
+    def close(self) -> None:
+        self.tmux("kill-server")
+
+
+def stats_lines(screen: str) -> list[re.Match]:
+    return list(STATS.finditer(screen))
+
+
+def streaming(screen: str) -> bool:
+    """Generating, with tokens already shown (the side panel counts them)."""
+    m = re.search(r"tokens\s+(\d+)", screen)
+    return "Generating" in screen and m is not None and int(m.group(1)) > 0
+
+
+@pytest.fixture
+def terminal(tmp_path):
+    if not (BUNDLED_DRAFT / "config.json").exists():
+        pytest.skip("the bundled pair is not built")
+    opened: list[Terminal] = []
+
+    def start(max_tokens: int) -> Terminal:
+        term = Terminal(tmp_path, f"dflash-chat-e2e-{tmp_path.name}-{len(opened)}", max_tokens)
+        opened.append(term)
+        term.wait(lambda s: "Ready ·" in s, "the model to load", timeout=60)
+        return term
+
+    yield start
+    for term in opened:
+        term.close()
+
+
+def test_chat_streams_stops_reuses_the_prefix_and_quits_cleanly(terminal):
+    statuses = []
+    # 1: a reply streams and Esc stops it; the second turn reuses the cached conversation.
+    term = terminal(300)
+    term.ask("def fibonacci(n):")
+    term.wait(streaming, "the reply to stream")
+    term.keys("Escape")
+    screen = term.wait(lambda s: "Stopped." in s and stats_lines(s), "the reply to stop")
+    first = stats_lines(screen)[-1]
+    assert first.group(4) and 0 < int(first.group(1)) < 300
+    term.ask("def add(a, b):")
+    screen = term.wait(lambda s: "Ready." in s and stats_lines(s) and
+                       not stats_lines(s)[-1].group(4), "the second reply", timeout=45)
+    second = stats_lines(screen)[-1]
+    assert int(second.group(3)) > 0  # prefill: only the new message, the rest was cached
+    statuses.append(term.quit())  # after a reply
+    # 2-5: quit during a reply and after one, each in a fresh process.
+    for during in (True, False, True, False):
+        term = terminal(400 if during else 8)
+        term.ask("class Stack:")
+        if during:
+            term.wait(streaming, "the reply to stream")
+        else:
+            term.wait(lambda s: stats_lines(s) and "Ready." in s, "the reply", timeout=45)
+        statuses.append(term.quit())
+    assert statuses == [0, 0, 0, 0, 0]
