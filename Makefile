@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PROMPT ?= Write a Python function that returns the n-th Fibonacci number.
 
-.PHONY: run test install bundle
+.PHONY: run test test-fast lint install bundle
 
 $(BIN)/dflash-mac: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,8 +18,17 @@ install: $(BIN)/dflash-mac
 run: install
 	HF_HUB_OFFLINE=1 $(BIN)/dflash-mac generate "$(PROMPT)" --max-tokens 200 --verbose
 
-test: install
+# Everything (what CI runs): lint, then the whole suite.
+test: install lint
 	$(BIN)/python -m pytest -q
+
+# The quick loop while editing (< 90 s): no chi-square, long greedy or subprocess tests.
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow"
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # Rebuilds the bundled pair from scratch (stdlib corpus -> tokenizer -> target -> drafter).
 OPENBLAS := $(firstword $(wildcard /usr/lib/*-linux-gnu/libopenblas.so.0))

@@ -31,8 +31,15 @@ class ChatOptions:
     seed: int | None = None
 
     def generation_kwargs(self) -> dict:
-        return {"max_tokens": self.max_tokens, "block_size": self.block_size, "temp": self.temp,
-                "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p, "seed": self.seed}
+        return {
+            "max_tokens": self.max_tokens,
+            "block_size": self.block_size,
+            "temp": self.temp,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "seed": self.seed,
+        }
 
 
 @dataclass(frozen=True)
@@ -64,16 +71,29 @@ class Snapshot:
 
     @classmethod
     def of(cls, stats: Any, finish_reason: str | None = None) -> Snapshot:
-        return cls(tuple(stats.histogram), stats.tau, stats.decode_tps, stats.generation_tokens,
-                   stats.prompt_tokens, stats.cached_tokens, stats.block_size,
-                   float(getattr(stats, "peak_memory_gb", 0.0)), finish_reason)
+        return cls(
+            tuple(stats.histogram),
+            stats.tau,
+            stats.decode_tps,
+            stats.generation_tokens,
+            stats.prompt_tokens,
+            stats.cached_tokens,
+            stats.block_size,
+            float(getattr(stats, "peak_memory_gb", 0.0)),
+            finish_reason,
+        )
 
     def turn_stats(self, plain_tps: float) -> dict:
         """The numbers stored with an answer and shown in its stats line."""
-        return {"tokens": self.tokens, "tps": round(self.decode_tps, 2), "tau": round(self.tau, 3),
-                "speedup": round(self.decode_tps / plain_tps, 3) if plain_tps else 0.0,
-                "prompt": self.prompt_tokens, "cached": self.cached_tokens,
-                "finish": self.finish_reason}
+        return {
+            "tokens": self.tokens,
+            "tps": round(self.decode_tps, 2),
+            "tau": round(self.tau, 3),
+            "speedup": round(self.decode_tps / plain_tps, 3) if plain_tps else 0.0,
+            "prompt": self.prompt_tokens,
+            "cached": self.cached_tokens,
+            "finish": self.finish_reason,
+        }
 
 
 @dataclass(frozen=True)
@@ -109,26 +129,36 @@ class Backend:
     def render(self, messages: list[dict], system: str | None, reasoning: str | None) -> str:
         full = ([{"role": "system", "content": system}] if system else []) + messages
         return self.tokenizer.apply_chat_template(
-            full, add_generation_prompt=True, tokenize=False,
-            **reasoning_args(self.tokenizer, reasoning))
+            full,
+            add_generation_prompt=True,
+            tokenize=False,
+            **reasoning_args(self.tokenizer, reasoning),
+        )
 
-    def prompt(self, messages: list[dict], system: str | None,
-               reasoning: str | None) -> tuple[Any, bool]:
+    def prompt(
+        self, messages: list[dict], system: str | None, reasoning: str | None
+    ) -> tuple[Any, bool]:
         """(prompt for `session.stream`, whether the answer starts inside a thinking section)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             full = ([{"role": "system", "content": system}] if system else []) + messages
             return full, False
         text = self.render(messages, system, reasoning)
         if self.last and text.startswith(self.last[0]):
-            rest = text[len(self.last[0]):]
+            rest = text[len(self.last[0]) :]
             ids = self.last[1] + list(self.tokenizer.encode(rest, add_special_tokens=False))
         else:
             ids = self.session.tokenize(messages, system=system or None, reasoning=reasoning)
         self.pending = (text, ids)
         return ids, text.rstrip().endswith("<think>")
 
-    def fit(self, messages: list[dict], system: str | None, reasoning: str | None,
-            max_tokens: int, skip: int = 0) -> Fit:
+    def fit(
+        self,
+        messages: list[dict],
+        system: str | None,
+        reasoning: str | None,
+        max_tokens: int,
+        skip: int = 0,
+    ) -> Fit:
         """The prompt for the next answer, keeping the system prompt and the newest turns.
 
         When the conversation plus room for an answer (max_tokens, at most a quarter of the
@@ -157,8 +187,9 @@ class Backend:
     def stream(self, prompt: Any, should_stop: Callable[[], bool], **kwargs: Any) -> Iterator:
         return self.session.stream(prompt, should_stop=should_stop, **kwargs)
 
-    def warm(self, messages: list[dict], system: str | None, reasoning: str | None,
-             skip: int = 0) -> tuple[int, int]:
+    def warm(
+        self, messages: list[dict], system: str | None, reasoning: str | None, skip: int = 0
+    ) -> tuple[int, int]:
         """Prefill a resumed conversation while the user types, so that its next turn only
         prefills the new message; returns (cached tokens (0: nothing done), messages left
         out to fit the context)."""
@@ -215,8 +246,11 @@ def load_backend(opts: ChatOptions) -> Backend:
         reasoning_args(pair.tokenizer, opts.reasoning)  # a clear error before the first turn
     warn_thinking_mismatch(pair, opts.reasoning, warn=warnings.append)
     info = EngineInfo(
-        model=str(opts.model or "bundled"), kind=pair.kind, block_size=pair.block_size,
-        kernels=kernels_name(), plain_tps=measure_plain_tps(pair.target, pair.tokenizer),
+        model=str(opts.model or "bundled"),
+        kind=pair.kind,
+        block_size=pair.block_size,
+        kernels=kernels_name(),
+        plain_tps=measure_plain_tps(pair.target, pair.tokenizer),
         reasoning=has_thinking_switch(pair.tokenizer),
     )
     return Backend(Session(pair), info, pair.tokenizer, warnings, context=pair.context_length)

@@ -115,9 +115,11 @@ class Turn:
 def window_note(skip: int, context: int) -> str:
     """The note shown in the chat when old turns no longer fit the model's context."""
     turns = skip // 2
-    return (f"The conversation no longer fits the model's {context}-token context: the oldest "
-            f"{turns} turn{'s' if turns != 1 else ''} (question and answer) "
-            f"{'are' if turns != 1 else 'is'} left out of the prompt from here on.")
+    return (
+        f"The conversation no longer fits the model's {context}-token context: the oldest "
+        f"{turns} turn{'s' if turns != 1 else ''} (question and answer) "
+        f"{'are' if turns != 1 else 'is'} left out of the prompt from here on."
+    )
 
 
 class ChatApp(ChatCommands, App):
@@ -139,9 +141,13 @@ class ChatApp(ChatCommands, App):
         Binding("ctrl+q", "quit", "Quit", priority=True),
     ]
 
-    def __init__(self, opts: ChatOptions | None = None,
-                 loader: Callable[[], Backend] | None = None, store: Store | None = None,
-                 resume: bool = False) -> None:
+    def __init__(
+        self,
+        opts: ChatOptions | None = None,
+        loader: Callable[[], Backend] | None = None,
+        store: Store | None = None,
+        resume: bool = False,
+    ) -> None:
         super().__init__()
         self.opts = opts or ChatOptions()
         self.loader = loader or partial(load_backend, self.opts)
@@ -164,8 +170,9 @@ class ChatApp(ChatCommands, App):
             with Vertical(id="chat-pane"):
                 yield VerticalScroll(id="log")
                 with Horizontal(id="status"):
-                    yield Label(f"Loading {self.opts.model or 'the bundled pair'}…",
-                                id="status-text")
+                    yield Label(
+                        f"Loading {self.opts.model or 'the bundled pair'}…", id="status-text"
+                    )
                     yield ProgressBar(total=None, show_eta=False, show_percentage=False)
                 yield ChatInput(id="input", placeholder=PLACEHOLDER)
             yield HistogramPanel(id="panel")
@@ -198,8 +205,7 @@ class ChatApp(ChatCommands, App):
         backend, snap = self.backend, None
         try:
             with backend.lock:
-                fit = backend.fit(turn.history, system, reasoning, self.opts.max_tokens,
-                                  turn.skip)
+                fit = backend.fit(turn.history, system, reasoning, self.opts.max_tokens, turn.skip)
                 capped = fit.max_tokens if fit.capped else None
                 turn.thinking = fit.thinking
                 self.post_message(TurnStarted(fit.thinking, fit.skip, capped))
@@ -216,8 +222,14 @@ class ChatApp(ChatCommands, App):
         else:
             self.post_message(TurnEnded(snap))
 
-    def _warm(self, history: list[dict], system: str, reasoning: str | None, skip: int,
-              chat_id: int | None) -> None:
+    def _warm(
+        self,
+        history: list[dict],
+        system: str,
+        reasoning: str | None,
+        skip: int,
+        chat_id: int | None,
+    ) -> None:
         try:
             with self.backend.lock:
                 n, skip = self.backend.warm(history, system, reasoning, skip)
@@ -228,8 +240,16 @@ class ChatApp(ChatCommands, App):
     def warm_up(self) -> None:
         """Prefill the shown conversation in the background (resume with prefix reuse)."""
         if self.backend is not None and self.history and self.turn is None:
-            self.engine.submit(partial(self._warm, list(self.history), self.system,
-                                       self.reasoning, self.skip, self.chat_id))
+            self.engine.submit(
+                partial(
+                    self._warm,
+                    list(self.history),
+                    self.system,
+                    self.reasoning,
+                    self.skip,
+                    self.chat_id,
+                )
+            )
 
     # ---- UI side ----
 
@@ -310,8 +330,9 @@ class ChatApp(ChatCommands, App):
         if self.turn and self.turn.chat_id == self.chat_id:  # not a chat closed meanwhile
             await self.note_window(message.skip)
             if message.capped is not None:
-                self.set_status(f"Generating… (Esc stops) · at most {message.capped} tokens "
-                                "fit in the context")
+                self.set_status(
+                    f"Generating… (Esc stops) · at most {message.capped} tokens fit in the context"
+                )
 
     async def refresh_turn(self) -> None:
         """Show what the engine produced since the last refresh (REFRESH_HZ times a second)."""
@@ -320,8 +341,11 @@ class ChatApp(ChatCommands, App):
             return
         text, snapshot = turn.take()
         self._ticks += 1
-        if snapshot is not None and self._ticks % self.PANEL_EVERY == 0 \
-                and snapshot is not self.panel.snapshot:
+        if (
+            snapshot is not None
+            and self._ticks % self.PANEL_EVERY == 0
+            and snapshot is not self.panel.snapshot
+        ):
             self.panel.show(snapshot)
         if text and turn.widget.is_attached:
             if not turn.widget.raw:
@@ -429,8 +453,11 @@ class ChatApp(ChatCommands, App):
         if pair := getattr(self.backend.session, "pair", None):  # drafter trained the other way?
             from dflash_mac.cli.terminal import warn_thinking_mismatch
 
-            warn_thinking_mismatch(pair, self.reasoning, warn=lambda w: self.notify(
-                plain_warning(w), severity="warning", timeout=10))
+            warn_thinking_mismatch(
+                pair,
+                self.reasoning,
+                warn=lambda w: self.notify(plain_warning(w), severity="warning", timeout=10),
+            )
 
     def on_unmount(self) -> None:
         if self.turn is not None:

@@ -40,8 +40,20 @@ def chat(
     make_config(max_tokens, block_size, temp, top_p, top_k, min_p)  # bad options fail here
     if reasoning is not None and reasoning not in REASONING_CHOICES:
         raise PromptError(f"--reasoning must be one of {', '.join(REASONING_CHOICES)}.")
-    opts = ChatOptions(model, draft, system, temp, top_p, top_k, min_p, block_size, max_tokens,
-                       reasoning, draft_bits, seed)
+    opts = ChatOptions(
+        model,
+        draft,
+        system,
+        temp,
+        top_p,
+        top_k,
+        min_p,
+        block_size,
+        max_tokens,
+        reasoning,
+        draft_bits,
+        seed,
+    )
     app = ChatApp(opts, resume=resume)
     app.run()
     exit_now(app.return_code or 0)

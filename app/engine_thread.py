@@ -22,8 +22,7 @@ class EngineThread:
         self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._idle = threading.Event()
         self.closed = False
-        self._thread = threading.Thread(target=self._loop, name="dflash-chat-engine",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="dflash-chat-engine", daemon=True)
         self._thread.start()
 
     def submit(self, job: Callable[[], None]) -> None:

@@ -43,16 +43,18 @@ class ChatCommands:
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
         yield SystemCommand("New chat", "Start a new conversation (ctrl+n)", self.action_new_chat)
-        yield SystemCommand("Open chat", "Resume a saved conversation (ctrl+o)",
-                            self.action_open_chats)
+        yield SystemCommand(
+            "Open chat", "Resume a saved conversation (ctrl+o)", self.action_open_chats
+        )
         yield SystemCommand("Rename chat", "Rename this conversation", self.action_rename)
         yield SystemCommand("Delete chat", "Delete this conversation", self.action_delete)
-        yield SystemCommand("Export chat", "Save this conversation as Markdown",
-                            self.action_export)
-        yield SystemCommand("System prompt", "Set this chat's system prompt",
-                            self.action_system_prompt)
-        yield SystemCommand("Toggle reasoning", "Thinking on/off (ctrl+t)",
-                            self.action_toggle_reasoning)
+        yield SystemCommand("Export chat", "Save this conversation as Markdown", self.action_export)
+        yield SystemCommand(
+            "System prompt", "Set this chat's system prompt", self.action_system_prompt
+        )
+        yield SystemCommand(
+            "Toggle reasoning", "Thinking on/off (ctrl+t)", self.action_toggle_reasoning
+        )
 
     def _need_chat(self) -> bool:
         if self.chat_id is None:

@@ -100,11 +100,15 @@ class ChatListScreen(ModalScreen[int | None]):
         with Vertical(classes="dialog-box chat-list"):
             yield Label("Saved chats", classes="dialog-title")
             if self.chats:
-                yield OptionList(*[
-                    Option(Content.assemble(c.title, (f"  {c.messages} messages", "dim")),
-                           id=str(c.id))
-                    for c in self.chats
-                ])
+                yield OptionList(
+                    *[
+                        Option(
+                            Content.assemble(c.title, (f"  {c.messages} messages", "dim")),
+                            id=str(c.id),
+                        )
+                        for c in self.chats
+                    ]
+                )
             else:
                 yield Label("No saved chats yet.")
             yield Label("Enter to open · Esc to close", classes="dialog-hint")

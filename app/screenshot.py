@@ -13,8 +13,10 @@ import os
 import tempfile
 from pathlib import Path
 
-QUESTIONS = ["Write a Python function is_prime(n) with type hints.",
-             "Now make it faster with a 6k±1 loop."]
+QUESTIONS = [
+    "Write a Python function is_prime(n) with type hints.",
+    "Now make it faster with a 6k±1 loop.",
+]
 
 
 async def shoot(out: Path, model: str | None, draft: str | None, max_tokens: int) -> None:

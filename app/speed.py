@@ -27,16 +27,24 @@ PROMPT = "Write a Python class for a binary search tree with insert, find and de
 
 
 def user_env(home: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("COLUMNS", "LINES") and not k.startswith("DFLASH_MAC")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("COLUMNS", "LINES") and not k.startswith("DFLASH_MAC")
+    }
     return {**env, "DFLASH_MAC_HOME": home, "HF_HUB_OFFLINE": "1"}
 
 
 def generate_tps(prompt: str, n: int) -> tuple[float, int]:
     """(decode tok/s, tokens) of one `dflash-mac generate`."""
     with tempfile.TemporaryDirectory() as home:
-        out = subprocess.run([str(CLI), "generate", prompt, "-n", str(n), "--json"],
-                             capture_output=True, text=True, env=user_env(home), timeout=300)
+        out = subprocess.run(
+            [str(CLI), "generate", prompt, "-n", str(n), "--json"],
+            capture_output=True,
+            text=True,
+            env=user_env(home),
+            timeout=300,
+        )
     if out.returncode:
         raise SystemExit(f"generate failed: {out.stderr.strip()}")
     result = json.loads(out.stdout)
@@ -48,17 +56,22 @@ def chat_tps(prompt: str, n: int) -> tuple[float, int]:
     with tempfile.TemporaryDirectory() as home:
         sock = f"dflash-speed-{os.getpid()}"
         tmux = ["tmux", "-L", sock, "-f", "/dev/null"]
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in
-                       (("DFLASH_MAC_HOME", home), ("HF_HUB_OFFLINE", "1")))
+        env = " ".join(
+            f"{k}={shlex.quote(v)}" for k, v in (("DFLASH_MAC_HOME", home), ("HF_HUB_OFFLINE", "1"))
+        )
         shell = f"env -u COLUMNS -u LINES {env} {shlex.quote(str(CLI))} chat -n {n}"
-        subprocess.run([*tmux, "new-session", "-d", "-x", "120", "-y", "40", "-s", "chat",
-                        shell], check=True, env=user_env(home))
+        subprocess.run(
+            [*tmux, "new-session", "-d", "-x", "120", "-y", "40", "-s", "chat", shell],
+            check=True,
+            env=user_env(home),
+        )
         try:
             db = Path(home) / "chats.sqlite3"
 
             def screen() -> str:
-                return subprocess.run([*tmux, "capture-pane", "-p", "-t", "chat"],
-                                      capture_output=True, text=True).stdout
+                return subprocess.run(
+                    [*tmux, "capture-pane", "-p", "-t", "chat"], capture_output=True, text=True
+                ).stdout
 
             wait(lambda: "Ready ·" in screen(), "the chat to load")
             subprocess.run([*tmux, "send-keys", "-t", "chat", "-l", prompt], check=True)
@@ -103,16 +116,22 @@ def main() -> None:
         raise SystemExit("this measurement needs tmux.")
     gen, chat = [], []
     for i in range(args.repeats):
-        (g, gn), (c, cn) = (generate_tps(args.prompt, args.max_tokens),
-                            chat_tps(args.prompt, args.max_tokens))
+        (g, gn), (c, cn) = (
+            generate_tps(args.prompt, args.max_tokens),
+            chat_tps(args.prompt, args.max_tokens),
+        )
         gen.append(g)
         chat.append(c)
-        print(f"repeat {i + 1}: generate {g:.1f} tok/s ({gn} tok) · chat {c:.1f} tok/s "
-              f"({cn} tok)", flush=True)
+        print(
+            f"repeat {i + 1}: generate {g:.1f} tok/s ({gn} tok) · chat {c:.1f} tok/s ({cn} tok)",
+            flush=True,
+        )
     g, c = statistics.median(gen), statistics.median(chat)
     ratio = statistics.median(b / a for a, b in zip(gen, chat))  # pairs ran back to back
-    print(f"median: generate {g:.1f} tok/s · chat {c:.1f} tok/s · chat/generate {c / g:.2f}"
-          f" (median of the per-repeat ratios {ratio:.2f})")
+    print(
+        f"median: generate {g:.1f} tok/s · chat {c:.1f} tok/s · chat/generate {c / g:.2f}"
+        f" (median of the per-repeat ratios {ratio:.2f})"
+    )
 
 
 if __name__ == "__main__":

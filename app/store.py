@@ -35,8 +35,6 @@ CREATE INDEX IF NOT EXISTS messages_by_chat ON messages(chat_id, id);
 """
 
 
-
-
 @dataclass(frozen=True)
 class ChatInfo:
     """One conversation's header."""
@@ -103,11 +101,11 @@ class Store:
         rows = self.db.execute(
             "SELECT role, content, stats FROM messages WHERE chat_id = ? ORDER BY id", (chat_id,)
         ).fetchall()
-        return [StoredMessage(r["role"], r["content"], json.loads(r["stats"] or "{}"))
-                for r in rows]
+        return [
+            StoredMessage(r["role"], r["content"], json.loads(r["stats"] or "{}")) for r in rows
+        ]
 
-    def add_message(self, chat_id: int, role: str, content: str,
-                    stats: dict | None = None) -> int:
+    def add_message(self, chat_id: int, role: str, content: str, stats: dict | None = None) -> int:
         now = time.time()
         with self.db:
             cur = self.db.execute(

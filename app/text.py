@@ -13,8 +13,9 @@ CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 def printable(text: str) -> str:
     """Model text safe for the screen: C0 control characters (escape sequences from a noisy
     model would reach the terminal) become Unicode control pictures (␛); \n and \t stay."""
-    return CONTROL.sub(lambda m: chr(0x2421 if m.group() == "\x7f" else 0x2400 + ord(m.group())),
-                       text)
+    return CONTROL.sub(
+        lambda m: chr(0x2421 if m.group() == "\x7f" else 0x2400 + ord(m.group())), text
+    )
 
 
 def _held(text: str, tag: str) -> int:
@@ -50,12 +51,12 @@ class ThinkSplitter:
             i = self._buf.find(tag)
             if i >= 0:
                 self._emit(out, self._buf[:i])
-                self._buf = self._buf[i + len(tag):]
+                self._buf = self._buf[i + len(tag) :]
                 self.thinking = not self.thinking
                 continue
             keep = _held(self._buf, tag)
             self._emit(out, self._buf[: len(self._buf) - keep])
-            self._buf = self._buf[len(self._buf) - keep:]
+            self._buf = self._buf[len(self._buf) - keep :]
             break
         return out
 
@@ -134,8 +135,9 @@ def _escape_identifiers(line: str) -> str:
     """`__init__` or `snake_case` in prose stay as written (not bold/italic), outside `code`."""
     out, pos = [], 0
     for m in INLINE_CODE.finditer(line):
-        out.append(re.sub(r"\w*_\w*", lambda w: w.group().replace("_", r"\_"),
-                          line[pos:m.start()]))
+        out.append(
+            re.sub(r"\w*_\w*", lambda w: w.group().replace("_", r"\_"), line[pos : m.start()])
+        )
         out.append(m.group())
         pos = m.end()
     out.append(re.sub(r"\w*_\w*", lambda w: w.group().replace("_", r"\_"), line[pos:]))
@@ -159,8 +161,12 @@ def fence_code(text: str) -> str:
         m = FENCE.match(line)
         if opener is not None:  # inside a fence the model wrote
             out.append(line)
-            if m and m.group(1)[0] == opener[0] and len(m.group(1)) >= len(opener) \
-                    and not m.group(2).strip():
+            if (
+                m
+                and m.group(1)[0] == opener[0]
+                and len(m.group(1)) >= len(opener)
+                and not m.group(2).strip()
+            ):
                 opener = None
             continue
         if m and not block:

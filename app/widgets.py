@@ -71,8 +71,10 @@ def turn_line(stats: dict) -> str:
         return ""
     speed = f"{stats['speedup']:.1f}×" if stats.get("speedup") else "–×"
     new = stats.get("prompt", 0) - stats.get("cached", 0)
-    line = (f"{stats['tokens']} tok · {stats['tps']:.0f} tok/s · τ {stats['tau']:.1f} · {speed}"
-            f" · prefill {new} new + {stats.get('cached', 0)} cached")
+    line = (
+        f"{stats['tokens']} tok · {stats['tps']:.0f} tok/s · τ {stats['tau']:.1f} · {speed}"
+        f" · prefill {new} new + {stats.get('cached', 0)} cached"
+    )
     finish = stats.get("finish")
     if finish == "cancelled":
         line += " · stopped"
@@ -106,12 +108,12 @@ class LiveText(Vertical):
     async def show(self, text: str) -> None:
         self.text = text
         tail = self.query_one(".tail", Static)
-        rest = text[self._frozen:]
+        rest = text[self._frozen :]
         if rest.count("\n") >= self.BLOCK_LINES:
             cut = rest.rindex("\n")
             await self.mount(Static(Text(rest[:cut])), before=tail)
             self._frozen += cut + 1
-            rest = rest[cut + 1:]
+            rest = rest[cut + 1 :]
         tail.update(Text(rest))
 
 
@@ -152,9 +154,12 @@ class AssistantMessage(Vertical):
 
     async def _thinking_box(self) -> Collapsible:
         if not self.query(Collapsible):
-            box = Collapsible(ChatMarkdown(classes="thinking"),
-                              Static("", classes="thinking live-thinking"),
-                              title="Thinking", collapsed=True)
+            box = Collapsible(
+                ChatMarkdown(classes="thinking"),
+                Static("", classes="thinking live-thinking"),
+                title="Thinking",
+                collapsed=True,
+            )
             await self.mount(box, before=self.query_one("#answer"))
         return self.query_one(Collapsible)
 
@@ -253,8 +258,10 @@ class HistogramPanel(Widget):
             ("plain", f"{plain:.1f} tok/s" if plain else "–"),
             ("speedup", f"{s.decode_tps / plain:.2f}×" if s and plain and s.decode_tps else "–"),
             ("tokens", str(s.tokens) if s else "–"),
-            ("prefill", f"{s.prompt_tokens - s.cached_tokens} new + {s.cached_tokens} cached"
-             if s else "–"),
+            (
+                "prefill",
+                f"{s.prompt_tokens - s.cached_tokens} new + {s.cached_tokens} cached" if s else "–",
+            ),
             ("block", str(bs or "–")),
             ("drafter", info.kind if info else "–"),
             ("kernels", info.kernels if info else "–"),

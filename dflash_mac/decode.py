@@ -107,8 +107,11 @@ def speculative_stream(
     mask_id = pair.drafter.config.mask_token_id
 
     rb = state.rollback
-    with FeatureCapture(pair.target, pair.layer_ids) as cap, rb.hooks(), \
-            mx.stream(generation_stream):
+    with (
+        FeatureCapture(pair.target, pair.layer_ids) as cap,
+        rb.hooks(),
+        mx.stream(generation_stream),
+    ):
         t0 = time.perf_counter()
         logits = prefill(pair, state, prompt_ids, cap, cfg.prefill_step_size)
         if sp.greedy:
@@ -117,8 +120,12 @@ def speculative_stream(
             key, sub = mx.random.split(key)
             anchor = sample(probabilities(logits, sp), key=sub).item()
         t_decode = time.perf_counter()
-        stats = replace(stats, prefill_time=t_decode - t0, generation_tokens=1,
-                        peak_memory_bytes=mx.get_peak_memory())
+        stats = replace(
+            stats,
+            prefill_time=t_decode - t0,
+            generation_tokens=1,
+            peak_memory_bytes=mx.get_peak_memory(),
+        )
         text = out.push([anchor], cfg.max_tokens)
         yield GenerationEvent(text, out.tokens[:], 0, stats, out.finish_reason)
 
@@ -131,8 +138,9 @@ def speculative_stream(
             else:  # one token left: a plain target step
                 drafts, q = mx.zeros((0,), mx.int32), mx.zeros((0, 1))
             rb.before_verify()
-            logits = pair.target(mx.concatenate([block[:1], drafts])[None],
-                                 cache=state.target_cache)[0]  # [bs, V]
+            logits = pair.target(
+                mx.concatenate([block[:1], drafts])[None], cache=state.target_cache
+            )[0]  # [bs, V]
             if sp.greedy:
                 acc, bonus = accept_greedy(drafts, logits)
             else:
@@ -145,10 +153,13 @@ def speculative_stream(
             anchor = committed[-1]
             before = out.count
             text = out.push(committed, cfg.max_tokens)
-            stats = replace(stats, acceptance_lengths=(*stats.acceptance_lengths, a + 1),
-                            generation_tokens=out.count,
-                            decode_time=time.perf_counter() - t_decode,
-                            peak_memory_bytes=mx.get_peak_memory())
+            stats = replace(
+                stats,
+                acceptance_lengths=(*stats.acceptance_lengths, a + 1),
+                generation_tokens=out.count,
+                decode_time=time.perf_counter() - t_decode,
+                peak_memory_bytes=mx.get_peak_memory(),
+            )
             yield GenerationEvent(text, out.tokens[before:], a + 1, stats, out.finish_reason)
 
         if out.finish_reason is None:

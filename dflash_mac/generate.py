@@ -26,14 +26,21 @@ def reasoning_args(tokenizer: Any, reasoning: str | None) -> dict:
             return {"enable_thinking": reasoning == "on"}
         if reasoning == "on" and "reasoning_effort" in template:
             return {"reasoning_effort": "medium"}
-        raise PromptError(f"this model's chat template has no thinking switch; "
-                          f"--reasoning {reasoning} is not supported.")
+        raise PromptError(
+            f"this model's chat template has no thinking switch; "
+            f"--reasoning {reasoning} is not supported."
+        )
     for key in ("reasoning_effort", "reasoning_strength"):
         if key in template:
-            return {key: "high" if reasoning == "xhigh" and key == "reasoning_effort"
-                    and "xhigh" not in template else reasoning}
-    raise PromptError(f"this model's chat template has no reasoning levels; "
-                      f"--reasoning {reasoning} is not supported.")
+            return {
+                key: "high"
+                if reasoning == "xhigh" and key == "reasoning_effort" and "xhigh" not in template
+                else reasoning
+            }
+    raise PromptError(
+        f"this model's chat template has no reasoning levels; "
+        f"--reasoning {reasoning} is not supported."
+    )
 
 
 def prompt_ids(
@@ -57,9 +64,7 @@ def prompt_ids(
     if system:
         messages = [{"role": "system", "content": system}] + messages
     kwargs = {**reasoning_args(tokenizer, reasoning), **(chat_template_args or {})}
-    return list(
-        tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
-    )
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs))
 
 
 def make_config(
@@ -100,8 +105,10 @@ def fit_max_tokens(context_length: int, prompt_tokens: int, max_tokens: int) -> 
     room for at least one token (else PromptError, the sentence users see); max_tokens is
     capped to the room that is left. Prints nothing: front ends decide how to tell the user."""
     if prompt_tokens >= context_length:
-        raise PromptError(f"the prompt has {prompt_tokens} tokens but the model's context is "
-                          f"{context_length} tokens.")
+        raise PromptError(
+            f"the prompt has {prompt_tokens} tokens but the model's context is "
+            f"{context_length} tokens."
+        )
     room = context_length - prompt_tokens
     return TokenBudget(min(max_tokens, room), max_tokens > room)
 
@@ -157,6 +164,9 @@ def generate(pair: Pair, prompt: str | list[dict] | list[int], **kwargs: Any) ->
         tokens += ev.tokens
         last = ev
     return GenerationResult(
-        "".join(text), tokens[: last.stats.generation_tokens], last.finish_reason, last.stats,
+        "".join(text),
+        tokens[: last.stats.generation_tokens],
+        last.finish_reason,
+        last.stats,
         last.stats.prompt_tokens,
     )

@@ -126,8 +126,10 @@ def _projections() -> dict[type, Callable]:
     import importlib
 
     out = {}
-    for module, cls, project in (("qwen3_5", "GatedDeltaNet", _project_qwen3_5),
-                                 ("qwen3_next", "Qwen3NextGatedDeltaNet", _project_qwen3_next)):
+    for module, cls, project in (
+        ("qwen3_5", "GatedDeltaNet", _project_qwen3_5),
+        ("qwen3_next", "Qwen3NextGatedDeltaNet", _project_qwen3_next),
+    ):
         try:
             out[getattr(importlib.import_module(f"mlx_lm.models.{module}"), cls)] = project
         except (ImportError, AttributeError):
@@ -193,8 +195,9 @@ def replay(module: nn.Module, rec: GDNRecord, n: int) -> tuple[mx.array | None, 
         g = compute_g(module.A_log, a, module.dt_bias)
         _, state = mx.fast.gated_delta_update(q, k, v, g, mx.sigmoid(b), state, mask)
     else:
-        _, state = gated_delta_update(q, k, v, a, b, module.A_log, module.dt_bias, state, mask,
-                                      use_kernel=not module.training)
+        _, state = gated_delta_update(
+            q, k, v, a, b, module.A_log, module.dt_bias, state, mask, use_kernel=not module.training
+        )
     return conv, state
 
 
@@ -210,8 +213,9 @@ def rerun(module: nn.Module, cls: type, rec: GDNRecord, n: int) -> None:
 class GDNRollback:
     """Captures the linear-attention layers of one target cache and restores them."""
 
-    def __init__(self, layers: list[tuple[int, nn.Module]], cache: list[Any],
-                 strategy: str = "replay"):
+    def __init__(
+        self, layers: list[tuple[int, nn.Module]], cache: list[Any], strategy: str = "replay"
+    ):
         if strategy not in STRATEGIES:
             raise ValueError(f"rollback strategy must be one of {STRATEGIES} (got {strategy}).")
         self.modules = [m for _, m in layers]

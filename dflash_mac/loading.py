@@ -268,8 +268,9 @@ def quantize_drafter(drafter: nn.Module, bits: int, group_size: int = 64) -> Non
         drafter,
         group_size=group_size,
         bits=bits,
-        class_predicate=lambda p, m: isinstance(m, nn.Linear)
-        and m.weight.shape[-1] % group_size == 0,
+        class_predicate=lambda p, m: (
+            isinstance(m, nn.Linear) and m.weight.shape[-1] % group_size == 0
+        ),
     )
     drafter.config.quantization = {"group_size": group_size, "bits": bits}
     materialize(drafter)

@@ -40,8 +40,9 @@ def registry_entry(pair: Pair) -> PairEntry | None:
         return None
 
 
-def block_size_for(pair: Pair, requested: int | None,
-                   entry: PairEntry | None = None) -> BlockChoice:
+def block_size_for(
+    pair: Pair, requested: int | None, entry: PairEntry | None = None
+) -> BlockChoice:
     """The block size for `pair` when the user asked for `requested` (None: the default).
     `entry`: the pair's registry entry (looked up when None)."""
     trained = pair.drafter.config.block_size
@@ -51,9 +52,14 @@ def block_size_for(pair: Pair, requested: int | None,
     if requested is None:
         return BlockChoice(default)
     if requested > trained:
-        return BlockChoice(trained, f"block size {requested} > the drafter's trained block "
-                                    f"{trained}; using {trained}.")
+        return BlockChoice(
+            trained,
+            f"block size {requested} > the drafter's trained block {trained}; using {trained}.",
+        )
     if pair.quantized and requested > default:
-        return BlockChoice(requested, f"block size {requested} > {default} is slower with a "
-                                      f"quantized model (default {default}).")
+        return BlockChoice(
+            requested,
+            f"block size {requested} > {default} is slower with a "
+            f"quantized model (default {default}).",
+        )
     return BlockChoice(requested)

@@ -58,8 +58,9 @@ def read_prompt_file(path: str | Path) -> list[PromptRecord]:
             raise PromptError(f"{path} line {n} is not valid JSON ({e.msg}).")
         prompt = parse_record(item)
         if prompt is None:
-            raise PromptError(f"{path} line {n} needs a non-empty \"messages\" list or a "
-                              "\"prompt\" / \"text\" string.")
+            raise PromptError(
+                f'{path} line {n} needs a non-empty "messages" list or a "prompt" / "text" string.'
+            )
         given = item.get("id") if isinstance(item, dict) else None
         out.append(PromptRecord(prompt, n, None if given is None else str(given)))
     if not out:

@@ -28,13 +28,24 @@ NO_DRAFTER_HELP = (
 # Trailing name parts that only say how a target was converted or quantized.
 _VARIANT = re.compile(r"(-(mlx|\d+bit|bf16|fp16|fp32|dwq|mxfp4|q\d|v\d|\d{6}))+$")
 _FIELDS: dict[str, tuple[type, ...]] = {
-    "name": (str,), "kind": (str,), "target": (str,), "draft": (str,), "block_size": (int,),
-    "quantized_block_size": (int,), "thinking": (bool,), "target_gb": (int, float),
-    "draft_gb": (int, float), "kv_kib_per_token": (int, float),
+    "name": (str,),
+    "kind": (str,),
+    "target": (str,),
+    "draft": (str,),
+    "block_size": (int,),
+    "quantized_block_size": (int,),
+    "thinking": (bool,),
+    "target_gb": (int, float),
+    "draft_gb": (int, float),
+    "kv_kib_per_token": (int, float),
 }
 _OPTIONAL: dict[str, tuple[type, ...]] = {
-    "mlx_4bit": (str,), "mlx_4bit_gb": (int, float), "aliases": (list,),
-    "draft_aliases": (list,), "local": (bool,), "notes": (str,),
+    "mlx_4bit": (str,),
+    "mlx_4bit_gb": (int, float),
+    "aliases": (list,),
+    "draft_aliases": (list,),
+    "local": (bool,),
+    "notes": (str,),
 }
 
 
@@ -102,8 +113,12 @@ class PairEntry:
 
     def as_dict(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        d.update(aliases=list(self.aliases), draft_aliases=list(self.draft_aliases),
-                 kind_label=self.kind_label, download_gb=round(self.download_gb(), 2))
+        d.update(
+            aliases=list(self.aliases),
+            draft_aliases=list(self.draft_aliases),
+            kind_label=self.kind_label,
+            download_gb=round(self.download_gb(), 2),
+        )
         return d
 
 
@@ -192,8 +207,11 @@ def _check_entry(raw: Any, where: str) -> PairEntry:
     if not raw.get("local"):
         ids = [raw["target"], raw["draft"], raw.get("mlx_4bit")]
         ids += raw.get("aliases", []) + raw.get("draft_aliases", [])
-        bad = [i for i in ids if i is not None and
-               (not isinstance(i, str) or not re.fullmatch(r"[\w.-]+/[\w.-]+", i))]
+        bad = [
+            i
+            for i in ids
+            if i is not None and (not isinstance(i, str) or not re.fullmatch(r"[\w.-]+/[\w.-]+", i))
+        ]
         if bad:
             raise RegistryError(f"{where} (pair '{name}'): {bad} are not Hub ids (org/name).")
     args = dict(raw)
@@ -253,7 +271,8 @@ def load_registry() -> Registry:
 
 
 def resolve_pair(
-    model: str | os.PathLike | None, draft: str | os.PathLike | None,
+    model: str | os.PathLike | None,
+    draft: str | os.PathLike | None,
     registry: Registry | None = None,
 ) -> tuple[str | os.PathLike | None, str | os.PathLike | None]:
     """Apply `--draft auto` (the default when --draft is omitted) and pair names.
@@ -304,9 +323,18 @@ def thinking_warning(entry: PairEntry | None, reasoning: str | None, tokenizer: 
     how = f"--reasoning {reasoning}" if reasoning is not None else "the chat template's default"
     if on:  # advise only a flag that helps: the template may have no thinking switch
         template = getattr(tokenizer, "chat_template", None) or ""
-        fix = ("pass --reasoning off" if "enable_thinking" in template
-               else f"omit --reasoning {reasoning}" if reasoning is not None else "")
-        return (f"drafter '{entry.draft}' was trained without thinking but {how} turns thinking "
-                f"on; acceptance will be low{f' ({fix})' if fix else ''}.")
-    return (f"drafter '{entry.draft}' was trained with thinking on but {how} turns it off; "
-            "acceptance will be low (omit --reasoning off).")
+        fix = (
+            "pass --reasoning off"
+            if "enable_thinking" in template
+            else f"omit --reasoning {reasoning}"
+            if reasoning is not None
+            else ""
+        )
+        return (
+            f"drafter '{entry.draft}' was trained without thinking but {how} turns thinking "
+            f"on; acceptance will be low{f' ({fix})' if fix else ''}."
+        )
+    return (
+        f"drafter '{entry.draft}' was trained with thinking on but {how} turns it off; "
+        "acceptance will be low (omit --reasoning off)."
+    )

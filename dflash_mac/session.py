@@ -61,5 +61,6 @@ class Session:
         keys = ("system", "ignore_chat_template", "reasoning", "chat_template_args")
         ids = self.tokenize(prompt, **{k: kwargs.pop(k) for k in keys if k in kwargs})
         self.reuse(ids)
-        yield from stream_generate(self.pair, ids, state=self.state, should_stop=should_stop,
-                                   **kwargs)
+        yield from stream_generate(
+            self.pair, ids, state=self.state, should_stop=should_stop, **kwargs
+        )

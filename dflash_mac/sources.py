@@ -20,8 +20,11 @@ DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "
 def missing_folder(name: str | os.PathLike) -> None:
     """Raise when `name` is written as a path (not a Hub id `org/name`) that does not exist."""
     text = str(name)
-    pathlike = isinstance(name, os.PathLike) or text.startswith(("/", ".", "~")) or (
-        text.count("/") > 1 or "\\" in text)
+    pathlike = (
+        isinstance(name, os.PathLike)
+        or text.startswith(("/", ".", "~"))
+        or (text.count("/") > 1 or "\\" in text)
+    )
     if pathlike and not Path(text).expanduser().exists():
         raise LoadError(f"the folder {text} does not exist.")
 
@@ -32,12 +35,15 @@ def offline_message(name: str, pulling: bool = False) -> str:
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
         if pulling:
             return f"{head} (HF_HUB_OFFLINE is set); unset HF_HUB_OFFLINE to download it."
-        return (f"{head} (HF_HUB_OFFLINE is set); unset it and run `dflash-mac pull {name}`, "
-                "or pass a local folder.")
+        return (
+            f"{head} (HF_HUB_OFFLINE is set); unset it and run `dflash-mac pull {name}`, "
+            "or pass a local folder."
+        )
     if pulling:
         return f"{head} (offline); connect to the internet and run the same command again."
-    return (f"{head} (offline); connect once and run `dflash-mac pull {name}`, or pass a local "
-            "folder.")
+    return (
+        f"{head} (offline); connect once and run `dflash-mac pull {name}`, or pass a local folder."
+    )
 
 
 def download(name: str, *, pulling: bool = False, **kwargs: Any) -> Path:

@@ -37,7 +37,7 @@ class ThinkSplitter:
             if self.mode == "start":
                 head = self.buf.lstrip()
                 if head.startswith(OPEN):
-                    self.buf, self.mode = head[len(OPEN):], "think"
+                    self.buf, self.mode = head[len(OPEN) :], "think"
                     continue
                 if not head or OPEN.startswith(head):
                     return reasoning, content  # undecided yet
@@ -47,11 +47,11 @@ class ThinkSplitter:
                 i = self.buf.find(CLOSE)
                 if i >= 0:
                     reasoning += self.buf[:i]
-                    self.buf, self.mode = self.buf[i + len(CLOSE):], "after"
+                    self.buf, self.mode = self.buf[i + len(CLOSE) :], "after"
                     continue
                 keep = held_prefix(self.buf, CLOSE)
                 reasoning += self.buf[: len(self.buf) - keep]
-                self.buf = self.buf[len(self.buf) - keep:]
+                self.buf = self.buf[len(self.buf) - keep :]
                 return reasoning, content
             if self.mode == "after":
                 self.buf = self.buf.lstrip("\n")

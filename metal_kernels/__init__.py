@@ -38,9 +38,7 @@ def _metal_available() -> bool:
 def _use_metal() -> bool:
     choice = os.environ.get(ENV_VAR, "").strip().lower() or "auto"
     if choice not in _CHOICES:
-        raise ValueError(
-            f"{ENV_VAR}={choice!r} is not valid; use one of: {', '.join(_CHOICES)}."
-        )
+        raise ValueError(f"{ENV_VAR}={choice!r} is not valid; use one of: {', '.join(_CHOICES)}.")
     if choice == "reference":
         return False
     if choice == "metal":
@@ -54,7 +52,7 @@ def _use_metal() -> bool:
 
 
 def kernels_in_use() -> str:
-    """"metal" or "reference": what `dynamic_conv` / `selector_walk` run right now."""
+    """ "metal" or "reference": what `dynamic_conv` / `selector_walk` run right now."""
     return "metal" if _use_metal() else "reference"
 
 

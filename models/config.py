@@ -132,9 +132,7 @@ class DraftConfig:
         return cls.from_dict(cfg, source=str(path))
 
 
-def _attention_layout(
-    cfg: dict, n_layers: int, source: str
-) -> tuple[list[bool], list[int | None]]:
+def _attention_layout(cfg: dict, n_layers: int, source: str) -> tuple[list[bool], list[int | None]]:
     """Per-layer (causal, window): explicit `is_causal` wins; sliding layers are causal."""
     layer_types = cfg.get("layer_types")
     window = cfg.get("sliding_window")

@@ -97,9 +97,7 @@ class TargetHead:
         self.logit_scale, self.softcap = logit_scale, softcap
 
 
-def block_mask(
-    n_ctx: int, start: int, L: int, causal: bool, window: int | None
-) -> mx.array | None:
+def block_mask(n_ctx: int, start: int, L: int, causal: bool, window: int | None) -> mx.array | None:
     """Boolean [L, n_ctx + L] mask for block queries at start..start+L-1 (None = all visible)."""
     if not causal and window is None:
         return None

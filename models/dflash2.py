@@ -66,9 +66,7 @@ class DFlash2Layer(nn.Module):
         self.mlp = DraftMLP(H, cfg.intermediate_size)
         self.input_layernorm = nn.RMSNorm(H, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(H, eps=cfg.rms_norm_eps)
-        self.attention_conv = GroupedDynamicCausalConv(
-            H, cfg.conv_kernel_size, cfg.conv_group_size
-        )
+        self.attention_conv = GroupedDynamicCausalConv(H, cfg.conv_kernel_size, cfg.conv_group_size)
         self.mlp_conv = GroupedDynamicCausalConv(H, cfg.conv_kernel_size, cfg.conv_group_size)
 
     def __call__(self, h, ctx_k, ctx_v, offset, mask=None) -> mx.array:
@@ -126,8 +124,14 @@ class CandidateSelector(nn.Module):
             unary = mx.where(mx.take_along_axis(keep, cand, axis=-1), unary, NEG)
         g = self.hidden_projection(hidden)  # [B, P, R]
         path, _, q = selector_walk(
-            unary, cand, g, self.predecessor_codebook.weight, self.successor_codebook.weight,
-            anchor, temperature, uniforms,
+            unary,
+            cand,
+            g,
+            self.predecessor_codebook.weight,
+            self.successor_codebook.weight,
+            anchor,
+            temperature,
+            uniforms,
         )
         return path, cand, q
 

@@ -60,8 +60,9 @@ class NoSelector:
 def tau_run(pair, prompts, bs: int, temp: float, max_tokens: int, refs=None) -> dict:
     taus, identical, toks, secs = [], 0, 0, 0.0
     for i, ids in enumerate(prompts):
-        cfg = GenerationConfig(max_tokens=max_tokens, block_size=bs, seed=i,
-                               sampling=SamplingParams(temperature=temp))
+        cfg = GenerationConfig(
+            max_tokens=max_tokens, block_size=bs, seed=i, sampling=SamplingParams(temperature=temp)
+        )
         t0 = time.perf_counter()
         events = list(speculative_stream(pair, ids, cfg))
         secs += time.perf_counter() - t0
@@ -103,13 +104,18 @@ def cycle_times(pair, ids: list[int], bs: int, temp: float, reps: int = 30) -> d
         if r >= 3:
             draft_t.append(t1 - t0)
             verify_t.append(t2 - t1)
-    return {"draft_s": statistics.median(draft_t), "verify_s": statistics.median(verify_t),
-            "draft_min_s": min(draft_t), "verify_min_s": min(verify_t)}
+    return {
+        "draft_s": statistics.median(draft_t),
+        "verify_s": statistics.median(verify_t),
+        "draft_min_s": min(draft_t),
+        "verify_min_s": min(verify_t),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--target", required=True)
     ap.add_argument("--drafts", nargs="+", required=True)
     ap.add_argument("--prompts", required=True, type=Path)
@@ -118,8 +124,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--ablate-selector", action="store_true",
-                    help="also run DFlash 2 drafters without the selector walk")
+    ap.add_argument(
+        "--ablate-selector",
+        action="store_true",
+        help="also run DFlash 2 drafters without the selector walk",
+    )
     args = ap.parse_args(argv)
     sizes = [int(b) for b in args.block_sizes.split(",")]
     temps = [float(t) for t in args.temps.split(",")]
@@ -139,18 +148,24 @@ def main(argv: list[str] | None = None) -> None:
                 run = tau_run(pair, prompts, bs, t, args.max_tokens, refs if t == 0 else None)
                 run.update(cycle_times(pair, prompts[0], bs, t))
                 r["runs"][f"bs{bs}_T{t:g}"] = run
-                print(f"{draft} ({pair.kind}) bs {bs} T {t:g}: " + ", ".join(
-                    f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                    for k, v in run.items()), flush=True)
+                print(
+                    f"{draft} ({pair.kind}) bs {bs} T {t:g}: "
+                    + ", ".join(
+                        f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                        for k, v in run.items()
+                    ),
+                    flush=True,
+                )
         if args.ablate_selector and hasattr(pair.drafter, "propose"):
             pair.drafter = NoSelector(pair.drafter)
             for bs in sizes:
                 for t in temps:
-                    run = tau_run(pair, prompts, bs, t, args.max_tokens,
-                                  refs if t == 0 else None)
+                    run = tau_run(pair, prompts, bs, t, args.max_tokens, refs if t == 0 else None)
                     r["runs"][f"noselector_bs{bs}_T{t:g}"] = run
-                    print(f"{draft} without selector bs {bs} T {t:g}: tau {run['tau']:.4g}",
-                          flush=True)
+                    print(
+                        f"{draft} without selector bs {bs} T {t:g}: tau {run['tau']:.4g}",
+                        flush=True,
+                    )
         results[draft] = r
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

@@ -54,19 +54,24 @@ class FakeSession:
         else:
             n_prompt = sum(len(m["content"]) // 4 + 4 for m in prompt)
         self.max_tokens = kwargs.get("max_tokens")
-        stats = FakeStats(self.block_size, prompt_tokens=n_prompt,
-                          cached_tokens=min(self.cached, n_prompt - 1))
+        stats = FakeStats(
+            self.block_size, prompt_tokens=n_prompt, cached_tokens=min(self.cached, n_prompt - 1)
+        )
         finish = None
         for i, (text, accepted) in enumerate(self.script):
             if i and should_stop and should_stop():
                 finish = "cancelled"
                 break
             lengths = stats.acceptance_lengths + ((accepted,) if accepted else ())
-            stats = replace(stats, acceptance_lengths=lengths,
-                            generation_tokens=stats.generation_tokens + max(accepted, 1))
+            stats = replace(
+                stats,
+                acceptance_lengths=lengths,
+                generation_tokens=stats.generation_tokens + max(accepted, 1),
+            )
             last = i == len(self.script) - 1
-            yield GenerationEvent(text, [1] * max(accepted, 1), accepted, stats,
-                                  "stop" if last else None)
+            yield GenerationEvent(
+                text, [1] * max(accepted, 1), accepted, stats, "stop" if last else None
+            )
             if self.hold_at == i + 1:
                 self.held.set()
                 deadline = time.monotonic() + 10
@@ -80,6 +85,12 @@ class FakeSession:
 
 
 def fake_backend(session: FakeSession | None = None, reasoning: bool = False) -> Backend:
-    info = EngineInfo(model="fake", kind="DFlash", block_size=8, kernels="reference",
-                      plain_tps=40.0, reasoning=reasoning)
+    info = EngineInfo(
+        model="fake",
+        kind="DFlash",
+        block_size=8,
+        kernels="reference",
+        plain_tps=40.0,
+        reasoning=reasoning,
+    )
     return Backend(session or FakeSession(), info)

@@ -26,15 +26,23 @@ from dflash_mac.testing.oracle import OracleDrafter, with_drafter
 # -- synthetic data ---------------------------------------------------------------------
 
 
-def run(n_tokens: int, decode_time: float, lengths=(), bs=None, tokens=None, ttft=0.01,
-        peak=1000) -> Run:
+def run(
+    n_tokens: int, decode_time: float, lengths=(), bs=None, tokens=None, ttft=0.01, peak=1000
+) -> Run:
     toks = list(tokens) if tokens is not None else list(range(n_tokens))
     return Run(toks, 10, ttft, decode_time, peak, "length", bs, list(lengths))
 
 
 def record(pid: str, trial: int, base: Run, dflash: dict[int, Run], suite="s") -> dict:
-    return {"id": pid, "suite": suite, "trial": trial, "position": 0, "prompt_tokens": 10,
-            "baseline": base, "dflash": dflash}
+    return {
+        "id": pid,
+        "suite": suite,
+        "trial": trial,
+        "position": 0,
+        "prompt_tokens": 10,
+        "baseline": base,
+        "dflash": dflash,
+    }
 
 
 def synthetic_records() -> list[dict]:
@@ -43,10 +51,17 @@ def synthetic_records() -> list[dict]:
     recs = []
     for trial, (bt, dt) in enumerate([(1.0, 0.5), (2.0, 0.5)]):
         # 101 tokens → 100 decode tokens per prompt.
-        recs.append(record("a", trial, run(101, bt),
-                           {4: run(101, dt, [4, 4, 2, 1], bs=4, ttft=0.02, peak=1500)}))
-        recs.append(record("b", trial, run(101, bt),
-                           {4: run(101, dt, [3, 1], bs=4, ttft=0.02, peak=1200)}))
+        recs.append(
+            record(
+                "a",
+                trial,
+                run(101, bt),
+                {4: run(101, dt, [4, 4, 2, 1], bs=4, ttft=0.02, peak=1500)},
+            )
+        )
+        recs.append(
+            record("b", trial, run(101, bt), {4: run(101, dt, [3, 1], bs=4, ttft=0.02, peak=1200)})
+        )
     return recs
 
 
@@ -56,7 +71,7 @@ def test_stats_helpers_on_synthetic_cycles():
     assert survival(lengths, 4) == [1.0, 4 / 6, 3 / 6, 2 / 6]
     # draft position 1 accepted in cycles with A >= 2 (4 of 6); position 2 given 1: 3 of 4 …
     assert position_acceptance(lengths, 4) == [4 / 6, 3 / 4, 2 / 3]
-    assert mean_std([2.0, 4.0]) == (3.0, pytest.approx(2 ** 0.5))
+    assert mean_std([2.0, 4.0]) == (3.0, pytest.approx(2**0.5))
     assert mean_std([5.0]) == (5.0, 0.0)
 
 
@@ -76,9 +91,9 @@ def test_trial_tps_is_token_weighted():
 def test_summarize_synthetic():
     row = summary.summarize(synthetic_records(), 4, "s", greedy=True)
     assert row["prompts"] == 2 and row["trials"] == 2 and row["runs"] == 4
-    assert row["baseline_tps"] == [pytest.approx(75.0), pytest.approx(25 * 2 ** 0.5)]
+    assert row["baseline_tps"] == [pytest.approx(75.0), pytest.approx(25 * 2**0.5)]
     assert row["dflash_tps"] == [pytest.approx(200.0), 0.0]
-    assert row["speedup"] == [pytest.approx(3.0), pytest.approx(2 ** 0.5)]
+    assert row["speedup"] == [pytest.approx(3.0), pytest.approx(2**0.5)]
     # τ: mean per request (11/4 and 2), then over requests — not the pooled 15/6.
     assert row["tau"][0] == pytest.approx((11 / 4 + 2) / 2)
     assert row["cycles"] == 12
@@ -99,7 +114,13 @@ def test_rows_best_block_size_and_mismatches():
     recs[3]["dflash"][2] = run(101, 1.0, [2] * 50, bs=2, tokens=[0, 1, 9] + list(range(3, 101)))
     rows = summary.summary_rows(recs, [2, 4], greedy=True)
     assert [(r["block_size"], r["suite"]) for r in rows] == [
-        (2, "s"), (2, "t"), (2, "all"), (4, "s"), (4, "t"), (4, "all")]
+        (2, "s"),
+        (2, "t"),
+        (2, "all"),
+        (4, "s"),
+        (4, "t"),
+        (4, "all"),
+    ]
     assert summary.best_block_size(rows) == 4
     assert rows[2]["lossless_equal"] == 3
     assert summary.mismatches(recs) == [{"id": "b", "trial": 1, "block_size": 2, "first_diff": 2}]
@@ -108,14 +129,44 @@ def test_rows_best_block_size_and_mismatches():
 
 # -- report formats and schema ------------------------------------------------------------
 
-HEADER = {"machine": "x86_64", "cpu": "test cpu", "cpu_count": 2, "os": "Linux", "mlx": "0",
-          "mlx_lm": "0", "device": "cpu", "blas": "OpenBLAS", "python": "3",
-          "target": "t", "draft": "d", "drafter_kind": "DFlash", "target_quantization": "none",
-          "draft_quantization": "none", "dtype": "float32", "target_weight_bytes": 10,
-          "drafter_weight_bytes": 100, "date": "today", "dflash_mac": "0.1.0"}
-CONFIG = {"suite": "math", "prompts_file": None, "limit": None, "trials": 2, "max_tokens": 101,
-          "block_sizes": [4], "temp": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": 0,
-          "use_eos": True, "reasoning": None, "draft_bits": None, "cooldown_s": 0.0}
+HEADER = {
+    "machine": "x86_64",
+    "cpu": "test cpu",
+    "cpu_count": 2,
+    "os": "Linux",
+    "mlx": "0",
+    "mlx_lm": "0",
+    "device": "cpu",
+    "blas": "OpenBLAS",
+    "python": "3",
+    "target": "t",
+    "draft": "d",
+    "drafter_kind": "DFlash",
+    "target_quantization": "none",
+    "draft_quantization": "none",
+    "dtype": "float32",
+    "target_weight_bytes": 10,
+    "drafter_weight_bytes": 100,
+    "date": "today",
+    "dflash_mac": "0.1.0",
+}
+CONFIG = {
+    "suite": "math",
+    "prompts_file": None,
+    "limit": None,
+    "trials": 2,
+    "max_tokens": 101,
+    "block_sizes": [4],
+    "temp": 0.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "seed": 0,
+    "use_eos": True,
+    "reasoning": None,
+    "draft_bits": None,
+    "cooldown_s": 0.0,
+}
 
 
 @pytest.fixture
@@ -154,8 +205,15 @@ def test_live_view_progress_bar_has_its_own_line():
     lines = console.export_text().splitlines()
     bar = next(i for i, line in enumerate(lines) if "━" in line)
     assert set(lines[bar].strip("│ ")) <= set("━╸╺")
-    assert lines[bar + 1].split("│")[1].split() == ["block", "τ", "DFlash", "tok/s", "baseline",
-                                                     "tok/s", "speedup"]
+    assert lines[bar + 1].split("│")[1].split() == [
+        "block",
+        "τ",
+        "DFlash",
+        "tok/s",
+        "baseline",
+        "tok/s",
+        "speedup",
+    ]
 
 
 def test_schema_validator_catches_errors(doc):
@@ -249,8 +307,9 @@ def test_read_prompts_errors(tmp_path):
     with pytest.raises(BenchError, match="holds no prompts"):
         bench.read_prompts(bad)
     good = tmp_path / "mine.jsonl"
-    good.write_text('{"prompt": "hi"}\n{"id": "x", "messages": [{"role": "user", '
-                    '"content": "yo"}]}\n')
+    good.write_text(
+        '{"prompt": "hi"}\n{"id": "x", "messages": [{"role": "user", "content": "yo"}]}\n'
+    )
     ps = bench.read_prompts(good)
     assert [(p.id, p.suite) for p in ps] == [("mine-1", "mine"), ("x", "mine")]
 
@@ -280,18 +339,17 @@ def test_runner_measures_baseline_and_dflash(tiny_pair):
             r = rec["dflash"][bs]
             assert r.tokens == ref and sum(r.acceptance_lengths) == 23
             assert r.decode_tps > 0 and r.ttft > 0 and r.peak_memory > 0
-    assert len(seen) == sum(len(r["dflash"][b].acceptance_lengths) for r in records
-                            for b in (2, 4))
+    assert len(seen) == sum(len(r["dflash"][b].acceptance_lengths) for r in records for b in (2, 4))
     row = summary.summarize(records, 4, "s", greedy=True)
     assert 1.0 < row["tau"][0] <= 4 and row["lossless_equal"] == 2
 
 
+@pytest.mark.slow
 def test_seeded_shuffle_is_reproducible(tiny_pair):
     ids = [tiny_pair.tokenizer.encode(s) for s in ("a", "b", "c", "d")]
     prompts = [BenchPrompt(s, "s", s) for s in "abcd"]
     cfg = BenchConfig([2], max_tokens=2, trials=2, seed=3, warmup_tokens=1)
-    orders = [[r["id"] for r in bench.run_bench(tiny_pair, prompts, ids, cfg)]
-              for _ in range(2)]
+    orders = [[r["id"] for r in bench.run_bench(tiny_pair, prompts, ids, cfg)] for _ in range(2)]
     assert orders[0] == orders[1]
     assert sorted(orders[0][:4]) == sorted(orders[0][4:]) == list("abcd")
     assert orders[0][:4] != list("abcd") or orders[0][4:] != list("abcd")
@@ -304,11 +362,29 @@ runner = CliRunner()
 
 def cli(tiny_dirs, *args):
     t, d = tiny_dirs
-    return runner.invoke(app, ["bench", "-m", str(t), "-d", str(d), "--suite", "math",
-                               "--limit", "2", "-t", "1", "--max-tokens", "8", "--no-live",
-                               *args])
+    return runner.invoke(
+        app,
+        [
+            "bench",
+            "-m",
+            str(t),
+            "-d",
+            str(d),
+            "--suite",
+            "math",
+            "--limit",
+            "2",
+            "-t",
+            "1",
+            "--max-tokens",
+            "8",
+            "--no-live",
+            *args,
+        ],
+    )
 
 
+@pytest.mark.slow
 def test_cli_json_and_out(tiny_dirs, tmp_path):
     out = tmp_path / "r.jsonl"
     res = cli(tiny_dirs, "-b", "2,3", "-f", "json", "--out", str(out))
@@ -321,6 +397,7 @@ def test_cli_json_and_out(tiny_dirs, tmp_path):
     assert json.loads(out.read_text().splitlines()[0])["schema"] == bench_report.SCHEMA_ID
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["md", "csv", "jsonl"])
 def test_cli_formats(tiny_dirs, fmt):
     res = cli(tiny_dirs, "-b", "3", "-f", fmt)
@@ -347,12 +424,15 @@ def test_lossy_drafter_path_fails_strict(tiny_dirs, monkeypatch):
     assert doc["prompts"][0]["dflash"][0]["lossless"] is False
 
 
-@pytest.mark.parametrize("args,msg", [
-    (["--block-size", "2,x"], "--block-size must be an integer"),
-    (["-f", "yaml"], "--format must be one of"),
-    (["--prompts", "/nonexistent/p.jsonl"], "does not exist"),
-    (["--suite", "poetry"], "--suite must be one of"),
-])
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (["--block-size", "2,x"], "--block-size must be an integer"),
+        (["-f", "yaml"], "--format must be one of"),
+        (["--prompts", "/nonexistent/p.jsonl"], "does not exist"),
+        (["--suite", "poetry"], "--suite must be one of"),
+    ],
+)
 def test_cli_errors_are_one_sentence(monkeypatch, capsys, args, msg):
     from dflash_mac import cli as cli_mod
 
@@ -385,18 +465,23 @@ def test_committed_results_pass_schema():
     if not files:
         pytest.skip("no committed bench results")
     for f in files:
-        docs = ([json.loads(line) for line in f.read_text().splitlines() if line.strip()]
-                if f.suffix == ".jsonl" else [json.loads(f.read_text())])
+        docs = (
+            [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+            if f.suffix == ".jsonl"
+            else [json.loads(f.read_text())]
+        )
         for d in docs:
             assert bench_report.validate(d) == [], f
             assert d["lossless"]["equal"] == d["lossless"]["checked"], f
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (BUNDLED_DRAFT / "config.json").exists(), reason="no bundled pair")
 def test_bundled_pair_default_bench_json():
     """The default command on the bundled pair (shortened): JSON passes the schema, lossless."""
-    res = runner.invoke(app, ["bench", "--limit", "2", "-t", "1", "--max-tokens", "16",
-                              "--no-live", "-f", "json"])
+    res = runner.invoke(
+        app, ["bench", "--limit", "2", "-t", "1", "--max-tokens", "16", "--no-live", "-f", "json"]
+    )
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert bench_report.validate(doc) == []

@@ -37,6 +37,7 @@ def test_split_is_deterministic_and_disjoint(split) -> None:
     assert not any(".test" in n or n.startswith("test") for n in names_tr | names_ho)
 
 
+@pytest.mark.slow
 def test_heldout_modules_never_in_training_data(split) -> None:
     train, heldout = split
     ho = {m.name for m in heldout}

@@ -86,8 +86,7 @@ def test_think_splitter_handles_tags_cut_between_chunks():
     parts += s.flush()
     assert "".join(t for k, t in parts if k == "thinking") == "plan it"
     assert "".join(t for k, t in parts if k == "answer") == "The answer <think> stays"
-    assert split_think("opened in the prompt</think>\nanswer") == ("opened in the prompt",
-                                                                   "answer")
+    assert split_think("opened in the prompt</think>\nanswer") == ("opened in the prompt", "answer")
 
 
 def test_control_characters_never_reach_the_terminal():
@@ -106,8 +105,9 @@ class CharTokenizer:
 
     chat_template = "... enable_thinking ..."
 
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True,
-                            enable_thinking=True):
+    def apply_chat_template(
+        self, messages, add_generation_prompt=True, tokenize=True, enable_thinking=True
+    ):
         text = "".join(f"<{m['role']}>{m['content']}</>" for m in messages)
         text += "<assistant>" + ("<think>\n" if enable_thinking else "")
         return text if not tokenize else self.encode(text)
@@ -129,7 +129,8 @@ def test_backend_prompt_detects_open_think_and_splices_generated_ids():
     history = [{"role": "user", "content": "hi"}]
     ids, thinking = backend.prompt(history, "sys", None)
     assert thinking and ids == CharTokenizer().apply_chat_template(
-        [{"role": "system", "content": "sys"}] + history)
+        [{"role": "system", "content": "sys"}] + history
+    )
     assert backend.prompt(history, None, "off")[1] is False
     ids, _ = backend.prompt(history, None, "off")
     generated = [7, 8, 9]  # ids the model produced; re-tokenizing "ok!" would differ
@@ -137,7 +138,7 @@ def test_backend_prompt_detects_open_think_and_splices_generated_ids():
     history += [{"role": "assistant", "content": "ok!"}, {"role": "user", "content": "more"}]
     ids2, _ = backend.prompt(history, None, "off")
     assert ids2[: len(ids) + 3] == ids + generated  # the cached ids, as generated
-    assert ids2[len(ids) + 3:] == CharTokenizer().encode("</><user>more</><assistant>")
+    assert ids2[len(ids) + 3 :] == CharTokenizer().encode("</><user>more</><assistant>")
     ids3, _ = backend.prompt(history, "a new system prompt", "off")  # no longer a prefix
     assert ids3 == TokenizingSession().tokenize(history, "a new system prompt", "off")
 
@@ -158,8 +159,10 @@ async def test_streams_answer_with_stats_and_histogram():
         assert panel.snapshot.histogram == (0, 1, 1, 0, 1, 1, 0, 0)
         assert panel.snapshot.tau == pytest.approx(4.0)
         # 17 tokens, 80 tok/s, τ 4.0, 80/40 = 2.0x; the first turn has nothing cached.
-        assert stats_text(widget) == ("17 tok · 80 tok/s · τ 4.0 · 2.0× · prefill "
-                                      f"{panel.snapshot.prompt_tokens} new + 0 cached")
+        assert stats_text(widget) == (
+            "17 tok · 80 tok/s · τ 4.0 · 2.0× · prefill "
+            f"{panel.snapshot.prompt_tokens} new + 0 cached"
+        )
         saved = app.store.messages(app.chat_id)
         assert [m.role for m in saved] == ["user", "assistant"]
         assert saved[1].content == expected and saved[1].stats["tau"] == 4.0
@@ -302,7 +305,10 @@ async def test_history_survives_a_restart(home):
         assert "τ 4.0" in stats_text(app.query(AssistantMessage).last())
         await ask(pilot, "question three")
         assert [m["content"] for m in again.prompts[0]][::2] == [
-            "question one", "question two", "question three"]
+            "question one",
+            "question two",
+            "question three",
+        ]
     assert len(Store().messages(1)) == 6
 
 
@@ -346,8 +352,9 @@ async def test_long_conversation_leaves_out_the_oldest_turns_with_a_note():
     context = 200  # a turn is ~50 tokens: a ~30-character question, 17 generated answer ids
     backend = fake_backend(session)
     backend.tokenizer, backend.context = CharTokenizer(), context
-    app = ChatApp(ChatOptions(system="Be brief.", reasoning="off", max_tokens=100),
-                  loader=lambda: backend)
+    app = ChatApp(
+        ChatOptions(system="Be brief.", reasoning="off", max_tokens=100), loader=lambda: backend
+    )
     async with app.run_test(size=SIZE) as pilot:
         await loaded(pilot)
         for i in range(6):
@@ -366,8 +373,10 @@ async def test_long_conversation_leaves_out_the_oldest_turns_with_a_note():
 
 @pytest.mark.anyio
 async def test_unfenced_code_keeps_lines_indentation_and_underscores():
-    script = [("class Point:\n    def __init__(self, x):\n", 3),
-              ("        self.x = x\n\nThe __init__ method sets x.", 4)]
+    script = [
+        ("class Point:\n    def __init__(self, x):\n", 3),
+        ("        self.x = x\n\nThe __init__ method sets x.", 4),
+    ]
     session = FakeSession(script, hold_at=1)
     app = make_app(session)
     async with app.run_test(size=SIZE) as pilot:
@@ -381,8 +390,9 @@ async def test_unfenced_code_keeps_lines_indentation_and_underscores():
         assert shown == script[0][0]
         session.release.set()
         await until(pilot, lambda: widget.finished)
-        assert widget.query_one(CodeFence).code == ("class Point:\n    def __init__(self, x):\n"
-                                                    "        self.x = x")
+        assert widget.query_one(CodeFence).code == (
+            "class Point:\n    def __init__(self, x):\n        self.x = x"
+        )
         assert answer_source(widget).endswith("\n```\n\nThe \\_\\_init\\_\\_ method sets x.")
         assert not live.display
 
@@ -391,7 +401,8 @@ def test_fence_code_leaves_prose_and_fenced_code_alone():
     text = "Use it like this:\n\n```\nx = 1\n```\nDone: all good."
     assert fence_code(text) == text
     assert fence_code("x = 1\nprint(x)\nThat prints 1.") == (
-        "```python\nx = 1\nprint(x)\n```\nThat prints 1.")
+        "```python\nx = 1\nprint(x)\n```\nThat prints 1."
+    )
     assert fence_code("Note: `a_b` and a_b") == "Note: `a_b` and a\\_b"
 
 
@@ -458,6 +469,7 @@ def real_dirs(tmp_path_factory):
     return build_tiny_pair(tmp_path_factory.mktemp("chat-tiny"), seed=0)
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_real_pair_end_to_end_second_turn_prefills_only_new_tokens(real_dirs):
     model, draft = real_dirs
@@ -486,11 +498,13 @@ async def test_real_pair_end_to_end_second_turn_prefills_only_new_tokens(real_di
         third = app.store.messages(chat_id)[-1].stats
         tok, history = app.backend.tokenizer, app.history[:-2]
         before = tok.apply_chat_template(history, add_generation_prompt=False)
-        assert third["prompt"] == len(tok.apply_chat_template(app.history[:-1],
-                                                              add_generation_prompt=True))
+        assert third["prompt"] == len(
+            tok.apply_chat_template(app.history[:-1], add_generation_prompt=True)
+        )
         assert third["cached"] >= len(before)  # only the new message is prefilled
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_real_pair_conversation_longer_than_its_context_keeps_working(real_dirs):
     from dflash_mac.app.backend import load_backend
@@ -507,8 +521,14 @@ async def test_real_pair_conversation_longer_than_its_context_keeps_working(real
     async with app.run_test(size=SIZE) as pilot:
         await until(pilot, lambda: app.backend is not None, timeout=60)
         skips = []
-        for question in ("def add(a, b):", "and subtract?", "and multiply?", "and divide?",
-                         "and power?", "and modulo?"):
+        for question in (
+            "def add(a, b):",
+            "and subtract?",
+            "and multiply?",
+            "and divide?",
+            "and power?",
+            "and modulo?",
+        ):
             widget = await ask(pilot, question)
             assert not widget.query(".error")
             skips.append(app.skip)
@@ -547,4 +567,3 @@ class PanelApp(App):
 
 def test_snapshot_histogram_panel(snap_compare):
     assert snap_compare(PanelApp(), terminal_size=(36, 28))
-

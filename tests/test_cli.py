@@ -23,6 +23,8 @@ from dflash_mac.cli import models as manage
 from dflash_mac.loading import BUNDLED_DRAFT, BUNDLED_TARGET, LoadError
 from dflash_mac.registry import load_registry, parse_registry, thinking_warning
 
+pytestmark = pytest.mark.slow  # starts the installed command in subprocesses
+
 DFLASH = str(Path(sys.executable).parent / "dflash-mac")
 runner = CliRunner()
 
@@ -42,21 +44,40 @@ def test_bad_input_is_one_sentence(tmp_path):
     bundled = load_registry().get("bundled")
     cases = [
         (["generate", "hi", "--seed", "-1"], "--seed must be between 0 and 2**64 - 1 (got -1)."),
-        (["generate", "", "--ignore-chat-template"],
-         "the prompt is empty; give at least one token of text."),
-        (["train", "-m", str(BUNDLED_TARGET), "--data", "missing.jsonl", "--out",
-          str(tmp_path / "d")],
-         "--data missing.jsonl does not exist; pass a JSONL file of prompts."),
-        (["generate", "hi", "--model", "/no/such/folder"],
-         "the folder /no/such/folder does not exist."),
+        (
+            ["generate", "", "--ignore-chat-template"],
+            "the prompt is empty; give at least one token of text.",
+        ),
+        (
+            [
+                "train",
+                "-m",
+                str(BUNDLED_TARGET),
+                "--data",
+                "missing.jsonl",
+                "--out",
+                str(tmp_path / "d"),
+            ],
+            "--data missing.jsonl does not exist; pass a JSONL file of prompts.",
+        ),
+        (
+            ["generate", "hi", "--model", "/no/such/folder"],
+            "the folder /no/such/folder does not exist.",
+        ),
         (["pull", "/no/such/folder"], "the folder /no/such/folder does not exist."),
-        (["generate", "hi", "--reasoning", "foo"],  # refused before loading: no warning first
-         "--reasoning must be one of on, off, low, medium, high, xhigh."),
-        (["convert", "bundled", str(tmp_path / "q")],
-         f"'bundled' is a pair name; convert takes one model: its target "
-         f"{bundled.target_source()} or its drafter {bundled.draft_source()}."),
-        (["convert", str(BUNDLED_DRAFT), str(tmp_path / "q"), "--group-size", "100"],
-         "--group-size must be 32, 64 or 128, the sizes MLX quantizes with (got 100)."),
+        (
+            ["generate", "hi", "--reasoning", "foo"],  # refused before loading: no warning first
+            "--reasoning must be one of on, off, low, medium, high, xhigh.",
+        ),
+        (
+            ["convert", "bundled", str(tmp_path / "q")],
+            f"'bundled' is a pair name; convert takes one model: its target "
+            f"{bundled.target_source()} or its drafter {bundled.draft_source()}.",
+        ),
+        (
+            ["convert", str(BUNDLED_DRAFT), str(tmp_path / "q"), "--group-size", "100"],
+            "--group-size must be 32, 64 or 128, the sizes MLX quantizes with (got 100).",
+        ),
     ]
     for args, message in cases:
         one_error(run(*args, cwd=tmp_path), message)
@@ -67,8 +88,12 @@ def test_bad_input_is_one_sentence(tmp_path):
 def test_ctrl_c_during_start_up_is_one_line(delay):
     """SIGINT while the CLI imports, re-executes with OpenBLAS or loads the pair: exit 130 and
     one line, never a traceback."""
-    proc = subprocess.Popen([DFLASH, "generate", "hi", "-n", "100000"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [DFLASH, "generate", "hi", "-n", "100000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         time.sleep(delay)
         proc.send_signal(signal.SIGINT)
@@ -91,14 +116,20 @@ def test_help_models_and_pull_import_no_mlx():
         "print(sorted(m for m in sys.modules if m == 'mlx' or m.startswith(('mlx.', 'mlx_lm',"
         " 'dflash_mac.'))))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60, check=True).stdout
-    assert out.strip() == ("['dflash_mac.cli', 'dflash_mac.errors', 'dflash_mac.models', "
-                           "'dflash_mac.models.config', 'dflash_mac.think']")
-    code = ("import sys\nfrom dflash_mac.cli import models as manage\nmanage.models_report()\n"
-            "print('mlx' in sys.modules, 'mlx_lm' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+    assert out.strip() == (
+        "['dflash_mac.cli', 'dflash_mac.errors', 'dflash_mac.models', "
+        "'dflash_mac.models.config', 'dflash_mac.think']"
+    )
+    code = (
+        "import sys\nfrom dflash_mac.cli import models as manage\nmanage.models_report()\n"
+        "print('mlx' in sys.modules, 'mlx_lm' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
     assert out.strip() == "False False"  # `models` and `pull` start without MLX
 
 
@@ -146,8 +177,9 @@ def test_short_flags_mean_one_thing_in_every_command():
 
 def test_help_shows_flags_without_bool_placeholders():
     for name in ["", *cli.LAZY_COMMANDS, "generate"]:
-        res = runner.invoke(cli.app, [name, "--help"] if name else ["--help"],
-                            env={"COLUMNS": "120"})
+        res = runner.invoke(
+            cli.app, [name, "--help"] if name else ["--help"], env={"COLUMNS": "120"}
+        )
         assert res.exit_code == 0, res.output
         assert "<bool>" not in res.output and "BOOLEAN" not in res.output, name
 
@@ -155,8 +187,11 @@ def test_help_shows_flags_without_bool_placeholders():
 def test_generate_prints_a_summary_line_and_json_names_the_pair():
     res = run("generate", "def add(a, b):", "-n", "6")
     assert res.returncode == 0, res.stderr
-    assert re.fullmatch(r"6 tokens · [\d.]+ tok/s · τ [\d.]+ · block \d+ · TTFT \d+ ms "
-                        r"\(-v for details\)", res.stderr.splitlines()[-1]), res.stderr
+    assert re.fullmatch(
+        r"6 tokens · [\d.]+ tok/s · τ [\d.]+ · block \d+ · TTFT \d+ ms "
+        r"\(-v for details\)",
+        res.stderr.splitlines()[-1],
+    ), res.stderr
     res = run("generate", "def add(a, b):", "-n", "6", "--json")
     doc = json.loads(res.stdout)
     assert doc["model"] == str(BUNDLED_TARGET) and doc["drafter"] == str(BUNDLED_DRAFT)
@@ -169,28 +204,44 @@ def test_block_size_above_the_trained_block_is_clamped(tiny_pair):
     warnings: list[str] = []
     trained = tiny_pair.drafter.config.block_size
     assert block_size_policy(tiny_pair, 999, warn=warnings.append) == trained
-    assert warnings == [f"[yellow]warning:[/] block size 999 > the drafter's trained block "
-                        f"{trained}; using {trained}."]
+    assert warnings == [
+        f"[yellow]warning:[/] block size 999 > the drafter's trained block "
+        f"{trained}; using {trained}."
+    ]
     assert block_size_policy(tiny_pair, trained, warn=warnings.append) == trained
     assert block_size_policy(tiny_pair, None, warn=warnings.append) == trained
     assert len(warnings) == 1
 
 
-GOOD = {"name": "toy", "kind": "dflash", "target": "org/Toy-1B", "draft": "lab/Toy-1B-DFlash",
-        "block_size": 16, "quantized_block_size": 5, "thinking": False, "target_gb": 1.0,
-        "draft_gb": 0.1, "kv_kib_per_token": 10}
+GOOD = {
+    "name": "toy",
+    "kind": "dflash",
+    "target": "org/Toy-1B",
+    "draft": "lab/Toy-1B-DFlash",
+    "block_size": 16,
+    "quantized_block_size": 5,
+    "thinking": False,
+    "target_gb": 1.0,
+    "draft_gb": 0.1,
+    "kv_kib_per_token": 10,
+}
 
 
-@pytest.mark.parametrize("template, reasoning, advice", [
-    ("{{ enable_thinking }}", "on", " (pass --reasoning off)."),
-    ("{{ reasoning_effort }}", "on", " (omit --reasoning on)."),  # no switch: --reasoning off
-    ("{{ reasoning_effort }}", "high", " (omit --reasoning high)."),  # would be refused
-])
+@pytest.mark.parametrize(
+    "template, reasoning, advice",
+    [
+        ("{{ enable_thinking }}", "on", " (pass --reasoning off)."),
+        ("{{ reasoning_effort }}", "on", " (omit --reasoning on)."),  # no switch: --reasoning off
+        ("{{ reasoning_effort }}", "high", " (omit --reasoning high)."),  # would be refused
+    ],
+)
 def test_thinking_advice_names_only_a_flag_that_helps(template, reasoning, advice):
     entry = parse_registry({"schema": 1, "default": "toy", "pair": [GOOD]}).get("toy")
     msg = thinking_warning(entry, reasoning, SimpleNamespace(chat_template=template))
-    assert msg == (f"drafter 'lab/Toy-1B-DFlash' was trained without thinking but --reasoning "
-                   f"{reasoning} turns thinking on; acceptance will be low{advice}")
+    assert msg == (
+        f"drafter 'lab/Toy-1B-DFlash' was trained without thinking but --reasoning "
+        f"{reasoning} turns thinking on; acceptance will be low{advice}"
+    )
 
 
 def test_convert_fails_when_nothing_was_quantized(tmp_path, tiny_dirs):
@@ -201,11 +252,14 @@ def test_convert_fails_when_nothing_was_quantized(tmp_path, tiny_dirs):
     mx.save_safetensors(str(out / "model.safetensors"), {"w": mx.zeros((4, 100))})
     with pytest.raises(LoadError) as e:
         convert.check_quantized("src", out, 128)
-    assert str(e.value) == ("nothing in 'src' could be quantized with group size 128 (no weight "
-                            "width is a multiple of it); try --group-size 32.")
+    assert str(e.value) == (
+        "nothing in 'src' could be quantized with group size 128 (no weight "
+        "width is a multiple of it); try --group-size 32."
+    )
     assert not out.exists()
-    res = runner.invoke(cli.app, ["convert", str(tiny_dirs[1]), str(tmp_path / "q"),
-                                  "--group-size", "32"])
+    res = runner.invoke(
+        cli.app, ["convert", str(tiny_dirs[1]), str(tmp_path / "q"), "--group-size", "32"]
+    )
     assert res.exit_code == 0, res.output
     assert convert.quantized_tensors(tmp_path / "q") > 0
     assert re.fullmatch(r"wrote 4-bit drafter to .* \(\d+ quantized weights\)\n", res.stdout)

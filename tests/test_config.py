@@ -10,9 +10,15 @@ from dflash_mac.models.config import ConfigError, DraftConfig
 
 REF = Path(__file__).resolve().parent / "data" / "reference"
 QWEN3_FIELDS = {
-    "hidden_size": 2560, "num_hidden_layers": 1, "num_attention_heads": 32,
-    "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 9728,
-    "rms_norm_eps": 1e-6, "vocab_size": 151936, "max_position_embeddings": 40960,
+    "hidden_size": 2560,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 9728,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
 }
 
 
@@ -60,8 +66,12 @@ def test_block_size_defaults_to_16():
 
 def test_rope_scaling_from_rope_parameters():
     cfg = new_schema()
-    cfg["rope_parameters"] = {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0,
-                              "original_max_position_embeddings": 32768}
+    cfg["rope_parameters"] = {
+        "rope_theta": 1e6,
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 32768,
+    }
     c = DraftConfig.from_dict(cfg)
     assert c.rope_scaling["rope_type"] == "yarn" and c.rope_scaling["factor"] == 4.0
 
@@ -75,18 +85,27 @@ def test_dflash2_reference_config():
     assert c.output_multiplier == pytest.approx(0.19611613513818404)
     assert c.final_logit_softcapping == 20.0
     assert (c.conv_kernel_size, c.conv_group_size, c.selector_rank, c.selector_top_k) == (
-        2, 16, 256, 16)
+        2,
+        16,
+        256,
+        16,
+    )
     # sliding layers would be causal, but the explicit is_causal: false wins
     assert c.layer_causal == [False] * 5
     assert c.layer_window == [2048] * 5
     assert c.rope_theta == 500000.0
 
 
-@pytest.mark.parametrize("is_causal,expected", [(None, [True, False]), (True, [True, True]),
-                                                (False, [False, False])])
+@pytest.mark.parametrize(
+    "is_causal,expected", [(None, [True, False]), (True, [True, True]), (False, [False, False])]
+)
 def test_causal_rule(is_causal, expected):
-    cfg = {**new_schema(), "num_hidden_layers": 2, "sliding_window": 64,
-           "layer_types": ["sliding_attention", "full_attention"]}
+    cfg = {
+        **new_schema(),
+        "num_hidden_layers": 2,
+        "sliding_window": 64,
+        "layer_types": ["sliding_attention", "full_attention"],
+    }
     if is_causal is not None:
         cfg["is_causal"] = is_causal
     c = DraftConfig.from_dict(cfg)
@@ -94,9 +113,18 @@ def test_causal_rule(is_causal, expected):
     assert c.layer_window == [64, None]
 
 
-@pytest.mark.parametrize("field", ["hidden_size", "num_hidden_layers", "num_attention_heads",
-                                   "num_key_value_heads", "intermediate_size", "rms_norm_eps",
-                                   "vocab_size"])
+@pytest.mark.parametrize(
+    "field",
+    [
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "rms_norm_eps",
+        "vocab_size",
+    ],
+)
 def test_missing_top_level_field(field):
     cfg = new_schema()
     del cfg[field]

@@ -43,21 +43,31 @@ def run_generate(prompt: str, *args: str) -> subprocess.CompletedProcess:
     if not (BUNDLED_DRAFT / "config.json").exists():
         pytest.skip("the bundled pair is not built")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([str(CLI), "generate", "-", "--ignore-chat-template", *args],
-                          input=prompt, capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run(
+        [str(CLI), "generate", "-", "--ignore-chat-template", *args],
+        input=prompt,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
 
 
+@pytest.mark.slow
 def test_generate_warns_once_and_caps_max_tokens():
     out = run_generate("x " * 2030, "--max-tokens", "500", "--json")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     n, context = result["prompt_tokens"], 2048
     assert context - 40 < n < context
-    assert out.stderr.strip() == (f"warning: the prompt has {n} tokens and the model's context "
-                                  f"is {context}: --max-tokens capped to {context - n}.")
+    assert out.stderr.strip() == (
+        f"warning: the prompt has {n} tokens and the model's context "
+        f"is {context}: --max-tokens capped to {context - n}."
+    )
     assert result["generation_tokens"] <= context - n
 
 
+@pytest.mark.slow
 def test_generate_without_a_cap_says_nothing_and_too_long_fails():
     out = run_generate("x " * 100, "--max-tokens", "4", "--json")
     assert out.returncode == 0 and out.stderr == ""

@@ -25,11 +25,13 @@ from dflash_mac.testing.tiny import draft_config, target_config
 REFERENCE = Path(__file__).parent / "data" / "reference"
 
 
-def d2_config(tcfg: dict, mask_id: int, layers: int = 1, group: int = 16, rank: int = 16,
-              top_k: int = 4, **kw) -> dict:
+def d2_config(
+    tcfg: dict, mask_id: int, layers: int = 1, group: int = 16, rank: int = 16, top_k: int = 4, **kw
+) -> dict:
     cfg = draft_config(tcfg, mask_id, layers=layers, arch="DFlash2DraftModel", **kw)
-    cfg["dflash_config"].update(conv_kernel_size=2, conv_group_size=group, selector_rank=rank,
-                                selector_top_k=top_k)
+    cfg["dflash_config"].update(
+        conv_kernel_size=2, conv_group_size=group, selector_rank=rank, selector_top_k=top_k
+    )
     return cfg
 
 
@@ -63,25 +65,45 @@ def scaled_checkpoint(folder: Path) -> tuple[dict, set[str]]:
     real = json.loads((REFERENCE / "dflash2-muse-config.json").read_text())
     H, V, R, inter, hd, nq, nkv, L = 64, 320, 16, 96, 16, 4, 2, real["num_hidden_layers"]
     n_tgt = len(real["dflash_config"]["target_layer_ids"])
-    cfg = dict(real, hidden_size=H, vocab_size=V, intermediate_size=inter, head_dim=hd,
-               num_attention_heads=nq, num_key_value_heads=nkv, num_target_layers=12,
-               max_position_embeddings=4096)
-    cfg["dflash_config"] = dict(real["dflash_config"], mask_token_id=V - 1, selector_rank=R,
-                                target_layer_ids=[1, 3, 5, 7, 9])
+    cfg = dict(
+        real,
+        hidden_size=H,
+        vocab_size=V,
+        intermediate_size=inter,
+        head_dim=hd,
+        num_attention_heads=nq,
+        num_key_value_heads=nkv,
+        num_target_layers=12,
+        max_position_embeddings=4096,
+    )
+    cfg["dflash_config"] = dict(
+        real["dflash_config"],
+        mask_token_id=V - 1,
+        selector_rank=R,
+        target_layer_ids=[1, 3, 5, 7, 9],
+    )
     G = H // cfg["dflash_config"]["conv_group_size"]
     shapes = {
         "candidate_selector.hidden_projection.weight": (R, H),
         "candidate_selector.predecessor_codebook": (V, R),
         "candidate_selector.successor_codebook": (V, R),
-        "fc.weight": (H, n_tgt * H), "hidden_norm.weight": (H,), "norm.weight": (H,),
+        "fc.weight": (H, n_tgt * H),
+        "hidden_norm.weight": (H,),
+        "norm.weight": (H,),
         "attention_conv.base_kernel": (2, 2, H),
         "attention_conv.kernel_projection.weight": (2 * 2 * G, H),
-        "mlp_conv.base_kernel": (2, 2, H), "mlp_conv.kernel_projection.weight": (2 * 2 * G, H),
-        "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
-        "self_attn.q_proj.weight": (nq * hd, H), "self_attn.k_proj.weight": (nkv * hd, H),
-        "self_attn.v_proj.weight": (nkv * hd, H), "self_attn.o_proj.weight": (H, nq * hd),
-        "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,),
-        "mlp.gate_proj.weight": (inter, H), "mlp.up_proj.weight": (inter, H),
+        "mlp_conv.base_kernel": (2, 2, H),
+        "mlp_conv.kernel_projection.weight": (2 * 2 * G, H),
+        "input_layernorm.weight": (H,),
+        "post_attention_layernorm.weight": (H,),
+        "self_attn.q_proj.weight": (nq * hd, H),
+        "self_attn.k_proj.weight": (nkv * hd, H),
+        "self_attn.v_proj.weight": (nkv * hd, H),
+        "self_attn.o_proj.weight": (H, nq * hd),
+        "self_attn.q_norm.weight": (hd,),
+        "self_attn.k_norm.weight": (hd,),
+        "mlp.gate_proj.weight": (inter, H),
+        "mlp.up_proj.weight": (inter, H),
         "mlp.down_proj.weight": (H, inter),
     }
     weights = {}
@@ -92,8 +114,7 @@ def scaled_checkpoint(folder: Path) -> tuple[dict, set[str]]:
         if name.startswith("layers.0."):
             short = name.removeprefix("layers.0.")
             for i in range(L):
-                weights[f"layers.{i}.{short}"] = mx.random.normal(shapes[short]).astype(
-                    mx.bfloat16)
+                weights[f"layers.{i}.{short}"] = mx.random.normal(shapes[short]).astype(mx.bfloat16)
         else:
             weights[name] = mx.random.normal(shapes[name]).astype(mx.bfloat16)
     folder.mkdir(parents=True)
@@ -147,11 +168,13 @@ def test_conv_matches_numpy_definition(dtype):
     np_dt = np.float32 if dtype == mx.float32 else np.float16
     dyn_np = np.array(conv.kernel_projection(h).astype(mx.float32)).reshape(2, L, 2, 2, H // group)
     base = np.array(conv.base_kernel)
-    want_a = conv_numpy(np.array(h.astype(mx.float32)).astype(np_dt), base[0], dyn_np[:, :, 0],
-                        group)
+    want_a = conv_numpy(
+        np.array(h.astype(mx.float32)).astype(np_dt), base[0], dyn_np[:, :, 0], group
+    )
     # finish: side 1 taps over y, coefficients from the INPUT h (not from y)
-    want_o = conv_numpy(np.array(y.astype(mx.float32)).astype(np_dt), base[1], dyn_np[:, :, 1],
-                        group)
+    want_o = conv_numpy(
+        np.array(y.astype(mx.float32)).astype(np_dt), base[1], dyn_np[:, :, 1], group
+    )
     np.testing.assert_array_equal(np.array(a_in.astype(mx.float32)), want_a.astype(np.float32))
     np.testing.assert_array_equal(np.array(out.astype(mx.float32)), want_o.astype(np.float32))
     # block position 0 has no left neighbour; position 1 reads position 0 only
@@ -171,8 +194,10 @@ def test_taps_stay_inside_the_block(tiny_pair):
     full = conv.prepare(mx.concatenate([mx.ones((1, 3, cfg.hidden_size)), x], axis=1))[0]
     alone = conv.prepare(x)[0]
     assert not mx.allclose(full[:, 3], alone[:, 0]).item()  # shows taps would matter ...
-    ref = conv.base_kernel[0, 0] * x[:, 0] + mx.repeat(conv.coefficients(x)[:, 0, 0, 0], 16,
-                                                        axis=-1) * x[:, 0]
+    ref = (
+        conv.base_kernel[0, 0] * x[:, 0]
+        + mx.repeat(conv.coefficients(x)[:, 0, 0, 0], 16, axis=-1) * x[:, 0]
+    )
     assert mx.allclose(alone[:, 0], ref, atol=1e-5).item()  # ... but position 0 has no tap 1
 
 
@@ -234,7 +259,10 @@ def d2_pair(tiny_pair):
     return with_drafter(tiny_pair, d)
 
 
-@pytest.mark.parametrize("block_size", [2, 5, 8])
+@pytest.mark.parametrize(
+    "block_size",
+    [pytest.param(2, marks=pytest.mark.slow), 5, pytest.param(8, marks=pytest.mark.slow)],
+)
 def test_greedy_matches_target(d2_pair, block_size):
     for p in PROMPTS[:6]:
         ids = d2_pair.tokenizer.encode(p)
@@ -269,6 +297,7 @@ def small_d2_pair(tiny_pair):
     return LoadedPair(target, drafter, tiny_pair.tokenizer, "small", "small-d2", 4, tcfg)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "sp",
     [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9)],

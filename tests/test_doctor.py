@@ -24,10 +24,22 @@ GB = 10**9
 
 @pytest.fixture
 def mac(tmp_path) -> Facts:
-    return Facts(system="darwin", machine="arm64", chip="Apple M3 Pro", macos="15.1",
-                 mlx="0.32.4", mlx_lm="0.32.2", metal=True, kernels="metal", kernels_error="",
-                 blas="Accelerate", memory_bytes=36 * GB, budget_bytes=27 * GB,
-                 hf_cache=tmp_path / "hub", offline=False)
+    return Facts(
+        system="darwin",
+        machine="arm64",
+        chip="Apple M3 Pro",
+        macos="15.1",
+        mlx="0.32.4",
+        mlx_lm="0.32.2",
+        metal=True,
+        kernels="metal",
+        kernels_error="",
+        blas="Accelerate",
+        memory_bytes=36 * GB,
+        budget_bytes=27 * GB,
+        hf_cache=tmp_path / "hub",
+        offline=False,
+    )
 
 
 def status(check) -> str:
@@ -37,45 +49,57 @@ def status(check) -> str:
     return check.status
 
 
-@pytest.mark.parametrize("change, expected", [
-    ({}, PASS),
-    ({"macos": "13.6"}, WARN),
-    ({"macos": "13.0"}, FAIL),
-    ({"machine": "x86_64"}, FAIL),
-    ({"system": "linux", "machine": "x86_64", "macos": ""}, WARN),
-    ({"system": "win32"}, FAIL),
-])
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        ({}, PASS),
+        ({"macos": "13.6"}, WARN),
+        ({"macos": "13.0"}, FAIL),
+        ({"machine": "x86_64"}, FAIL),
+        ({"system": "linux", "machine": "x86_64", "macos": ""}, WARN),
+        ({"system": "win32"}, FAIL),
+    ],
+)
 def test_platform(mac, change, expected):
     assert status(doctor.check_platform(replace(mac, **change))) == expected
 
 
-@pytest.mark.parametrize("mlx_lm, expected", [("0.32.2", PASS), ("0.29.1", FAIL),
-                                              ("missing", FAIL)])
+@pytest.mark.parametrize(
+    "mlx_lm, expected", [("0.32.2", PASS), ("0.29.1", FAIL), ("missing", FAIL)]
+)
 def test_mlx(mac, mlx_lm, expected):
     assert status(doctor.check_mlx(replace(mac, mlx_lm=mlx_lm))) == expected
 
 
-@pytest.mark.parametrize("change, expected", [
-    ({}, PASS), ({"system": "linux", "metal": False}, WARN), ({"metal": False}, FAIL)])
+@pytest.mark.parametrize(
+    "change, expected",
+    [({}, PASS), ({"system": "linux", "metal": False}, WARN), ({"metal": False}, FAIL)],
+)
 def test_metal(mac, change, expected):
     assert status(doctor.check_metal(replace(mac, **change))) == expected
 
 
-@pytest.mark.parametrize("change, expected", [
-    ({}, PASS),
-    ({"kernels": "reference", "metal": False}, PASS),
-    ({"kernels": "reference"}, WARN),
-    ({"kernels": "error", "kernels_error": "DFLASH_MAC_KERNELS='x' is not valid"}, FAIL),
-])
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        ({}, PASS),
+        ({"kernels": "reference", "metal": False}, PASS),
+        ({"kernels": "reference"}, WARN),
+        ({"kernels": "error", "kernels_error": "DFLASH_MAC_KERNELS='x' is not valid"}, FAIL),
+    ],
+)
 def test_kernels(mac, change, expected):
     assert status(doctor.check_kernels(replace(mac, **change))) == expected
 
 
-@pytest.mark.parametrize("change, expected", [
-    ({}, PASS),
-    ({"system": "linux", "blas": "OpenBLAS"}, PASS),
-    ({"system": "linux", "blas": "reference BLAS (MLX wheel)"}, WARN),
-])
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        ({}, PASS),
+        ({"system": "linux", "blas": "OpenBLAS"}, PASS),
+        ({"system": "linux", "blas": "reference BLAS (MLX wheel)"}, WARN),
+    ],
+)
 def test_blas(mac, change, expected):
     assert status(doctor.check_blas(replace(mac, **change))) == expected
 
@@ -89,12 +113,15 @@ def test_memory_estimate():
     assert doctor.memory_need_gb(q8, 8192, full=True)["target"] == q8.target_gb
 
 
-@pytest.mark.parametrize("pair, context, memory, expected", [
-    ("qwen3-8b", 4096, 36, PASS),
-    ("qwen3-8b", 4096, 8, WARN),        # fits the RAM, not the GPU budget
-    ("qwen3.5-27b", 32768, 16, FAIL),
-    ("qwen3-8b", 4096, 0, WARN),         # memory size unknown
-])
+@pytest.mark.parametrize(
+    "pair, context, memory, expected",
+    [
+        ("qwen3-8b", 4096, 36, PASS),
+        ("qwen3-8b", 4096, 8, WARN),  # fits the RAM, not the GPU budget
+        ("qwen3.5-27b", 32768, 16, FAIL),
+        ("qwen3-8b", 4096, 0, WARN),  # memory size unknown
+    ],
+)
 def test_memory(mac, pair, context, memory, expected):
     f = replace(mac, memory_bytes=memory * GB, budget_bytes=int(0.75 * memory * GB))
     check = doctor.check_memory(f, load_registry().get(pair), context)
@@ -139,7 +166,7 @@ def test_selftest_uses_the_bundled_pair_and_reports_its_tau(monkeypatch):
     monkeypatch.setattr(doctor, "dflash_tokens", spy)
     check = doctor.check_selftest(n=16)
     assert status(check) == PASS and check.message.startswith("bundled pair decodes")
-    (target, draft, _ids), = seen
+    ((target, draft, _ids),) = seen
     assert (target, draft) == (str(loading.BUNDLED_TARGET), str(loading.BUNDLED_DRAFT))
     # A chat-formatted prompt in the drafter's domain: the trained drafter's drafts are
     # accepted (a raw-text prompt gave τ 1.00, no draft ever accepted).
@@ -165,8 +192,13 @@ print(check.status, check.message)
 
 def test_selftest_fails_when_weights_are_lazy_on_the_loading_thread():
     # A fresh interpreter: MLX aborts at exit after a thread hit the missing-stream error.
-    r = subprocess.run([sys.executable, "-c", LAZY], capture_output=True, text=True,
-                       timeout=120, stdin=subprocess.DEVNULL)
+    r = subprocess.run(
+        [sys.executable, "-c", LAZY],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
     line = r.stdout.strip().splitlines()[-1]
     assert line.startswith(f"{FAIL} decoding on a worker thread failed"), (line, r.stderr)
     assert "no Stream" in line and "`serve` and `chat` would fail" in line
@@ -180,8 +212,9 @@ def test_selftest_warns_and_builds_a_tiny_pair_without_the_bundle(monkeypatch, t
 
 def test_selftest_fails_on_divergence(tiny_loader, monkeypatch):
     real = doctor.reference_tokens
-    monkeypatch.setattr(doctor, "reference_tokens",
-                        lambda pair, ids, n: [t + 1 for t in real(pair, ids, n)])
+    monkeypatch.setattr(
+        doctor, "reference_tokens", lambda pair, ids, n: [t + 1 for t in real(pair, ids, n)]
+    )
     check = doctor.check_selftest(tiny_loader, n=8)
     assert status(check) == FAIL and "differs from mlx-lm at token 0" in check.message
 
@@ -196,8 +229,15 @@ def test_selftest_fails_when_the_pair_cannot_load():
 
 def test_run_checks_on_this_machine():
     checks = doctor.run_checks("qwen3-4b", 2048, selftest=False)
-    assert [c.name for c in checks] == ["platform", "mlx", "metal", "kernels", "blas",
-                                        "memory", "hf cache"]
+    assert [c.name for c in checks] == [
+        "platform",
+        "mlx",
+        "metal",
+        "kernels",
+        "blas",
+        "memory",
+        "hf cache",
+    ]
     by_name = {c.name: c for c in checks}
     assert by_name["mlx"].status == PASS and all(c.message for c in checks)
     if sys.platform != "darwin":  # this Linux box: CPU only, no Metal, a warning each
@@ -218,8 +258,9 @@ def test_doctor_command_json_and_exit_code(mac, monkeypatch):
     res = runner.invoke(cli.app, ["doctor", "--no-selftest"])
     assert res.exit_code == 1
     assert "✗ mlx" in res.output and "1 failed" in res.output
-    res = runner.invoke(cli.app, ["doctor", "--no-selftest", "--pair", "qwen3.5-27b",
-                                  "--context", "500000"])
+    res = runner.invoke(
+        cli.app, ["doctor", "--no-selftest", "--pair", "qwen3.5-27b", "--context", "500000"]
+    )
     assert res.exit_code == 1 and "does not fit" in res.output
 
 

@@ -14,11 +14,28 @@ from dflash_mac.testing.oracle import OracleDrafter, with_drafter
 from dflash_mac.textstream import TextStream
 
 PROMPTS = [
-    "def add(a, b):", "import os", "class Stack:", "hello world", "for i in range(10):",
-    "# utility", "x = [1, 2, 3]", "while True:", "return None", "print('hi')",
-    "from typing import Any", "async def main():", "try:", "with open(p) as f:",
-    "lambda x: x", "if __name__ == '__main__':", "raise ValueError", "yield from it",
-    "assert a == b", "global counter", "a", "The quick brown fox",
+    "def add(a, b):",
+    "import os",
+    "class Stack:",
+    "hello world",
+    "for i in range(10):",
+    "# utility",
+    "x = [1, 2, 3]",
+    "while True:",
+    "return None",
+    "print('hi')",
+    "from typing import Any",
+    "async def main():",
+    "try:",
+    "with open(p) as f:",
+    "lambda x: x",
+    "if __name__ == '__main__':",
+    "raise ValueError",
+    "yield from it",
+    "assert a == b",
+    "global counter",
+    "a",
+    "The quick brown fox",
 ]
 
 
@@ -42,16 +59,19 @@ def cases(tiny_pair):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block_size", [2, 5, 16])
 def test_real_drafter_matches_target(tiny_pair, cases, block_size):
     for ids, ref in cases:
-        tokens, _, reason = run(tiny_pair, ids, max_tokens=64, block_size=block_size,
-                                use_eos=False)
+        tokens, _, reason = run(tiny_pair, ids, max_tokens=64, block_size=block_size, use_eos=False)
         assert tokens == ref
         assert reason == "length"
 
 
-@pytest.mark.parametrize("block_size", [2, 5, 16])
+@pytest.mark.parametrize(
+    "block_size",
+    [pytest.param(2, marks=pytest.mark.slow), 5, pytest.param(16, marks=pytest.mark.slow)],
+)
 def test_partially_right_drafter_matches_target(tiny_pair, cases, block_size):
     """An oracle drafter wrong 30% of the time exercises partial acceptance and rollback."""
     for i, (ids, ref) in enumerate(cases):
@@ -93,8 +113,7 @@ def test_mask_token_output_is_kept(tiny_pair, cases):
     ids, ref = cases[1]
     mask = ref[5]
     assert mask not in tiny_pair.eos_ids
-    real = SimpleNamespace(config=dataclasses.replace(tiny_pair.drafter.config,
-                                                      mask_token_id=mask))
+    real = SimpleNamespace(config=dataclasses.replace(tiny_pair.drafter.config, mask_token_id=mask))
     pair = with_drafter(tiny_pair, OracleDrafter(real, ids + ref, 320, 0.0))
     tokens, _, _ = run(pair, ids, max_tokens=64, block_size=5, use_eos=False)
     assert mask in tokens
@@ -106,14 +125,24 @@ def test_stop_string_on_committed_text(tiny_pair, cases):
     for ids, ref in cases[:8]:
         free = TextStream(tiny_pair.tokenizer, [], set())
         full = free.push(ref, 10**6)
-        starts = [i for i in range(10, len(full) - 2) if full[i : i + 2].isascii()
-                  and full[i : i + 2].isprintable() and full[i : i + 2].strip()]
+        starts = [
+            i
+            for i in range(10, len(full) - 2)
+            if full[i : i + 2].isascii()
+            and full[i : i + 2].isprintable()
+            and full[i : i + 2].strip()
+        ]
         if not starts:
             continue
         stop = full[starts[0] : starts[0] + 2]
         pair = with_drafter(tiny_pair, OracleDrafter(tiny_pair.drafter, ids + ref, 320, 0.0))
-        events = list(speculative_stream(pair, ids, GenerationConfig(
-            max_tokens=64, block_size=16, stop=[stop], use_eos=False)))
+        events = list(
+            speculative_stream(
+                pair,
+                ids,
+                GenerationConfig(max_tokens=64, block_size=16, stop=[stop], use_eos=False),
+            )
+        )
         text = "".join(e.text for e in events)
         assert events[-1].finish_reason == "stop"
         assert text == full[: full.find(stop)]
@@ -143,8 +172,11 @@ def test_rollback_state_equals_fresh_prefill(tiny_pair, cases):
     ids, ref = cases[4]
     pair = with_drafter(tiny_pair, OracleDrafter(tiny_pair.drafter, ids + ref, 320, 0.5, 7))
     state = DecodeState(pair)
-    events = list(speculative_stream(pair, ids, GenerationConfig(max_tokens=30, block_size=8,
-                                                                 use_eos=False), state=state))
+    events = list(
+        speculative_stream(
+            pair, ids, GenerationConfig(max_tokens=30, block_size=8, use_eos=False), state=state
+        )
+    )
     out = [t for e in events for t in e.tokens]
     assert any(0 < e.accepted < 8 for e in events[1:])
     committed = ids + out[:-1]
@@ -163,10 +195,12 @@ def test_interleaved_streams_share_hooks(tiny_pair, cases):
     from dflash_mac.capture import is_hooked
 
     (ids_a, ref_a), (ids_b, ref_b) = cases[5], cases[6]
-    a = speculative_stream(tiny_pair, ids_a, GenerationConfig(max_tokens=30, block_size=4,
-                                                              use_eos=False))
-    b = speculative_stream(tiny_pair, ids_b, GenerationConfig(max_tokens=30, block_size=4,
-                                                              use_eos=False))
+    a = speculative_stream(
+        tiny_pair, ids_a, GenerationConfig(max_tokens=30, block_size=4, use_eos=False)
+    )
+    b = speculative_stream(
+        tiny_pair, ids_b, GenerationConfig(max_tokens=30, block_size=4, use_eos=False)
+    )
     out_a, out_b = [], []
     for ev_a, ev_b in zip(a, b):
         out_a += ev_a.tokens

@@ -64,6 +64,7 @@ def test_pair_is_hybrid(pair):
     assert DecodeState(pair).rollback.hybrid
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block_size", [2, 5, 16])
 def test_real_drafter_matches_target(pair, cases, block_size):
     ids, ref = cases[0]
@@ -72,7 +73,10 @@ def test_real_drafter_matches_target(pair, cases, block_size):
     assert min(acc) == 1  # the random drafter is rejected: rollback ran
 
 
-@pytest.mark.parametrize("block_size", [2, 5, 16])
+@pytest.mark.parametrize(
+    "block_size",
+    [pytest.param(2, marks=pytest.mark.slow), 5, pytest.param(16, marks=pytest.mark.slow)],
+)
 def test_partially_right_drafter_matches_target(pair, cases, block_size):
     for i, (ids, ref) in enumerate(cases):
         oracle = with_drafter(pair, OracleDrafter(pair.drafter, ids + ref, 320, 0.3, i))
@@ -121,8 +125,11 @@ def test_trim_within_last_verify_and_refusal(pair, cases):
     pair.tokenizer.eos_token_ids = {eos}
     try:  # EOS inside a fully accepted block: the engine trims within the last verify
         state = DecodeState(oracle)
-        events = list(speculative_stream(oracle, ids, GenerationConfig(
-            max_tokens=N, block_size=16), state=state))
+        events = list(
+            speculative_stream(
+                oracle, ids, GenerationConfig(max_tokens=N, block_size=16), state=state
+            )
+        )
     finally:
         pair.tokenizer.eos_token_ids = old
     out = [t for e in events for t in e.tokens]
@@ -230,8 +237,9 @@ def small_pair(pair):
     text = hybrid_text_config(vocab=V, hidden=32, layers=4, interval=2)
     cfg = {"model_type": "qwen3_5", "text_config": text, "tie_word_embeddings": True}
     target = build_hybrid_target(cfg)
-    target.update({"language_model": {"model": {"embed_tokens": {
-        "weight": mx.random.normal((V, 32)) * 0.2}}}})
+    target.update(
+        {"language_model": {"model": {"embed_tokens": {"weight": mx.random.normal((V, 32)) * 0.2}}}}
+    )
     dcfg = draft_config(dict(text, rope_theta=1e4), V - 1, layer_ids=[0, 1, 2])
     drafter = DFlashDraftModel(DraftConfig.from_dict(dcfg))
     drafter.bind(target_head(target))
@@ -278,6 +286,7 @@ def sampled(pair, sp: SamplingParams, n: int) -> tuple[list[tuple], list[int]]:
     return out, acc
 
 
+@pytest.mark.slow
 def test_sampling_is_lossless_through_rollback(small_pair):
     sp = SamplingParams(temperature=1.0)
     samples, acc = sampled(small_pair, sp, 400)
@@ -285,10 +294,10 @@ def test_sampling_is_lossless_through_rollback(small_pair):
     assert chi_square_p(samples, exact_joint(small_pair, sp)) > 1e-3
 
 
+@pytest.mark.slow
 def test_sampling_check_detects_a_skipped_rollback(small_pair, monkeypatch):
     """The check has teeth: leaving the rejected draft in the GatedDeltaNet state fails it."""
     monkeypatch.setattr(hybrid.GDNRollback, "keep", lambda self, n: None)
     sp = SamplingParams(temperature=1.0)
     samples, _ = sampled(small_pair, sp, 150)
     assert chi_square_p(samples, exact_joint(small_pair, sp)) < 1e-6
-

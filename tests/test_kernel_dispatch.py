@@ -73,8 +73,9 @@ def test_public_api_matches_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(mk.ENV_VAR, "reference")
     x = mx.random.normal((2, 5, 48))
     base, dyn = mx.random.normal((2, 48)), mx.random.normal((2, 5, 2, 3))
-    assert mx.array_equal(mk.dynamic_conv(x, base, dyn, 16),
-                          reference.dynamic_conv(x, base, dyn, 16))
+    assert mx.array_equal(
+        mk.dynamic_conv(x, base, dyn, 16), reference.dynamic_conv(x, base, dyn, 16)
+    )
     args = sel_args()
     path, index, q = mk.selector_walk(*args)
     rpath, rindex, _ = reference.selector_walk(*args)
@@ -84,8 +85,9 @@ def test_public_api_matches_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     assert q.shape == (2, 4, 8) and q.dtype == mx.float32
     np.testing.assert_allclose(np.array(q.sum(-1)), 1.0, rtol=1e-5)
     cand = np.array(args[1])
-    assert (np.take_along_axis(cand, np.array(index)[..., None], -1)[..., 0]
-            == np.array(path)).all()
+    assert (
+        np.take_along_axis(cand, np.array(index)[..., None], -1)[..., 0] == np.array(path)
+    ).all()
 
 
 def test_conv_semantics_small() -> None:

@@ -128,8 +128,10 @@ def test_the_checker_sees_cycles_and_upward_imports():
     """Negative control: a planted cycle and an upward import are reported."""
     planted = {"dflash_mac.a": {"dflash_mac.b"}, "dflash_mac.b": {"dflash_mac.a"}}
     assert find_cycle(planted) == ["dflash_mac.a", "dflash_mac.b", "dflash_mac.a"]
-    assert layer("dflash_mac.models.dflash") < layer("dflash_mac.sampling") < layer(
-        "dflash_mac.serve.app"
+    assert (
+        layer("dflash_mac.models.dflash")
+        < layer("dflash_mac.sampling")
+        < layer("dflash_mac.serve.app")
     )
 
 

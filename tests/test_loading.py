@@ -94,19 +94,36 @@ def test_offline_and_not_cached(tmp_path, monkeypatch):
 
 def cli(*args, env=None):
     e = {**os.environ, "DFLASH_MAC_BLAS": "reference", "HF_HUB_OFFLINE": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "dflash_mac", *args], capture_output=True,
-                          text=True, env=e, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "dflash_mac", *args],
+        capture_output=True,
+        text=True,
+        env=e,
+        timeout=120,
+    )
 
 
+@pytest.mark.slow
 def test_cli_generate_json(tiny_dirs, tiny_pair):
     t, d = tiny_dirs
-    r = cli("generate", "def add(a, b):", "-m", str(t), "-d", str(d), "-n", "12", "--json",
-            "-b", "4")
+    r = cli(
+        "generate", "def add(a, b):", "-m", str(t), "-d", str(d), "-n", "12", "--json", "-b", "4"
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    for key in ("text", "tokens", "prompt_tokens", "generation_tokens", "acceptance_lengths",
-                "tau", "histogram", "prefill_tps", "decode_tps", "peak_memory_gb",
-                "finish_reason"):
+    for key in (
+        "text",
+        "tokens",
+        "prompt_tokens",
+        "generation_tokens",
+        "acceptance_lengths",
+        "tau",
+        "histogram",
+        "prefill_tps",
+        "decode_tps",
+        "peak_memory_gb",
+        "finish_reason",
+    ):
         assert key in out
     from dflash_mac.generate import generate
 
@@ -116,14 +133,21 @@ def test_cli_generate_json(tiny_dirs, tiny_pair):
     assert len(out["histogram"]) == 4
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--temp", "-1"], "error: --temp must be >= 0 (got -1.0)."),
-    (["--max-tokens", "0"], "error: --max-tokens must be at least 1 (got 0)."),
-    (["--reasoning", "on"], "error: this model's chat template has no thinking switch; "
-                            "--reasoning on is not supported."),
-    (["--chat-template-args", "[1]"], "error: --chat-template-args must be a JSON object."),
-    (["--draft-bits", "3"], "error: --draft-bits must be 4 or 8 (got 3)."),
-])
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--temp", "-1"], "error: --temp must be >= 0 (got -1.0)."),
+        (["--max-tokens", "0"], "error: --max-tokens must be at least 1 (got 0)."),
+        (
+            ["--reasoning", "on"],
+            "error: this model's chat template has no thinking switch; "
+            "--reasoning on is not supported.",
+        ),
+        (["--chat-template-args", "[1]"], "error: --chat-template-args must be a JSON object."),
+        (["--draft-bits", "3"], "error: --draft-bits must be 4 or 8 (got 3)."),
+    ],
+)
 def test_cli_bad_flags(tiny_dirs, args, message):
     t, d = tiny_dirs
     r = cli("generate", "hi", "-m", str(t), "-d", str(d), *args)
@@ -132,6 +156,7 @@ def test_cli_bad_flags(tiny_dirs, args, message):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_cli_prompt_over_context(tiny_dirs, tmp_path):
     t, d = copy_pair(tiny_dirs, tmp_path)
     edit_json(t / "config.json", lambda c: c.update(max_position_embeddings=16))
@@ -140,12 +165,14 @@ def test_cli_prompt_over_context(tiny_dirs, tmp_path):
     assert "error: the prompt has" in r.stderr and "context is 16 tokens" in r.stderr
 
 
+@pytest.mark.slow
 def test_cli_missing_field_and_unknown_model(tiny_dirs, tmp_path):
     t, d = copy_pair(tiny_dirs, tmp_path)
     edit_json(d / "config.json", lambda c: c["dflash_config"].pop("mask_token_id"))
     r = cli("generate", "hi", "-m", str(t), "-d", str(d))
     assert r.returncode == 1
     assert " ".join(r.stderr.split()) == (
-        f"error: {d}/config.json is missing the required field 'dflash_config.mask_token_id'.")
+        f"error: {d}/config.json is missing the required field 'dflash_config.mask_token_id'."
+    )
     r = cli("generate", "hi", "-m", "nobody/nothing-here", "-d", str(d))
     assert r.returncode == 1 and "not in the local Hugging Face cache" in r.stderr

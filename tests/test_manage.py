@@ -20,8 +20,13 @@ runner = CliRunner()
 WEIGHTS = b"\0" * 4000
 
 
-def cache_repo(cache: Path, repo_id: str, files: dict[str, bytes], rev: str = "a" * 40,
-               interrupted: bool = False) -> Path:
+def cache_repo(
+    cache: Path,
+    repo_id: str,
+    files: dict[str, bytes],
+    rev: str = "a" * 40,
+    interrupted: bool = False,
+) -> Path:
     """Write one model repo in the real hub cache layout: blobs/, snapshots/<rev>/, refs/main."""
     repo = cache / ("models--" + repo_id.replace("/", "--"))
     snap = repo / "snapshots" / rev
@@ -39,8 +44,10 @@ def cache_repo(cache: Path, repo_id: str, files: dict[str, bytes], rev: str = "a
 
 
 def model_files(config: dict | None = None) -> dict[str, bytes]:
-    return {"config.json": json.dumps(config or {"model_type": "qwen3"}).encode(),
-            "model.safetensors": WEIGHTS}
+    return {
+        "config.json": json.dumps(config or {"model_type": "qwen3"}).encode(),
+        "model.safetensors": WEIGHTS,
+    }
 
 
 @pytest.fixture
@@ -77,8 +84,10 @@ def test_models_report_sees_cached_snapshots(hf_cache):
     cache_repo(hf_cache, "someone/Unrelated", model_files())
     pairs = {p["name"]: p for p in manage.models_report()["pairs"]}
     q8 = pairs["qwen3-8b"]
-    assert q8["ready"] and set(q8["cached"]) == {"mlx-community/Qwen3-8B-4bit",
-                                                  "z-lab/Qwen3-8B-DFlash-b16"}
+    assert q8["ready"] and set(q8["cached"]) == {
+        "mlx-community/Qwen3-8B-4bit",
+        "z-lab/Qwen3-8B-DFlash-b16",
+    }
     assert q8["cached_bytes"] >= 2 * len(WEIGHTS)
     assert not pairs["qwen3-4b"]["ready"] and pairs["qwen3-4b"]["cached_bytes"] > 0
     assert not pairs["qwen3.5-4b"]["ready"]  # interrupted download
@@ -89,10 +98,14 @@ def test_models_report_sees_cached_snapshots(hf_cache):
 
 
 def test_sharded_snapshot_needs_every_shard(hf_cache):
-    index = json.dumps({"weight_map": {"a": "model-1.safetensors",
-                                       "b": "model-2.safetensors"}}).encode()
-    files = {"config.json": b"{}", "model.safetensors.index.json": index,
-             "model-1.safetensors": WEIGHTS}
+    index = json.dumps(
+        {"weight_map": {"a": "model-1.safetensors", "b": "model-2.safetensors"}}
+    ).encode()
+    files = {
+        "config.json": b"{}",
+        "model.safetensors.index.json": index,
+        "model-1.safetensors": WEIGHTS,
+    }
     cache_repo(hf_cache, "mlx-community/Qwen3-4B-4bit", files)
     cache = manage.scan_cache(hf_cache)
     assert not cache["mlx-community/qwen3-4b-4bit"].complete
@@ -139,7 +152,7 @@ def test_pull_pair_name_downloads_4bit_target_then_drafter(fake_hub, capsys):
     assert all(p.exists() for p in paths)
     text = capsys.readouterr().err
     assert "≈4.6 GB" in text and "≈2.1 GB" in text
-    assert "dflash-mac generate --model mlx-community/Qwen3-8B-4bit \"Hello\"" in text
+    assert 'dflash-mac generate --model mlx-community/Qwen3-8B-4bit "Hello"' in text
 
 
 def test_pull_variants(fake_hub, capsys):
@@ -147,8 +160,13 @@ def test_pull_variants(fake_hub, capsys):
     manage.pull("Qwen/Qwen3-4B")
     manage.pull("org/Custom-7B", draft="me/Custom-7B-DFlash")
     assert [c[0] for c in fake_hub] == [
-        "Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16", "Qwen/Qwen3-4B",
-        "z-lab/Qwen3-4B-DFlash-b16", "org/Custom-7B", "me/Custom-7B-DFlash"]
+        "Qwen/Qwen3-8B",
+        "z-lab/Qwen3-8B-DFlash-b16",
+        "Qwen/Qwen3-4B",
+        "z-lab/Qwen3-4B-DFlash-b16",
+        "org/Custom-7B",
+        "me/Custom-7B-DFlash",
+    ]
     assert "--draft me/Custom-7B-DFlash" in capsys.readouterr().err
     assert manage.pull("bundled") == []
     assert len(fake_hub) == 6
@@ -178,7 +196,8 @@ def test_pull_offline_is_one_clear_sentence(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.splitlines()[-1] == (
         "error: 'mlx-community/Qwen3-4B-4bit' is not in the local Hugging Face cache and the Hub "
-        "cannot be reached (offline); connect to the internet and run the same command again.")
+        "cannot be reached (offline); connect to the internet and run the same command again."
+    )
     assert "Traceback" not in err and "dflash-mac pull" not in err  # no advice to run itself
 
 

@@ -41,16 +41,28 @@ def env(tmp_path, tiny_dirs):
         fake.write_text(f'#!/bin/sh\n{{ echo "$@"; cat; }} > "{tmp_path}/{name}.out"\n')
         fake.chmod(0o755)
     port = free_port()
-    return {**os.environ, "DFLASH_MAC_HOME": str(tmp_path / "home"),
-            "DFLASH_MAC_CMD": f"{sys.executable} -m dflash_mac", "DFLASH_MAC_PORT": str(port),
-            "DFLASH_MAC_BLAS": "reference",  # skip the OpenBLAS re-exec: one import, not two
-            "DFLASH_MAC_MODEL": str(tiny_dirs[0]), "DFLASH_MAC_DRAFT": str(tiny_dirs[1]),
-            "PATH": f"{bin_dir}:{os.environ['PATH']}", "TMP_OUT": str(tmp_path)}
+    return {
+        **os.environ,
+        "DFLASH_MAC_HOME": str(tmp_path / "home"),
+        "DFLASH_MAC_CMD": f"{sys.executable} -m dflash_mac",
+        "DFLASH_MAC_PORT": str(port),
+        "DFLASH_MAC_BLAS": "reference",  # skip the OpenBLAS re-exec: one import, not two
+        "DFLASH_MAC_MODEL": str(tiny_dirs[0]),
+        "DFLASH_MAC_DRAFT": str(tiny_dirs[1]),
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "TMP_OUT": str(tmp_path),
+    }
 
 
 def plugin(env: dict, *args: str) -> str:
-    r = subprocess.run(["sh", str(PLUGIN), *args], env=env, capture_output=True, text=True,
-                       timeout=30, stdin=subprocess.DEVNULL)
+    r = subprocess.run(
+        ["sh", str(PLUGIN), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        stdin=subprocess.DEVNULL,
+    )
     assert r.returncode == 0, r.stderr
     return r.stdout
 
@@ -102,6 +114,7 @@ def test_stopped_menu_and_simple_actions(env, tmp_path):
     assert "stopped" in plugin(env).splitlines()[0]
 
 
+@pytest.mark.slow
 def test_start_and_stop_really_run_the_server(env):
     port, home = env["DFLASH_MAC_PORT"], Path(env["DFLASH_MAC_HOME"])
     started = time.time()
@@ -114,8 +127,11 @@ def test_start_and_stop_really_run_the_server(env):
         assert int((home / "serve.pid").read_text()) == pid
         lines = check_format(plugin(env))
         assert lines[0] == "● dflash running"
-        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-                "ignore_eos": True}
+        body = {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+            "ignore_eos": True,
+        }
         r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=30)
         assert r.status_code == 200
         lines = check_format(plugin(env))
@@ -161,12 +177,19 @@ class FakeHandler(BaseHTTPRequestHandler):
 def test_failing_server_is_shown_red_with_its_error_and_counts(env):
     srv = FakeServer(("127.0.0.1", int(env["DFLASH_MAC_PORT"])), FakeHandler)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
-    srv.prometheus = ('dflash_info{model="m",model_id="t",draft="d",drafter="DFlash"} 1\n'
-                      "dflash_requests_total 3\ndflash_failed_total 2\n"
-                      "dflash_completion_tokens_total 7\ndflash_degraded 1\n")
+    srv.prometheus = (
+        'dflash_info{model="m",model_id="t",draft="d",drafter="DFlash"} 1\n'
+        "dflash_requests_total 3\ndflash_failed_total 2\n"
+        "dflash_completion_tokens_total 7\ndflash_degraded 1\n"
+    )
     try:
-        srv.health = {"status": "degraded", "last_error": "generation failed: boom | bang",
-                      "requests": 3, "completed": 1, "failed": 2}
+        srv.health = {
+            "status": "degraded",
+            "last_error": "generation failed: boom | bang",
+            "requests": 3,
+            "completed": 1,
+            "failed": 2,
+        }
         lines = check_format(plugin(env))
         assert lines[0] == "▲ dflash failing"
         server_line = next(line for line in lines if line.startswith("Server: "))
@@ -177,8 +200,7 @@ def test_failing_server_is_shown_red_with_its_error_and_counts(env):
         srv.health = {"status": "ok", "requests": 4, "completed": 2, "failed": 2}
         lines = check_format(plugin(env))
         assert lines[0] == "● dflash running"
-        assert any(line.startswith("Server: running") and "color=green" in line
-                   for line in lines)
+        assert any(line.startswith("Server: running") and "color=green" in line for line in lines)
         assert not any("color=red" in line for line in lines)
     finally:
         srv.shutdown()

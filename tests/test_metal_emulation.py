@@ -210,8 +210,9 @@ def test_missing_barrier_is_a_race() -> None:
     with pytest.raises(emulate.EmulationRaceError, match="missing barrier or a data race"):
         run_sel(make, SEL_CASES[0], None)
     # a single schedule cannot prove a race, but the result is wrong
-    (_, index, _), (_, rindex, _) = run_sel(broken(lambda s: s.replace(BARRIER, "", 1),
-                                                   ("forward",)), SEL_CASES[0], None)
+    (_, index, _), (_, rindex, _) = run_sel(
+        broken(lambda s: s.replace(BARRIER, "", 1), ("forward",)), SEL_CASES[0], None
+    )
     assert not mx.array_equal(index, rindex)
 
 
@@ -227,8 +228,9 @@ def test_off_by_one_is_a_mismatch() -> None:
     make = broken(lambda s: s.replace("t < P;", "t < P - 1;"))
     (path, index, _), (rpath, rindex, _) = run_sel(make, SEL_CASES[0], None)
     assert not mx.array_equal(index, rindex)
-    out, ref = run_conv(broken(lambda s: s.replace("(int(t) >= tap)", "(int(t) > tap)")),
-                        CONV_CASES[0])
+    out, ref = run_conv(
+        broken(lambda s: s.replace("(int(t) >= tap)", "(int(t) > tap)")), CONV_CASES[0]
+    )
     assert not mx.array_equal(out, ref)
 
 

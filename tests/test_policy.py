@@ -13,13 +13,21 @@ from dflash_mac.registry import load_registry
 
 def fake_pair(trained: int, quantized: bool, model_id: str = "org/Unknown", draft_id: str = "x"):
     drafter = SimpleNamespace(config=SimpleNamespace(block_size=trained))
-    return SimpleNamespace(drafter=drafter, quantized=quantized, model_id=model_id,
-                           draft_id=draft_id)
+    return SimpleNamespace(
+        drafter=drafter, quantized=quantized, model_id=model_id, draft_id=draft_id
+    )
 
 
-@pytest.mark.parametrize("trained, quantized, expected", [
-    (16, False, 16), (8, False, 8), (16, True, 5), (8, True, 5), (4, True, 4),
-])
+@pytest.mark.parametrize(
+    "trained, quantized, expected",
+    [
+        (16, False, 16),
+        (8, False, 8),
+        (16, True, 5),
+        (8, True, 5),
+        (4, True, 4),
+    ],
+)
 def test_defaults_for_pairs_the_registry_does_not_know(trained, quantized, expected):
     assert block_size_for(fake_pair(trained, quantized), None) == BlockChoice(expected)
 
@@ -41,7 +49,8 @@ def test_above_the_trained_block_is_clamped_with_a_warning():
 
 def test_wide_blocks_on_quantized_pairs_run_with_a_warning():
     choice = block_size_for(fake_pair(16, True), 8)
-    assert choice == BlockChoice(8, "block size 8 > 5 is slower with a quantized model "
-                                    "(default 5).")
+    assert choice == BlockChoice(
+        8, "block size 8 > 5 is slower with a quantized model (default 5)."
+    )
     assert block_size_for(fake_pair(16, True), 4) == BlockChoice(4)
     assert block_size_for(fake_pair(16, False), 16) == BlockChoice(16)

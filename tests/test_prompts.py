@@ -16,9 +16,18 @@ CHAT = [{"role": "user", "content": "hi"}]
 
 def test_bench_and_train_read_the_same_prompts(tmp_path):
     path = tmp_path / "p.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in [
-        {"id": "a", "messages": [*CHAT, {"role": "assistant", "content": "dropped"}]},
-        {"prompt": "plain"}, {"text": "also plain"}, "bare string"]) + "\n\n")
+    path.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"id": "a", "messages": [*CHAT, {"role": "assistant", "content": "dropped"}]},
+                {"prompt": "plain"},
+                {"text": "also plain"},
+                "bare string",
+            ]
+        )
+        + "\n\n"
+    )
     records = read_prompt_file(path)
     assert [r.prompt for r in records] == [CHAT, "plain", "also plain", "bare string"]
     assert [(r.id, r.line) for r in records] == [("a", 1), (None, 2), (None, 3), (None, 4)]
@@ -26,12 +35,15 @@ def test_bench_and_train_read_the_same_prompts(tmp_path):
     assert train_prompts(path) == [{"messages": CHAT}, "plain", "also plain", "bare string"]
 
 
-@pytest.mark.parametrize("line, message", [
-    ("{nope", "line 1 is not valid JSON"),
-    ('{"messages": []}', "line 1 needs a non-empty \"messages\" list"),
-    ('{"prompt": 3}', "line 1 needs"),
-    ("", "holds no prompts"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("{nope", "line 1 is not valid JSON"),
+        ('{"messages": []}', 'line 1 needs a non-empty "messages" list'),
+        ('{"prompt": 3}', "line 1 needs"),
+        ("", "holds no prompts"),
+    ],
+)
 def test_bad_files_are_user_errors(tmp_path, line, message):
     path = tmp_path / "bad.jsonl"
     path.write_text(line + "\n")

@@ -34,8 +34,10 @@ def q4(tiny_dirs, tmp_path_factory):
     out = tmp_path_factory.mktemp("q4")
     t, d = out / "target-4bit", out / "draft-4bit"
     assert "4-bit target" in cli("convert", tiny_dirs[0], t, "--bits", "4").stdout
-    assert "4-bit drafter" in cli("convert", tiny_dirs[1], d, "--bits", "4",
-                                  "--group-size", "64").stdout
+    assert (
+        "4-bit drafter"
+        in cli("convert", tiny_dirs[1], d, "--bits", "4", "--group-size", "64").stdout
+    )
     return t, d
 
 
@@ -56,6 +58,7 @@ def run(pair, ids, **kw) -> list[int]:
     return [t for e in events for t in e.tokens]
 
 
+@pytest.mark.slow
 def test_4bit_pair_matches_4bit_target(q4):
     pair = load(*q4)
     assert pair.quantized and pair.block_size == 5
@@ -128,6 +131,7 @@ def generate_json(*args) -> tuple[dict, str]:
     return json.loads(res.stdout), res.stderr
 
 
+@pytest.mark.slow
 def test_cli_generate_on_quantized_pair(q4):
     pair = load(*q4)
     ref = baseline(pair, pair.tokenizer.encode("hello world"), 40)
@@ -139,6 +143,7 @@ def test_cli_generate_on_quantized_pair(q4):
     assert warned == ["warning: block size 8 > 5 is slower with a quantized model (default 5)."]
 
 
+@pytest.mark.slow
 def test_cli_generate_on_hybrid_pairs(hybrid_dirs):
     t, d, t4 = hybrid_dirs
     for model, extra, bs in ((t, [], 16), (t, ["--draft-bits", "4"], 5), (t4, [], 5)):

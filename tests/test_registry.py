@@ -20,16 +20,25 @@ from dflash_mac.registry import (
 )
 
 GOOD = {
-    "name": "toy", "kind": "dflash", "target": "org/Toy-1B", "draft": "lab/Toy-1B-DFlash",
-    "mlx_4bit": "mlx-community/Toy-1B-4bit", "mlx_4bit_gb": 0.6, "block_size": 16,
-    "quantized_block_size": 5, "thinking": False, "target_gb": 2.0, "draft_gb": 0.3,
+    "name": "toy",
+    "kind": "dflash",
+    "target": "org/Toy-1B",
+    "draft": "lab/Toy-1B-DFlash",
+    "mlx_4bit": "mlx-community/Toy-1B-4bit",
+    "mlx_4bit_gb": 0.6,
+    "block_size": 16,
+    "quantized_block_size": 5,
+    "thinking": False,
+    "target_gb": 2.0,
+    "draft_gb": 0.3,
     "kv_kib_per_token": 64,
 }
 
 
 def reg_of(*pairs: dict, default: str | None = None) -> registry.Registry:
-    return parse_registry({"schema": 1, "default": default or pairs[0]["name"],
-                           "pair": list(pairs)})
+    return parse_registry(
+        {"schema": 1, "default": default or pairs[0]["name"], "pair": list(pairs)}
+    )
 
 
 def test_shipped_registry_is_well_formed():
@@ -55,9 +64,17 @@ def test_shipped_registry_has_the_known_pairs():
     d2 = reg.find_target("mlx-community/Qwen3.8-27B-4bit")
     assert (d2.kind, d2.block_size, d2.draft) == ("dflash2", 8, "z-lab/Qwen3.8-27B-DFlash2")
     assert reg.find_draft("incoai/Qwen3.8-27B-DFlash2") is d2
-    for name in ("Qwen3.5-4B", "Qwen3.5-9B", "Qwen3.5-27B", "Qwen3.5-35B-A3B", "Qwen3.6-27B",
-                 "Qwen3.6-35B-A3B", "Qwen3-Coder-30B-A3B-Instruct", "Llama-3.1-8B-Instruct",
-                 "gpt-oss-20b"):
+    for name in (
+        "Qwen3.5-4B",
+        "Qwen3.5-9B",
+        "Qwen3.5-27B",
+        "Qwen3.5-35B-A3B",
+        "Qwen3.6-27B",
+        "Qwen3.6-35B-A3B",
+        "Qwen3-Coder-30B-A3B-Instruct",
+        "Llama-3.1-8B-Instruct",
+        "gpt-oss-20b",
+    ):
         entry = reg.find_target(name)
         assert entry is not None and entry.draft.startswith("z-lab/"), name
     bundled = reg.default_pair
@@ -65,16 +82,19 @@ def test_shipped_registry_has_the_known_pairs():
     assert bundled.draft_path == BUNDLED_DRAFT
 
 
-@pytest.mark.parametrize("change, match", [
-    ({"kind": "medusa"}, "kind must be"),
-    ({"block_size": "16"}, "wrong type"),
-    ({"thinking": 1}, "wrong type"),
-    ({"block_size": 4}, "quantized_block_size"),
-    ({"draft_gb": 0}, "positive"),
-    ({"target": "not an id"}, "not Hub ids"),
-    ({"colour": "red"}, "unknown fields"),
-    ({"mlx_4bit_gb": None}, "together"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"kind": "medusa"}, "kind must be"),
+        ({"block_size": "16"}, "wrong type"),
+        ({"thinking": 1}, "wrong type"),
+        ({"block_size": 4}, "quantized_block_size"),
+        ({"draft_gb": 0}, "positive"),
+        ({"target": "not an id"}, "not Hub ids"),
+        ({"colour": "red"}, "unknown fields"),
+        ({"mlx_4bit_gb": None}, "together"),
+    ],
+)
 def test_invalid_entries_are_rejected(change, match):
     pair = {k: v for k, v in {**GOOD, **change}.items() if v is not None}
     with pytest.raises(RegistryError, match=match):
@@ -88,16 +108,25 @@ def test_missing_field_names_the_pair_and_field():
         reg_of(pair)
 
 
-@pytest.mark.parametrize("other, match", [
-    ({"name": "toy"}, "name 'toy'"),
-    ({"target": "org/Toy-1B"}, "id 'org/Toy-1B'"),
-    ({"draft": "LAB/toy-1b-dflash"}, "id 'LAB/toy-1b-dflash'"),
-    ({"aliases": ["mlx-community/Toy-1B-4bit"]}, "id 'mlx-community/Toy-1B-4bit'"),
-    ({"target": "other/Toy-1B-bf16"}, "ambiguous"),
-])
+@pytest.mark.parametrize(
+    "other, match",
+    [
+        ({"name": "toy"}, "name 'toy'"),
+        ({"target": "org/Toy-1B"}, "id 'org/Toy-1B'"),
+        ({"draft": "LAB/toy-1b-dflash"}, "id 'LAB/toy-1b-dflash'"),
+        ({"aliases": ["mlx-community/Toy-1B-4bit"]}, "id 'mlx-community/Toy-1B-4bit'"),
+        ({"target": "other/Toy-1B-bf16"}, "ambiguous"),
+    ],
+)
 def test_duplicates_are_rejected(other, match):
-    second = {**GOOD, "name": "toy2", "target": "org/Other", "draft": "lab/Other-DFlash",
-              "mlx_4bit": "mlx-community/Other-4bit", **other}
+    second = {
+        **GOOD,
+        "name": "toy2",
+        "target": "org/Other",
+        "draft": "lab/Other-DFlash",
+        "mlx_4bit": "mlx-community/Other-4bit",
+        **other,
+    }
     with pytest.raises(RegistryError, match=match):
         reg_of(GOOD, second)
 
@@ -180,16 +209,19 @@ def tok(template: str = "") -> SimpleNamespace:
     return SimpleNamespace(chat_template=template)
 
 
-@pytest.mark.parametrize("thinking, reasoning, template, warns", [
-    (False, "on", "", "without thinking"),
-    (False, "high", "", "without thinking"),
-    (False, "off", "", None),
-    (False, None, "{% if enable_thinking is false %}", "template's default"),
-    (False, None, "chatml", None),
-    (True, "off", "", "with thinking on"),
-    (True, "xhigh", "", None),
-    (True, None, "{{ enable_thinking }}", None),
-])
+@pytest.mark.parametrize(
+    "thinking, reasoning, template, warns",
+    [
+        (False, "on", "", "without thinking"),
+        (False, "high", "", "without thinking"),
+        (False, "off", "", None),
+        (False, None, "{% if enable_thinking is false %}", "template's default"),
+        (False, None, "chatml", None),
+        (True, "off", "", "with thinking on"),
+        (True, "xhigh", "", None),
+        (True, None, "{{ enable_thinking }}", None),
+    ],
+)
 def test_thinking_guard(thinking, reasoning, template, warns):
     entry = reg_of({**GOOD, "thinking": thinking}).get("toy")
     msg = thinking_warning(entry, reasoning, tok(template))

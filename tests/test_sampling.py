@@ -60,9 +60,17 @@ def dflash_samples(pair, sp: SamplingParams, block_size: int, n: int = N) -> lis
     """n independent DFlash generations (a session reuses the prompt's cached prefix)."""
     session, out = Session(pair), []
     for seed in range(n):
-        events = session.stream(PROMPT, max_tokens=3, block_size=block_size, temp=sp.temperature,
-                                top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p, seed=seed,
-                                use_eos=False)
+        events = session.stream(
+            PROMPT,
+            max_tokens=3,
+            block_size=block_size,
+            temp=sp.temperature,
+            top_p=sp.top_p,
+            top_k=sp.top_k,
+            min_p=sp.min_p,
+            seed=seed,
+            use_eos=False,
+        )
         out.append(tuple(t for e in events for t in e.tokens))
     return out
 
@@ -93,6 +101,7 @@ def chi_square_p(samples: list[tuple], joint: dict[tuple, float]) -> float:
     return chisquare(obs, exp).pvalue
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "sp",
     [
@@ -108,6 +117,7 @@ def test_joint_distribution_matches_target(small_pair, sp):
     assert chi_square_p(samples, joint) > 0.001
 
 
+@pytest.mark.slow
 def test_a_lossy_rule_is_detected(small_pair):
     """The chi-square check has teeth: accepting every draft (no rejection) fails it."""
     sp = SamplingParams(temperature=1.0)
@@ -127,6 +137,7 @@ def test_a_lossy_rule_is_detected(small_pair):
     assert chi_square_p(samples, joint) < 1e-6
 
 
+@pytest.mark.slow
 def test_rejection_accepts_more_than_sample_and_match(small_pair):
     """On the same pair and prefix, residual rejection sampling accepts strictly more."""
     sp = SamplingParams(temperature=1.0)
@@ -152,8 +163,11 @@ def test_rejection_accepts_more_than_sample_and_match(small_pair):
 def test_transforms_match_numpy():
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(3, 50)).astype(np.float32) * 3
-    for sp in [SamplingParams(0.8, top_k=5), SamplingParams(1.2, top_p=0.7),
-               SamplingParams(1.0, min_p=0.2)]:
+    for sp in [
+        SamplingParams(0.8, top_k=5),
+        SamplingParams(1.2, top_p=0.7),
+        SamplingParams(1.0, min_p=0.2),
+    ]:
         got = np.array(probabilities(mx.array(logits), sp))
         z = logits / sp.temperature
         if sp.top_k:

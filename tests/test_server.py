@@ -61,8 +61,9 @@ def stats(server) -> dict:
 
 
 def chat(client, prompt: str, **kw):
-    return client.chat.completions.create(model="dflash", messages=[
-        {"role": "user", "content": prompt}], **kw)
+    return client.chat.completions.create(
+        model="dflash", messages=[{"role": "user", "content": prompt}], **kw
+    )
 
 
 def test_health_and_models(server, client):
@@ -91,8 +92,17 @@ def test_chat_greedy_equals_generate(server, client):
 def test_chat_stream_with_usage(server, client):
     prompt = "List three prime numbers."
     whole = chat(client, prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
-    chunks = list(chat(client, prompt, max_tokens=12, temperature=0, stream=True,
-                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    chunks = list(
+        chat(
+            client,
+            prompt,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
@@ -104,8 +114,13 @@ def test_chat_stream_with_usage(server, client):
 
 
 def test_raw_sse_order(server):
-    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True}
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
     r = httpx.post(server["root"] + "/v1/chat/completions", json=body, headers=AUTH, timeout=60)
     assert r.headers["content-type"].startswith("text/event-stream")
     events = [line[6:] for line in r.text.split("\n\n") if line.startswith("data: ")]
@@ -121,67 +136,100 @@ def test_completions_plain_and_stream(server, client):
     ref = generate(pair, prompt, max_tokens=10, ignore_chat_template=True)
     r = client.completions.create(model="dflash", prompt=prompt, max_tokens=10, temperature=0)
     assert r.choices[0].text == ref.text and r.usage.completion_tokens == len(ref.tokens)
-    chunks = list(client.completions.create(model="dflash", prompt=prompt, max_tokens=10,
-                                            temperature=0, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model="dflash",
+            prompt=prompt,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
     assert chunks[-1].usage.prompt_tokens == ref.prompt_tokens
 
 
 def test_max_tokens_gives_length(client):
-    r = chat(client, "Count to one hundred.", max_completion_tokens=5,
-             extra_body={"ignore_eos": True})
+    r = chat(
+        client, "Count to one hundred.", max_completion_tokens=5, extra_body={"ignore_eos": True}
+    )
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
 
 
 def test_stop_sequence(server, client):
     pair, prompt = server["pair"], "Tell me a story."
     free = generate(pair, prompt, max_tokens=24, use_eos=False).text
-    stop = next(ch for i, ch in enumerate(free) if i > 0 and ch.isascii() and ch.isprintable()
-                and free.find(ch) > 0)
+    stop = next(
+        ch
+        for i, ch in enumerate(free)
+        if i > 0 and ch.isascii() and ch.isprintable() and free.find(ch) > 0
+    )
     ref = generate(pair, prompt, max_tokens=24, use_eos=False, stop=[stop])
     assert ref.finish_reason == "stop" and stop not in ref.text
     r = chat(client, prompt, max_tokens=24, stop=[stop], extra_body={"ignore_eos": True})
     assert r.choices[0].message.content == ref.text == free[: free.find(stop)]
     assert r.choices[0].finish_reason == "stop"
-    chunks = chat(client, prompt, max_tokens=24, stop=stop, stream=True,
-                  extra_body={"ignore_eos": True})
+    chunks = chat(
+        client, prompt, max_tokens=24, stop=stop, stream=True, extra_body={"ignore_eos": True}
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
 
 
 def test_seed_reproducible(server, client):
-    kw = {"max_tokens": 12, "temperature": 1.0, "top_p": 0.95,
-          "extra_body": {"ignore_eos": True, "top_k": 50, "min_p": 0.01}}
+    kw = {
+        "max_tokens": 12,
+        "temperature": 1.0,
+        "top_p": 0.95,
+        "extra_body": {"ignore_eos": True, "top_k": 50, "min_p": 0.01},
+    }
     a = chat(client, "Say something random.", seed=1234, **kw).choices[0].message.content
     b = chat(client, "Say something random.", seed=1234, **kw).choices[0].message.content
     assert a == b
-    ref = generate(server["pair"], "Say something random.", max_tokens=12, temp=1.0, top_p=0.95,
-                   top_k=50, min_p=0.01, seed=1234, use_eos=False)
+    ref = generate(
+        server["pair"],
+        "Say something random.",
+        max_tokens=12,
+        temp=1.0,
+        top_p=0.95,
+        top_k=50,
+        min_p=0.01,
+        seed=1234,
+        use_eos=False,
+    )
     assert a == ref.text
-    others = {chat(client, "Say something random.", seed=s, **kw).choices[0].message.content
-              for s in (1, 2)}
+    others = {
+        chat(client, "Say something random.", seed=s, **kw).choices[0].message.content
+        for s in (1, 2)
+    }
     assert others != {a}
 
 
 def test_growing_conversation_reuses_prefix(client):
-    messages = [{"role": "system", "content": "You are a coding assistant."},
-                {"role": "user", "content": "Write hello world in C."}]
+    messages = [
+        {"role": "system", "content": "You are a coding assistant."},
+        {"role": "user", "content": "Write hello world in C."},
+    ]
     r1 = client.chat.completions.create(model="dflash", messages=messages, max_tokens=8)
-    messages += [{"role": "assistant", "content": r1.choices[0].message.content},
-                 {"role": "user", "content": "Now in Rust."}]
+    messages += [
+        {"role": "assistant", "content": r1.choices[0].message.content},
+        {"role": "user", "content": "Now in Rust."},
+    ]
     r2 = client.chat.completions.create(model="dflash", messages=messages, max_tokens=8)
     cached = r2.usage.prompt_tokens_details.cached_tokens
     assert r1.usage.prompt_tokens <= cached < r2.usage.prompt_tokens
 
 
+@pytest.mark.slow
 def test_concurrent_clients(server, client):
     prompts = [f"Question {i}: what is {i} + {i}?" for i in range(4)]
     refs = [generate(server["pair"], p, max_tokens=10, use_eos=False).text for p in prompts]
 
     def ask(i: int) -> str:
         if i % 2:
-            chunks = chat(client, prompts[i], max_tokens=10, stream=True,
-                          extra_body={"ignore_eos": True})
+            chunks = chat(
+                client, prompts[i], max_tokens=10, stream=True, extra_body={"ignore_eos": True}
+            )
             return "".join(c.choices[0].delta.content or "" for c in chunks)
         r = chat(client, prompts[i], max_tokens=10, extra_body={"ignore_eos": True})
         return r.choices[0].message.content
@@ -207,8 +255,12 @@ def wait_cancelled(server, before: int) -> dict:
 
 def test_disconnect_stops_generation(server, client):
     url = server["root"] + "/v1/chat/completions"
-    body = {"messages": [{"role": "user", "content": "Write a very long essay."}],
-            "max_tokens": 3000, "stream": True, "ignore_eos": True}
+    body = {
+        "messages": [{"role": "user", "content": "Write a very long essay."}],
+        "max_tokens": 3000,
+        "stream": True,
+        "ignore_eos": True,
+    }
     before = stats(server)["totals"]["cancelled"]
     with httpx.Client(timeout=60) as c, c.stream("POST", url, json=body, headers=AUTH) as r:
         seen = 0
@@ -230,19 +282,34 @@ BAD = [
     ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [
-        {"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ({"messages": [{"role": "user", "content": "x"}], "response_format": {
-        "type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+    (
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        },
+        "tools",
+    ),
+    (
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
+        },
+        "response_format",
+    ),
     ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
     ({"messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "stop": 5}, "stop"),
-    ({"messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5},
-     "presence_penalty"),
+    ({"messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5}, "presence_penalty"),
     ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages[0]"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
-        "url": "data:,"}}]}]}, "messages[0].content"),
+    (
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}
+            ]
+        },
+        "messages[0].content",
+    ),
 ]
 
 
@@ -268,9 +335,14 @@ def test_bad_json_and_completion_fields(server, client):
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     r = httpx.post(root + "/v1/chat/completions", json=[1, 2], headers=AUTH, timeout=10)
     assert r.status_code == 400
-    for body in ({"prompt": ""}, {"prompt": ["a", "b"]}, {"prompt": "x", "echo": True},
-                 {"prompt": "x", "suffix": "y"}, {"prompt": "x", "best_of": 3},
-                 {"prompt": [10**7]}):
+    for body in (
+        {"prompt": ""},
+        {"prompt": ["a", "b"]},
+        {"prompt": "x", "echo": True},
+        {"prompt": "x", "suffix": "y"},
+        {"prompt": "x", "best_of": 3},
+        {"prompt": [10**7]},
+    ):
         r = httpx.post(root + "/v1/completions", json=body, headers=AUTH, timeout=10)
         assert r.status_code == 400, body
     with pytest.raises(openai.BadRequestError, match="'n'"):
@@ -322,5 +394,7 @@ def test_health_degraded_after_a_failed_generation_then_ok(server, client, monke
     chat(client, "ping", max_tokens=2)
     health = httpx.get(server["root"] + "/health", timeout=10).json()
     assert health["status"] == "ok" and "last_error" not in health
-    assert "dflash_degraded 0" in httpx.get(server["root"] + "/metrics?format=prometheus",
-                                            timeout=10).text
+    assert (
+        "dflash_degraded 0"
+        in httpx.get(server["root"] + "/metrics?format=prometheus", timeout=10).text
+    )

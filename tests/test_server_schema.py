@@ -11,35 +11,80 @@ MSG = [{"role": "user", "content": "hi"}]
 
 
 def test_chat_fields_map_to_engine_options():
-    req = parse_chat({"messages": [{"role": "developer", "content": [
-        {"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]}] + MSG,
-        "temperature": 0.7, "top_p": 0.9, "top_k": -1, "min_p": 0.05, "seed": -1,
-        "stop": "END", "max_completion_tokens": 99999, "stream": True,
-        "stream_options": {"include_usage": True}, "reasoning_effort": "high",
-        "chat_template_kwargs": {"enable_thinking": False}, "user": "ignored"}, 512, 1024)
+    req = parse_chat(
+        {
+            "messages": [
+                {
+                    "role": "developer",
+                    "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}],
+                }
+            ]
+            + MSG,
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": -1,
+            "min_p": 0.05,
+            "seed": -1,
+            "stop": "END",
+            "max_completion_tokens": 99999,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "reasoning_effort": "high",
+            "chat_template_kwargs": {"enable_thinking": False},
+            "user": "ignored",
+        },
+        512,
+        1024,
+    )
     assert req.prompt[0] == {"role": "system", "content": "be brief"}
     assert req.max_tokens == 1024 and req.stream and req.include_usage
-    assert req.sampling == {"temp": 0.7, "top_p": 0.9, "top_k": 0, "min_p": 0.05,
-                            "seed": 2**32 - 1, "stop": ["END"], "use_eos": True}
-    assert req.template == {"reasoning": "high",
-                            "chat_template_args": {"enable_thinking": False}}
+    assert req.sampling == {
+        "temp": 0.7,
+        "top_p": 0.9,
+        "top_k": 0,
+        "min_p": 0.05,
+        "seed": 2**32 - 1,
+        "stop": ["END"],
+        "use_eos": True,
+    }
+    assert req.template == {"reasoning": "high", "chat_template_args": {"enable_thinking": False}}
 
 
 def test_defaults_and_harmless_zero_values():
-    req = parse_chat({"messages": MSG, "n": 1, "logprobs": False, "presence_penalty": 0,
-                      "tools": [], "tool_choice": "none", "response_format": {"type": "text"},
-                      "stream_options": {"include_usage": True}}, 256, 4096, default_temp=0.0)
+    req = parse_chat(
+        {
+            "messages": MSG,
+            "n": 1,
+            "logprobs": False,
+            "presence_penalty": 0,
+            "tools": [],
+            "tool_choice": "none",
+            "response_format": {"type": "text"},
+            "stream_options": {"include_usage": True},
+        },
+        256,
+        4096,
+        default_temp=0.0,
+    )
     assert req.max_tokens == 256 and req.sampling["temp"] == 0.0
     assert not req.include_usage  # only with stream=true
 
 
-@pytest.mark.parametrize("body", [
-    {"messages": MSG, "min_p": 1.0}, {"messages": MSG, "seed": 1.5},
-    {"messages": MSG, "temperature": True}, {"messages": MSG, "stream": "yes"},
-    {"messages": MSG, "functions": [{"name": "f"}]}, {"messages": MSG, "tool_choice": "auto"},
-    {"messages": MSG, "reasoning_effort": "max"}, {"messages": [{"role": "bot", "content": ""}]},
-    {"messages": MSG, "logit_bias": {"1": 5}}, {"messages": MSG, "stop": ["a"] * 17},
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": MSG, "min_p": 1.0},
+        {"messages": MSG, "seed": 1.5},
+        {"messages": MSG, "temperature": True},
+        {"messages": MSG, "stream": "yes"},
+        {"messages": MSG, "functions": [{"name": "f"}]},
+        {"messages": MSG, "tool_choice": "auto"},
+        {"messages": MSG, "reasoning_effort": "max"},
+        {"messages": [{"role": "bot", "content": ""}]},
+        {"messages": MSG, "logit_bias": {"1": 5}},
+        {"messages": MSG, "stop": ["a"] * 17},
+    ],
+)
 def test_refused(body):
     with pytest.raises(APIError) as e:
         parse_chat(body, 16, 16)
@@ -64,7 +109,7 @@ def run(splitter: ThinkSplitter, pieces: list[str]) -> tuple[str, str]:
 def test_think_split_streamed_in_pieces():
     text = "\n<think>\nplan it</think>\n\nanswer </thinking> here"
     for size in (1, 2, 3, 7, 100):
-        pieces = [text[i:i + size] for i in range(0, len(text), size)]
+        pieces = [text[i : i + size] for i in range(0, len(text), size)]
         assert run(ThinkSplitter(), pieces) == ("\nplan it", "answer </thinking> here")
 
 
@@ -85,7 +130,9 @@ def test_responder_puts_reasoning_in_reasoning_content():
     out = Responder(req, "m", Ready(3, think_open=True))
     chunks = out.deltas("step 1</think>\n\nresult", final=True)
     assert [c["choices"][0]["delta"] for c in chunks] == [
-        {"reasoning_content": "step 1"}, {"content": "result"}]
+        {"reasoning_content": "step 1"},
+        {"content": "result"},
+    ]
     whole = Responder(parse_chat({"messages": MSG}, 8, 8), "m", Ready(3, think_open=False))
     r, c = whole.parts("<think>why</think>because", final=True)
     result = {"finish_reason": "stop", "usage": {}, "dflash": {}}

@@ -14,6 +14,8 @@ import pytest
 
 from dflash_mac.loading import BUNDLED_DRAFT, BUNDLED_TARGET
 
+pytestmark = pytest.mark.slow  # every case runs in a fresh interpreter
+
 SCRIPT = r"""
 import json, sys, threading
 from dflash_mac.generate import generate
@@ -46,9 +48,13 @@ print(json.dumps(out))
 @pytest.mark.parametrize("draft, bits", [("dflash", 0), ("dflash2", 0), ("dflash", 8)])
 def test_generate_on_a_fresh_thread_after_loading_on_main(draft, bits):
     folder = BUNDLED_DRAFT.parent / draft
-    r = subprocess.run([sys.executable, "-c", SCRIPT, str(BUNDLED_TARGET), str(folder),
-                        str(bits)], capture_output=True, text=True, timeout=120,
-                       stdin=subprocess.DEVNULL)
+    r = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(BUNDLED_TARGET), str(folder), str(bits)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert "error" not in out, out["error"]

@@ -62,12 +62,12 @@ def test_block_sparse_mask_elementwise(causal, window):
         q = anchors[i] + kq
         for c in range(dense.shape[1]):
             if c < n_ctx:
-                want = _visible_by_definition(q, c, anchors[i], i, None, None, True, causal,
-                                              window)
+                want = _visible_by_definition(q, c, anchors[i], i, None, None, True, causal, window)
             else:
                 j, kk = divmod(c - n_ctx, bs)
-                want = _visible_by_definition(q, anchors[j] + kk, anchors[i], i, anchors[j], j,
-                                              False, causal, window)
+                want = _visible_by_definition(
+                    q, anchors[j] + kk, anchors[i], i, anchors[j], j, False, causal, window
+                )
             assert dense[r, c] == want, (r, c)
     # the compact per-block layout the trainer uses is exactly the dense mask's diagonal
     compact = block_mask(anchors, n_ctx, bs, causal, window)
@@ -111,15 +111,30 @@ def test_default_layer_ids_and_mask_token():
 
 def test_read_prompts(tmp_path):
     p = tmp_path / "p.jsonl"
-    p.write_text("\n".join(json.dumps(r) for r in [
-        {"messages": [{"role": "user", "content": "hi"},
-                      {"role": "assistant", "content": "drop me"}]},
-        {"text": "plain"}, {"prompt": "also plain"}, {}]))
+    p.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {
+                    "messages": [
+                        {"role": "user", "content": "hi"},
+                        {"role": "assistant", "content": "drop me"},
+                    ]
+                },
+                {"text": "plain"},
+                {"prompt": "also plain"},
+                {},
+            ]
+        )
+    )
     with pytest.raises(ValueError, match="line 4"):
         read_prompts(p)
     p.write_text("\n".join(p.read_text().splitlines()[:3]))
-    assert read_prompts(p) == [{"messages": [{"role": "user", "content": "hi"}]}, "plain",
-                               "also plain"]
+    assert read_prompts(p) == [
+        {"messages": [{"role": "user", "content": "hi"}]},
+        "plain",
+        "also plain",
+    ]
 
 
 @pytest.mark.parametrize("layout", ["bidirectional", "sliding-causal"])
@@ -139,8 +154,7 @@ def test_training_forward_equals_inference(tiny_pair, layout):
     anchors = np.array([[4, 11, 17, 24], [9, 3, 20, 20]])
     ids = np.stack([block_inputs(np.array(t), a, 6, 259)[0] for t, a in zip(tokens, anchors)])
     masks = layer_masks(drafter, anchors, tokens.shape[1], 6)
-    hidden = train_hidden(drafter, feats, mx.array(ids), mx.array(anchors.astype(np.int32)),
-                          masks)
+    hidden = train_hidden(drafter, feats, mx.array(ids), mx.array(anchors.astype(np.int32)), masks)
     train = drafter.logits(hidden[:, :, 1:])  # [B, N, bs-1, V]
     for (b, n), a in np.ndenumerate(anchors):
         cache = drafter.make_cache()
@@ -152,9 +166,21 @@ def test_training_forward_equals_inference(tiny_pair, layout):
 @pytest.fixture(scope="module")
 def prompts_file(tmp_path_factory):
     p = tmp_path_factory.mktemp("data") / "prompts.jsonl"
-    p.write_text("\n".join(json.dumps({"text": t}) for t in
-                           ["def add(a, b):", "import os", "class Stack:", "for i in x:",
-                            "while True:", "print('hi')", "try:", "x = [1, 2]"]))
+    p.write_text(
+        "\n".join(
+            json.dumps({"text": t})
+            for t in [
+                "def add(a, b):",
+                "import os",
+                "class Stack:",
+                "for i in x:",
+                "while True:",
+                "print('hi')",
+                "try:",
+                "x = [1, 2]",
+            ]
+        )
+    )
     return p
 
 
@@ -172,24 +198,40 @@ class Record(TrainingCallback):
 
 
 def _train(tiny_dirs, prompts, out, cache, on_step=None, **kw):
-    opts = dict(block_size=6, num_layers=1, steps=12, batch_size=2, anchors=16,
-                max_new_tokens=24, lr=3e-3, cache_dir=cache, save_every=4)
+    opts = dict(
+        block_size=6,
+        num_layers=1,
+        steps=12,
+        batch_size=2,
+        anchors=16,
+        max_new_tokens=24,
+        lr=3e-3,
+        cache_dir=cache,
+        save_every=4,
+    )
     opts.update(kw)
     rec = Record(on_step)
     summary = train_drafter(TrainingArgs(tiny_dirs[0], prompts, out, **opts), rec)
     return rec.losses, summary
 
 
+@pytest.mark.slow
 def test_training_decreases_loss_and_roundtrips(tiny_dirs, prompts_file, tmp_path):
-    losses, summary = _train(tiny_dirs, prompts_file, tmp_path / "out", tmp_path / "c",
-                             steps=40, eval_prompts=prompts_file, eval_limit=2,
-                             eval_max_tokens=12)
+    losses, summary = _train(
+        tiny_dirs,
+        prompts_file,
+        tmp_path / "out",
+        tmp_path / "c",
+        steps=40,
+        eval_prompts=prompts_file,
+        eval_limit=2,
+        eval_max_tokens=12,
+    )
     assert np.mean(losses[-5:]) < losses[0] - 0.5
     # the z-lab folder loads like any Hub drafter
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
-    assert cfg["dflash_config"] == {"block_size": 6, "mask_token_id": 259,
-                                    "target_layer_ids": [1]}
+    assert cfg["dflash_config"] == {"block_size": 6, "mask_token_id": 259, "target_layer_ids": [1]}
     assert cfg["num_target_layers"] == 4 and "rope_parameters" in cfg
     saved = mx.load(str(tmp_path / "out" / "model.safetensors"))
     assert all(v.dtype == mx.float16 for v in saved.values())
@@ -200,8 +242,14 @@ def test_training_decreases_loss_and_roundtrips(tiny_dirs, prompts_file, tmp_pat
     assert [e["block_size"] for e in ev] == [6, 5]
     assert all(e["identical"] == e["prompts"] for e in ev)
     # fine-tuning starts from the saved drafter (fp16-rounded), not from scratch
-    more, _ = _train(tiny_dirs, prompts_file, tmp_path / "ft", tmp_path / "c", steps=2,
-                     init_from=tmp_path / "out")
+    more, _ = _train(
+        tiny_dirs,
+        prompts_file,
+        tmp_path / "ft",
+        tmp_path / "c",
+        steps=2,
+        init_from=tmp_path / "out",
+    )
     assert more[0] < losses[0] - 0.3
 
 
@@ -221,21 +269,24 @@ def test_resume_continues_the_same_trajectory(tiny_dirs, prompts_file, tmp_path)
         _train(tiny_dirs, prompts_file, tmp_path / "b", tmp_path / "cb", on_step=stop_at_4)
     meta = json.loads((tmp_path / "cb" / "checkpoint" / "meta.json").read_text())
     assert meta["step"] == 4
-    rest, summary = _train(tiny_dirs, prompts_file, tmp_path / "b", tmp_path / "cb",
-                           resume=True)
+    rest, summary = _train(tiny_dirs, prompts_file, tmp_path / "b", tmp_path / "cb", resume=True)
     assert len(rest) == 8 and summary["steps"] == 12
     assert np.allclose(first + rest, full, rtol=1e-4, atol=1e-5)
 
 
-def test_regeneration_is_cached_and_limit_spreads(tiny_pair, tiny_dirs, prompts_file, tmp_path,
-                                                  monkeypatch):
+def test_regeneration_is_cached_and_limit_spreads(
+    tiny_pair, tiny_dirs, prompts_file, tmp_path, monkeypatch
+):
     from dflash_mac.train import data
 
     args = dict(max_tokens=8, limit=3, log=lambda m: None)
-    seqs, path = data.load_or_regenerate(tiny_pair.target, tiny_pair.tokenizer, tiny_dirs[0],
-                                         prompts_file, tmp_path, **args)
-    want = [data.encode_prompts(tiny_pair.tokenizer, [p], 4096)[0]
-            for p in np.array(read_prompts(prompts_file), dtype=object)[[0, 4, 7]]]
+    seqs, path = data.load_or_regenerate(
+        tiny_pair.target, tiny_pair.tokenizer, tiny_dirs[0], prompts_file, tmp_path, **args
+    )
+    want = [
+        data.encode_prompts(tiny_pair.tokenizer, [p], 4096)[0]
+        for p in np.array(read_prompts(prompts_file), dtype=object)[[0, 4, 7]]
+    ]
     assert [s.prompt for s in seqs] == want  # evenly spread: first, middle, last
     assert all(1 <= len(s.response) <= 8 for s in seqs)
 
@@ -243,6 +294,7 @@ def test_regeneration_is_cached_and_limit_spreads(tiny_pair, tiny_dirs, prompts_
         raise AssertionError("regenerated again")
 
     monkeypatch.setattr(data, "regenerate", boom)
-    again, path2 = data.load_or_regenerate(tiny_pair.target, tiny_pair.tokenizer, tiny_dirs[0],
-                                           prompts_file, tmp_path, **args)
+    again, path2 = data.load_or_regenerate(
+        tiny_pair.target, tiny_pair.tokenizer, tiny_dirs[0], prompts_file, tmp_path, **args
+    )
     assert path2 == path and [s.ids for s in again] == [s.ids for s in seqs]

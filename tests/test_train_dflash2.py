@@ -6,6 +6,7 @@ import json
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from dflash_mac.models.config import DraftConfig
 from dflash_mac.models.dflash2 import DFlash2DraftModel
 from test_dflash2 import d2_config, randomize
@@ -29,8 +30,7 @@ def test_training_forward_equals_inference(tiny_pair):
     anchors = np.array([[4, 11, 17, 24], [9, 3, 20, 20]])
     ids = np.stack([block_inputs(np.array(t), a, 6, 259)[0] for t, a in zip(tokens, anchors)])
     masks = layer_masks(drafter, anchors, tokens.shape[1], 6)
-    hidden = train_hidden2(drafter, feats, mx.array(ids), mx.array(anchors.astype(np.int32)),
-                           masks)
+    hidden = train_hidden2(drafter, feats, mx.array(ids), mx.array(anchors.astype(np.int32)), masks)
     for (b, n), a in np.ndenumerate(anchors):
         cache = drafter.make_cache()
         drafter.extend_context(feats[b : b + 1, :a], cache)
@@ -40,10 +40,24 @@ def test_training_forward_equals_inference(tiny_pair):
 
 def test_selector_loss_teacher_forced():
     """CE over the k candidate scores at the true token; labels outside the top-k are skipped."""
-    cfg = d2_config({"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
-                     "num_key_value_heads": 1, "head_dim": 16, "rms_norm_eps": 1e-6,
-                     "vocab_size": 12, "max_position_embeddings": 64, "rope_theta": 1e4,
-                     "num_hidden_layers": 4}, 11, group=8, rank=4, top_k=3)
+    cfg = d2_config(
+        {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 16,
+            "rms_norm_eps": 1e-6,
+            "vocab_size": 12,
+            "max_position_embeddings": 64,
+            "rope_theta": 1e4,
+            "num_hidden_layers": 4,
+        },
+        11,
+        group=8,
+        rank=4,
+        top_k=3,
+    )
     sel = randomize(DFlash2DraftModel(DraftConfig.from_dict(cfg)), 7).candidate_selector
     mx.random.seed(8)
     hidden, logits = mx.random.normal((1, 1, 3, 32)), mx.random.normal((1, 1, 3, 12)) * 3
@@ -51,8 +65,15 @@ def test_selector_loss_teacher_forced():
     labels = np.array([order[0, 1], order[1, 5], order[2, 0]])  # 2nd, not in top-3, 1st
     preds = np.array([4, labels[0], labels[1]])
     w = mx.array(position_weights(4))
-    loss, acc = selector_loss(sel, hidden, logits, mx.array(preds[None, None]),
-                              mx.array(labels[None, None]), mx.ones((1, 1)), w)
+    loss, acc = selector_loss(
+        sel,
+        hidden,
+        logits,
+        mx.array(preds[None, None]),
+        mx.array(labels[None, None]),
+        mx.ones((1, 1)),
+        w,
+    )
     g, lg = np.array(sel.hidden_projection(hidden)[0, 0]), np.array(logits[0, 0])
     PC = np.array(sel.predecessor_codebook.weight)
     SC = np.array(sel.successor_codebook.weight)
@@ -66,10 +87,19 @@ def test_selector_loss_teacher_forced():
     assert acc[1].item() == 0
 
 
+@pytest.mark.slow
 def test_train_dflash2_command(tiny_dirs, prompts_file, tmp_path):  # noqa: F811
-    losses, summary = _train(tiny_dirs, prompts_file, tmp_path / "out", tmp_path / "c",
-                             arch="dflash2", steps=30, eval_prompts=prompts_file,
-                             eval_limit=2, eval_max_tokens=12)
+    losses, summary = _train(
+        tiny_dirs,
+        prompts_file,
+        tmp_path / "out",
+        tmp_path / "c",
+        arch="dflash2",
+        steps=30,
+        eval_prompts=prompts_file,
+        eval_limit=2,
+        eval_max_tokens=12,
+    )
     assert np.mean(losses[-5:]) < losses[0] - 0.5
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["architectures"] == ["DFlash2DraftModel"]

@@ -37,7 +37,6 @@ def _quant(q: dict | None) -> str:
     return f"{q.get('bits', 4)}-bit g{q.get('group_size', 64)}" if q else "none"
 
 
-
 def header(pair: Pair) -> dict:
     """Machine, software and model facts for the report."""
     import datetime
@@ -51,8 +50,11 @@ def header(pair: Pair) -> dict:
     def nbytes(model: Any) -> int:
         return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
-    floats = [v.dtype for _, v in tree_flatten(pair.target.parameters())
-              if mx.issubdtype(v.dtype, mx.floating)]
+    floats = [
+        v.dtype
+        for _, v in tree_flatten(pair.target.parameters())
+        if mx.issubdtype(v.dtype, mx.floating)
+    ]
     return {
         **machine_summary(),
         "cpu": cpu_name(),
@@ -85,8 +87,10 @@ def busy_warning(warn: Callable[[str], Any]) -> float | None:
 
     load, cpus = load_average(), os.cpu_count() or 1
     if load is not None and load > 0.5 * cpus:
-        warn(f"the machine is busy (load average {load:.1f} on {cpus} CPUs); timings will be "
-             "slower and noisier than on an idle machine.")
+        warn(
+            f"the machine is busy (load average {load:.1f} on {cpus} CPUs); timings will be "
+            "slower and noisier than on an idle machine."
+        )
     return load
 
 
@@ -104,44 +108,63 @@ def limit_per_suite(prompts: list[BenchPrompt], limit: int | None) -> list[Bench
 
 
 def bench_command(
-    model: str | None = typer.Option(None, "--model", "-m", help="Target model (default: the "
-                                     "bundled pair)."),
-    draft: str | None = typer.Option(None, "--draft", "-d", help="DFlash drafter (default: "
-                                     "the bundled pair)."),
-    suite: str = typer.Option("code", "--suite", "-s", help="Prompt suite: code, math, chat "
-                              "or all."),
-    prompts_file: Path | None = typer.Option(None, "--prompts", help="JSONL prompts "
-                                             "({\"id\", \"messages\"|\"prompt\"}) instead "
-                                             "of a suite."),
-    limit: int | None = typer.Option(None, "--limit", help="Use the first K prompts of "
-                                     "each suite."),
+    model: str | None = typer.Option(
+        None, "--model", "-m", help="Target model (default: the bundled pair)."
+    ),
+    draft: str | None = typer.Option(
+        None, "--draft", "-d", help="DFlash drafter (default: the bundled pair)."
+    ),
+    suite: str = typer.Option(
+        "code", "--suite", "-s", help="Prompt suite: code, math, chat or all."
+    ),
+    prompts_file: Path | None = typer.Option(
+        None, "--prompts", help='JSONL prompts ({"id", "messages"|"prompt"}) instead of a suite.'
+    ),
+    limit: int | None = typer.Option(
+        None, "--limit", help="Use the first K prompts of each suite."
+    ),
     trials: int = typer.Option(2, "--trials", "-t", help="Measured passes over the prompts."),
-    max_tokens: int = typer.Option(128, "--max-tokens", "-n",
-                                   help="Tokens per generation at most."),
-    block_size: str | None = typer.Option(None, "--block-size", "-b", help="Block size, or a "
-                                          "comma-separated sweep such as 2,3,4,5,8."),
-    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy, "
-                               "lossless-checked)."),
+    max_tokens: int = typer.Option(
+        128, "--max-tokens", "-n", help="Tokens per generation at most."
+    ),
+    block_size: str | None = typer.Option(
+        None, "--block-size", "-b", help="Block size, or a comma-separated sweep such as 2,3,4,5,8."
+    ),
+    temp: float = typer.Option(
+        0.0, "--temp", help="Sampling temperature (0 = greedy, lossless-checked)."
+    ),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass."),
     top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = all)."),
     min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min_p * max prob."),
     seed: int = typer.Option(0, "--seed", help="Seed of the prompt shuffle and sampling."),
-    draft_bits: int | None = typer.Option(None, "--draft-bits", help="Quantize the drafter "
-                                          "to 4 or 8 bits."),
-    reasoning: str | None = typer.Option(None, "--reasoning", help="Thinking mode for chat "
-                                         "templates: on, off, low, medium, high, xhigh."),
-    no_eos: bool = typer.Option(False, "--no-eos", help="Ignore EOS: always generate "
-                                "--max-tokens tokens."),
-    fmt: str = typer.Option("md", "--format", "-f", help="Report format on stdout: md, json, "
-                            "jsonl or csv."),
-    out: Path | None = typer.Option(None, "--out", help="Append the full report as one JSON "
-                                    "line to FILE."),
-    cooldown: float = typer.Option(0.0, "--cooldown", help="Seconds to sleep before each "
-                                   "measured run."),
-    strict: bool = typer.Option(False, "--strict", help="Exit non-zero if any greedy DFlash "
-                                "output differs from the baseline."),
-    live: bool | None = typer.Option(None, "--live/--no-live", help="Live view (default: "
-                                     "when stderr is a terminal)."),
+    draft_bits: int | None = typer.Option(
+        None, "--draft-bits", help="Quantize the drafter to 4 or 8 bits."
+    ),
+    reasoning: str | None = typer.Option(
+        None,
+        "--reasoning",
+        help="Thinking mode for chat templates: on, off, low, medium, high, xhigh.",
+    ),
+    no_eos: bool = typer.Option(
+        False, "--no-eos", help="Ignore EOS: always generate --max-tokens tokens."
+    ),
+    fmt: str = typer.Option(
+        "md", "--format", "-f", help="Report format on stdout: md, json, jsonl or csv."
+    ),
+    out: Path | None = typer.Option(
+        None, "--out", help="Append the full report as one JSON line to FILE."
+    ),
+    cooldown: float = typer.Option(
+        0.0, "--cooldown", help="Seconds to sleep before each measured run."
+    ),
+    strict: bool = typer.Option(
+        False,
+        "--strict",
+        help="Exit non-zero if any greedy DFlash output differs from the baseline.",
+    ),
+    live: bool | None = typer.Option(
+        None, "--live/--no-live", help="Live view (default: when stderr is a terminal)."
+    ),
 ) -> None:
     """Benchmark DFlash against plain decoding of the same target, in one process."""
     from rich.console import Console
@@ -164,21 +187,37 @@ def bench_command(
     prompts = read_prompts(prompts_file) if prompts_file else suite_prompts(suite, warn)
     prompts = limit_per_suite(prompts, limit)
     pair = load_pair(model, draft, draft_bits=draft_bits, reasoning=reasoning)
-    sizes = list(dict.fromkeys(block_size_policy(pair, s, warn=err.print)
-                               for s in sizes or [pair.block_size]))
+    sizes = list(
+        dict.fromkeys(
+            block_size_policy(pair, s, warn=err.print) for s in sizes or [pair.block_size]
+        )
+    )
     ids = [prompt_ids(pair.tokenizer, p.prompt, reasoning=reasoning) for p in prompts]
     for i in ids:
         check_context(pair, i, max_tokens)
-    cfg = BenchConfig(sizes, max_tokens, trials, temp, top_p, top_k, min_p, seed, not no_eos,
-                      cooldown)
+    cfg = BenchConfig(
+        sizes, max_tokens, trials, temp, top_p, top_k, min_p, seed, not no_eos, cooldown
+    )
     load_start = busy_warning(warn)
     with BenchView(err, len(prompts) * trials, sizes, live) as view:
         records = run_bench(pair, prompts, ids, cfg, view)
-    config = {"suite": None if prompts_file else suite, "prompts_file":
-              str(prompts_file) if prompts_file else None, "limit": limit, "trials": trials,
-              "max_tokens": max_tokens, "block_sizes": sizes, "temp": temp, "top_p": top_p,
-              "top_k": top_k, "min_p": min_p, "seed": seed, "use_eos": not no_eos,
-              "reasoning": reasoning, "draft_bits": draft_bits, "cooldown_s": cooldown}
+    config = {
+        "suite": None if prompts_file else suite,
+        "prompts_file": str(prompts_file) if prompts_file else None,
+        "limit": limit,
+        "trials": trials,
+        "max_tokens": max_tokens,
+        "block_sizes": sizes,
+        "temp": temp,
+        "top_p": top_p,
+        "top_k": top_k,
+        "min_p": min_p,
+        "seed": seed,
+        "use_eos": not no_eos,
+        "reasoning": reasoning,
+        "draft_bits": draft_bits,
+        "cooldown_s": cooldown,
+    }
     load = [load_start, load_average()]
     doc = build_report(header(pair) | {"load_avg": load}, config, records, sizes, cfg.greedy)
     print_acceptance(err, doc)
@@ -190,9 +229,11 @@ def bench_command(
         warn("--strict checks greedy runs only; nothing was checked at --temp > 0.")
     if bad:
         first = bad[0]
-        msg = (f"lossless check failed: {len(bad)} of {checked} DFlash runs differ from the "
-               f"baseline (first: {first['id']}, block {first['block_size']}, at token "
-               f"{first['first_diff']}).")
+        msg = (
+            f"lossless check failed: {len(bad)} of {checked} DFlash runs differ from the "
+            f"baseline (first: {first['id']}, block {first['block_size']}, at token "
+            f"{first['first_diff']})."
+        )
         if strict:
             err.print(f"[bold red]error:[/] {msg}", highlight=False)
             raise typer.Exit(1)

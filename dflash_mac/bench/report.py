@@ -15,15 +15,15 @@ SCHEMA_ID = "dflash-mac-bench/1"
 
 DEFINITIONS = {
     "decode_tps": "tokens after the first ÷ seconds from the first token to the last, both "
-                  "taken on the host by the bench for baseline and DFlash alike; per trial "
-                  "Σ tokens ÷ Σ seconds over the prompts, then mean ± sample std over trials",
+    "taken on the host by the bench for baseline and DFlash alike; per trial "
+    "Σ tokens ÷ Σ seconds over the prompts, then mean ± sample std over trials",
     "speedup": "DFlash decode tok/s ÷ baseline decode tok/s, per trial, then mean ± std",
     "tau": "tokens committed per DFlash cycle incl. the bonus (1..block size); mean per "
-           "request, then mean ± std over requests",
+    "request, then mean ± std over requests",
     "ttft": "seconds from the call to the first token on the host (prefill + first sample)",
     "prefill_tps": "prompt tokens ÷ TTFT",
     "peak_memory": "mx.get_peak_memory() after mx.reset_peak_memory(), max over runs; the "
-                   "baseline column excludes the drafter's resident weights",
+    "baseline column excludes the drafter's resident weights",
     "lossless": "greedy only: DFlash token ids equal the baseline's, per prompt and trial",
     "baseline": "mlx_lm.generate.generate_step on the same target weights, no hooks",
 }
@@ -35,32 +35,86 @@ _INTS = {"type": "array", "items": _INT}
 _NUMS = {"type": "array", "items": _NUM}
 _RUN = {
     "type": "object",
-    "required": ["generation_tokens", "decode_tokens", "decode_time_s", "decode_tps", "ttft_s",
-                 "prefill_tps", "peak_memory_bytes", "finish_reason", "tokens"],
-    "properties": {"generation_tokens": _INT, "decode_tps": _NUM, "ttft_s": _NUM,
-                   "tokens": _INTS, "finish_reason": {"type": "string"}},
+    "required": [
+        "generation_tokens",
+        "decode_tokens",
+        "decode_time_s",
+        "decode_tps",
+        "ttft_s",
+        "prefill_tps",
+        "peak_memory_bytes",
+        "finish_reason",
+        "tokens",
+    ],
+    "properties": {
+        "generation_tokens": _INT,
+        "decode_tps": _NUM,
+        "ttft_s": _NUM,
+        "tokens": _INTS,
+        "finish_reason": {"type": "string"},
+    },
 }
 _DFLASH_RUN = {
     "type": "object",
-    "required": [*_RUN["required"], "block_size", "tau", "cycles", "acceptance_lengths",
-                 "histogram", "lossless"],
-    "properties": {**_RUN["properties"], "block_size": _INT, "tau": _NUM, "cycles": _INT,
-                   "acceptance_lengths": _INTS, "histogram": _INTS,
-                   "lossless": {"type": ["boolean", "null"]},
-                   "first_diff": {"type": ["integer", "null"]}},
+    "required": [
+        *_RUN["required"],
+        "block_size",
+        "tau",
+        "cycles",
+        "acceptance_lengths",
+        "histogram",
+        "lossless",
+    ],
+    "properties": {
+        **_RUN["properties"],
+        "block_size": _INT,
+        "tau": _NUM,
+        "cycles": _INT,
+        "acceptance_lengths": _INTS,
+        "histogram": _INTS,
+        "lossless": {"type": ["boolean", "null"]},
+        "first_diff": {"type": ["integer", "null"]},
+    },
 }
 _ROW = {
     "type": "object",
-    "required": ["block_size", "suite", "prompts", "trials", "runs", "baseline_tps",
-                 "dflash_tps", "speedup", "tau", "cycles", "histogram", "survival",
-                 "position_acceptance", "baseline_prefill_tps", "dflash_prefill_tps",
-                 "baseline_ttft_ms", "dflash_ttft_ms", "baseline_peak_bytes",
-                 "dflash_peak_bytes", "lossless_equal", "lossless_checked"],
-    "properties": {"block_size": _INT, "suite": {"type": "string"}, "prompts": _INT,
-                   "baseline_tps": _PAIR, "dflash_tps": _PAIR, "speedup": _PAIR, "tau": _PAIR,
-                   "histogram": _INTS, "survival": _NUMS, "position_acceptance": _NUMS,
-                   "lossless_equal": {"type": ["integer", "null"]},
-                   "lossless_checked": {"type": ["integer", "null"]}},
+    "required": [
+        "block_size",
+        "suite",
+        "prompts",
+        "trials",
+        "runs",
+        "baseline_tps",
+        "dflash_tps",
+        "speedup",
+        "tau",
+        "cycles",
+        "histogram",
+        "survival",
+        "position_acceptance",
+        "baseline_prefill_tps",
+        "dflash_prefill_tps",
+        "baseline_ttft_ms",
+        "dflash_ttft_ms",
+        "baseline_peak_bytes",
+        "dflash_peak_bytes",
+        "lossless_equal",
+        "lossless_checked",
+    ],
+    "properties": {
+        "block_size": _INT,
+        "suite": {"type": "string"},
+        "prompts": _INT,
+        "baseline_tps": _PAIR,
+        "dflash_tps": _PAIR,
+        "speedup": _PAIR,
+        "tau": _PAIR,
+        "histogram": _INTS,
+        "survival": _NUMS,
+        "position_acceptance": _NUMS,
+        "lossless_equal": {"type": ["integer", "null"]},
+        "lossless_checked": {"type": ["integer", "null"]},
+    },
 }
 SCHEMA: dict = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -71,16 +125,44 @@ SCHEMA: dict = {
         "schema": {"enum": [SCHEMA_ID]},
         "header": {
             "type": "object",
-            "required": ["machine", "os", "mlx", "mlx_lm", "device", "blas", "target", "draft",
-                         "drafter_kind", "target_quantization", "draft_quantization", "dtype",
-                         "drafter_weight_bytes", "date", "dflash_mac", "definitions"],
-            "properties": {"blas": {"type": "string"}, "device": {"type": "string"},
-                           "drafter_weight_bytes": _INT, "definitions": {"type": "object"}},
+            "required": [
+                "machine",
+                "os",
+                "mlx",
+                "mlx_lm",
+                "device",
+                "blas",
+                "target",
+                "draft",
+                "drafter_kind",
+                "target_quantization",
+                "draft_quantization",
+                "dtype",
+                "drafter_weight_bytes",
+                "date",
+                "dflash_mac",
+                "definitions",
+            ],
+            "properties": {
+                "blas": {"type": "string"},
+                "device": {"type": "string"},
+                "drafter_weight_bytes": _INT,
+                "definitions": {"type": "object"},
+            },
         },
         "config": {
             "type": "object",
-            "required": ["suite", "prompts_file", "trials", "max_tokens", "block_sizes", "temp",
-                         "seed", "use_eos", "cooldown_s"],
+            "required": [
+                "suite",
+                "prompts_file",
+                "trials",
+                "max_tokens",
+                "block_sizes",
+                "temp",
+                "seed",
+                "use_eos",
+                "cooldown_s",
+            ],
             "properties": {"block_sizes": _INTS, "trials": _INT, "max_tokens": _INT},
         },
         "rows": {"type": "array", "items": _ROW, "minItems": 1},
@@ -88,23 +170,46 @@ SCHEMA: dict = {
         "lossless": {
             "type": "object",
             "required": ["checked", "equal", "mismatches"],
-            "properties": {"checked": {"type": ["integer", "null"]},
-                           "equal": {"type": ["integer", "null"]},
-                           "mismatches": {"type": "array", "items": {
-                               "type": "object",
-                               "required": ["id", "trial", "block_size", "first_diff"]}}},
+            "properties": {
+                "checked": {"type": ["integer", "null"]},
+                "equal": {"type": ["integer", "null"]},
+                "mismatches": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["id", "trial", "block_size", "first_diff"],
+                    },
+                },
+            },
         },
-        "prompts": {"type": "array", "items": {
-            "type": "object",
-            "required": ["id", "suite", "trial", "position", "prompt_tokens", "baseline",
-                         "dflash"],
-            "properties": {"baseline": _RUN, "dflash": {"type": "array", "items": _DFLASH_RUN}},
-        }},
+        "prompts": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": [
+                    "id",
+                    "suite",
+                    "trial",
+                    "position",
+                    "prompt_tokens",
+                    "baseline",
+                    "dflash",
+                ],
+                "properties": {"baseline": _RUN, "dflash": {"type": "array", "items": _DFLASH_RUN}},
+            },
+        },
     },
 }
 
-_TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None),
-          "integer": int, "number": (int, float)}
+_TYPES = {
+    "object": dict,
+    "array": list,
+    "string": str,
+    "boolean": bool,
+    "null": type(None),
+    "integer": int,
+    "number": (int, float),
+}
 
 
 def validate(doc: Any, schema: dict = SCHEMA, path: str = "$") -> list[str]:
@@ -114,9 +219,11 @@ def validate(doc: Any, schema: dict = SCHEMA, path: str = "$") -> list[str]:
     types = schema.get("type")
     if types is not None:
         names = types if isinstance(types, list) else [types]
-        ok = any(isinstance(doc, _TYPES[t]) and not (t in ("integer", "number")
-                                                      and isinstance(doc, bool))
-                 for t in names)
+        ok = any(
+            isinstance(doc, _TYPES[t])
+            and not (t in ("integer", "number") and isinstance(doc, bool))
+            for t in names
+        )
         if not ok:
             return [f"{path}: expected {'/'.join(names)}, got {type(doc).__name__}"]
     if "enum" in schema and doc not in schema["enum"]:
@@ -146,14 +253,18 @@ def record_dict(rec: dict, greedy: bool) -> dict:
     for bs in sorted(rec["dflash"]):
         run = rec["dflash"][bs]
         diff = first_diff(run.tokens, base.tokens) if greedy else None
-        dflash.append({**run.as_dict(), "lossless": diff is None if greedy else None,
-                       "first_diff": diff})
+        dflash.append(
+            {**run.as_dict(), "lossless": diff is None if greedy else None, "first_diff": diff}
+        )
     return {k: rec[k] for k in ("id", "suite", "trial", "position", "prompt_tokens")} | {
-        "baseline": base.as_dict(), "dflash": dflash}
+        "baseline": base.as_dict(),
+        "dflash": dflash,
+    }
 
 
-def build_report(header: dict, config: dict, records: list[dict], block_sizes: list[int],
-                 greedy: bool) -> dict:
+def build_report(
+    header: dict, config: dict, records: list[dict], block_sizes: list[int], greedy: bool
+) -> dict:
     """The whole report document (validates against SCHEMA)."""
     from .summary import best_block_size, mismatches, summary_rows
 
@@ -166,8 +277,11 @@ def build_report(header: dict, config: dict, records: list[dict], block_sizes: l
         "config": config,
         "rows": rows,
         "best_block_size": best_block_size(rows),
-        "lossless": {"checked": checked, "equal": None if checked is None else checked - len(bad),
-                     "mismatches": bad},
+        "lossless": {
+            "checked": checked,
+            "equal": None if checked is None else checked - len(bad),
+            "mismatches": bad,
+        },
         "prompts": [record_dict(r, greedy) for r in records],
     }
 
@@ -203,10 +317,10 @@ def table_cells(row: dict, drafter_bytes: int) -> dict[str, str]:
         "DFlash t/s": _pm(row["dflash_tps"], row["trials"]),
         "speedup": _pm(row["speedup"], row["trials"], 2, "×"),
         "τ": f"{row['tau'][0]:.2f}",
-        "prefill t/s (base / DFlash)":
-            f"{row['baseline_prefill_tps']:.0f} / {row['dflash_prefill_tps']:.0f}",
-        "TTFT ms (base / DFlash)":
-            f"{row['baseline_ttft_ms']:.1f} / {row['dflash_ttft_ms']:.1f}",
+        "prefill t/s (base / DFlash)": (
+            f"{row['baseline_prefill_tps']:.0f} / {row['dflash_prefill_tps']:.0f}"
+        ),
+        "TTFT ms (base / DFlash)": f"{row['baseline_ttft_ms']:.1f} / {row['dflash_ttft_ms']:.1f}",
         "peak mem (base / DFlash)": f"{_gb(base_peak)} / {_gb(row['dflash_peak_bytes'])}",
         "lossless": lossless_cell(row),
     }
@@ -217,9 +331,14 @@ def header_lines(doc: dict) -> list[str]:
     load = h.get("load_avg")
     quant = f"target {h['target_quantization']}, drafter {h['draft_quantization']}"
     prompts = c["prompts_file"] or f"suite {c['suite']}"
-    sampling = "greedy" if c["temp"] <= 0 else (
-        f"temp {c['temp']}, top-p {c.get('top_p')}, top-k {c.get('top_k')}, "
-        f"min-p {c.get('min_p')}")
+    sampling = (
+        "greedy"
+        if c["temp"] <= 0
+        else (
+            f"temp {c['temp']}, top-p {c.get('top_p')}, top-k {c.get('top_k')}, "
+            f"min-p {c.get('min_p')}"
+        )
+    )
     return [
         f"- machine: {h['machine']} · {h.get('cpu', '?')} · {h.get('cpu_count', '?')} CPUs · "
         f"{h['os']}" + (f" · load average {load[0]} → {load[1]}" if load else ""),
@@ -231,8 +350,7 @@ def header_lines(doc: dict) -> list[str]:
         f"EOS {'on' if c['use_eos'] else 'off'} · seed {c['seed']} · cooldown "
         f"{c['cooldown_s']} s · {h['date']}",
         f"- decode tok/s: {h['definitions']['decode_tps']}.",
-        f"- peak memory: {h['definitions']['peak_memory']} "
-        f"({_gb(h['drafter_weight_bytes'])}).",
+        f"- peak memory: {h['definitions']['peak_memory']} ({_gb(h['drafter_weight_bytes'])}).",
     ]
 
 
@@ -242,26 +360,47 @@ def to_markdown(doc: dict) -> str:
     drafter_bytes = doc["header"]["drafter_weight_bytes"]
     cells = [table_cells(r, drafter_bytes) for r in doc["rows"]]
     cols = list(cells[0])
-    lines = ["# dflash-mac bench", "", *header_lines(doc), "",
-             "| " + " | ".join(cols) + " |",
-             "| " + " | ".join("---:" if c not in ("suite",) else "---" for c in cols) + " |"]
+    lines = [
+        "# dflash-mac bench",
+        "",
+        *header_lines(doc),
+        "",
+        "| " + " | ".join(cols) + " |",
+        "| " + " | ".join("---:" if c not in ("suite",) else "---" for c in cols) + " |",
+    ]
     lines += ["| " + " | ".join(c[k] for k in cols) + " |" for c in cells]
     if len(doc["config"]["block_sizes"]) > 1 and doc["best_block_size"] is not None:
-        lines += ["", f"Best block size on this machine: **{doc['best_block_size']}** "
-                      "(highest DFlash decode tok/s)."]
+        lines += [
+            "",
+            f"Best block size on this machine: **{doc['best_block_size']}** "
+            "(highest DFlash decode tok/s).",
+        ]
     lossless = doc["lossless"]
     if lossless["mismatches"]:
-        lines += ["", f"**Lossless check failed** for {len(lossless['mismatches'])} of "
-                      f"{lossless['checked']} runs:"]
-        lines += [f"- `{m['id']}` trial {m['trial']} block {m['block_size']}: first "
-                  f"difference at token {m['first_diff']}" for m in lossless["mismatches"][:20]]
+        lines += [
+            "",
+            f"**Lossless check failed** for {len(lossless['mismatches'])} of "
+            f"{lossless['checked']} runs:",
+        ]
+        lines += [
+            f"- `{m['id']}` trial {m['trial']} block {m['block_size']}: first "
+            f"difference at token {m['first_diff']}"
+            for m in lossless["mismatches"][:20]
+        ]
     for row in doc["rows"]:
-        if row["suite"] != "all" and sum(r["block_size"] == row["block_size"]
-                                         for r in doc["rows"]) > 1:
+        if (
+            row["suite"] != "all"
+            and sum(r["block_size"] == row["block_size"] for r in doc["rows"]) > 1
+        ):
             continue
-        lines += ["", f"### Acceptance, block size {row['block_size']} "
-                      f"({row['cycles']} cycles, τ {row['tau'][0]:.2f})", "", "```",
-                  "tokens/cycle  histogram"]
+        lines += [
+            "",
+            f"### Acceptance, block size {row['block_size']} "
+            f"({row['cycles']} cycles, τ {row['tau'][0]:.2f})",
+            "",
+            "```",
+            "tokens/cycle  histogram",
+        ]
         lines += bars(row["histogram"])
         lines += ["", "k  P(A ≥ k)  P(pos k accepted | 1..k-1)"]
         for k, s in enumerate(row["survival"], 1):
@@ -274,9 +413,25 @@ def to_markdown(doc: dict) -> str:
 def flat_rows(doc: dict) -> list[dict]:
     """One flat dict per summary row with the header fields (JSONL / CSV)."""
     h, c = doc["header"], doc["config"]
-    keep = ("machine", "cpu", "cpu_count", "os", "mlx", "mlx_lm", "device", "blas", "target",
-            "draft", "drafter_kind", "target_quantization", "draft_quantization", "dtype",
-            "date", "dflash_mac", "load_avg")
+    keep = (
+        "machine",
+        "cpu",
+        "cpu_count",
+        "os",
+        "mlx",
+        "mlx_lm",
+        "device",
+        "blas",
+        "target",
+        "draft",
+        "drafter_kind",
+        "target_quantization",
+        "draft_quantization",
+        "dtype",
+        "date",
+        "dflash_mac",
+        "load_avg",
+    )
     out = []
     for r in doc["rows"]:
         flat = {k: h.get(k) for k in keep}
@@ -310,8 +465,7 @@ def to_csv(doc: dict) -> str:
     w = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
     w.writeheader()
     for r in rows:
-        w.writerow({k: " ".join(map(str, v)) if isinstance(v, list) else v
-                    for k, v in r.items()})
+        w.writerow({k: " ".join(map(str, v)) if isinstance(v, list) else v for k, v in r.items()})
     return buf.getvalue()
 
 

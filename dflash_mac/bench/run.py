@@ -91,8 +91,10 @@ def parse_block_sizes(text: str | None) -> list[int] | None:
     try:
         sizes = [int(p) for p in str(text).split(",")]
     except ValueError:
-        raise BenchError(f"--block-size must be an integer or a comma-separated list such as "
-                         f"2,3,4,5,8 (got {text!r}).")
+        raise BenchError(
+            f"--block-size must be an integer or a comma-separated list such as "
+            f"2,3,4,5,8 (got {text!r})."
+        )
     if any(s < 1 for s in sizes):
         raise BenchError(f"every --block-size must be at least 1 (got {text!r}).")
     return sorted(set(sizes))
@@ -173,9 +175,13 @@ class Run:
         }
         if self.block_size is not None:
             bs = self.block_size
-            d.update(block_size=bs, tau=self.tau, cycles=len(self.acceptance_lengths),
-                     acceptance_lengths=list(self.acceptance_lengths),
-                     histogram=histogram(self.acceptance_lengths, bs))
+            d.update(
+                block_size=bs,
+                tau=self.tau,
+                cycles=len(self.acceptance_lengths),
+                acceptance_lengths=list(self.acceptance_lengths),
+                histogram=histogram(self.acceptance_lengths, bs),
+            )
         return d
 
 
@@ -202,12 +208,20 @@ class Clock:
         import mlx.core as mx
 
         first = self.first or 0.0
-        return Run(list(tokens), prompt_tokens, first, max((self.last or first) - first, 0.0),
-                   mx.get_peak_memory(), reason, **kw)
+        return Run(
+            list(tokens),
+            prompt_tokens,
+            first,
+            max((self.last or first) - first, 0.0),
+            mx.get_peak_memory(),
+            reason,
+            **kw,
+        )
 
 
-def run_baseline(pair: Pair, ids: list[int], cfg: BenchConfig, seed: int,
-                 max_tokens: int | None = None) -> Run:
+def run_baseline(
+    pair: Pair, ids: list[int], cfg: BenchConfig, seed: int, max_tokens: int | None = None
+) -> Run:
     """Plain target decoding with mlx-lm's `generate_step` (no hooks, same weights)."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
@@ -217,8 +231,7 @@ def run_baseline(pair: Pair, ids: list[int], cfg: BenchConfig, seed: int,
 
     assert not is_hooked(pair.target), "the baseline must run on an unhooked target"
     max_tokens = max_tokens or cfg.max_tokens
-    sampler = None if cfg.greedy else make_sampler(cfg.temp, cfg.top_p, cfg.min_p,
-                                                   top_k=cfg.top_k)
+    sampler = None if cfg.greedy else make_sampler(cfg.temp, cfg.top_p, cfg.min_p, top_k=cfg.top_k)
     eos = pair.eos_ids if cfg.use_eos else set()
     mx.random.seed(seed)
     tokens, reason = [], "length"
@@ -235,25 +248,44 @@ def run_baseline(pair: Pair, ids: list[int], cfg: BenchConfig, seed: int,
     return clock.result(tokens, len(ids), reason)
 
 
-def run_dflash(pair: Pair, ids: list[int], cfg: BenchConfig, block_size: int, seed: int,
-               on_cycle: Callable[[int], Any] | None = None,
-               max_tokens: int | None = None) -> Run:
+def run_dflash(
+    pair: Pair,
+    ids: list[int],
+    cfg: BenchConfig,
+    block_size: int,
+    seed: int,
+    on_cycle: Callable[[int], Any] | None = None,
+    max_tokens: int | None = None,
+) -> Run:
     """DFlash through `stream_generate`, timed like the baseline; `on_cycle(accepted)`."""
     from dflash_mac.generate import stream_generate
 
     tokens, last = [], None
     clock = Clock()
-    for ev in stream_generate(pair, ids, max_tokens=max_tokens or cfg.max_tokens,
-                              block_size=block_size, temp=cfg.temp, top_p=cfg.top_p,
-                              top_k=cfg.top_k, min_p=cfg.min_p, seed=seed,
-                              use_eos=cfg.use_eos):
+    for ev in stream_generate(
+        pair,
+        ids,
+        max_tokens=max_tokens or cfg.max_tokens,
+        block_size=block_size,
+        temp=cfg.temp,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        min_p=cfg.min_p,
+        seed=seed,
+        use_eos=cfg.use_eos,
+    ):
         clock.tick(kept=bool(ev.tokens))
         tokens += ev.tokens
         last = ev
         if ev.accepted and on_cycle:
             on_cycle(ev.accepted)
-    return clock.result(tokens, len(ids), last.finish_reason, block_size=block_size,
-                        acceptance_lengths=list(last.stats.acceptance_lengths))
+    return clock.result(
+        tokens,
+        len(ids),
+        last.finish_reason,
+        block_size=block_size,
+        acceptance_lengths=list(last.stats.acceptance_lengths),
+    )
 
 
 class Observer:
@@ -272,8 +304,13 @@ class Observer:
         """All runs of one (trial, prompt) finished."""
 
 
-def run_bench(pair: Pair, prompts: list[BenchPrompt], ids: list[list[int]], cfg: BenchConfig,
-              observer: Observer | None = None) -> list[dict]:
+def run_bench(
+    pair: Pair,
+    prompts: list[BenchPrompt],
+    ids: list[list[int]],
+    cfg: BenchConfig,
+    observer: Observer | None = None,
+) -> list[dict]:
     """Warm up, then measure every (trial, prompt): baseline and DFlash per block size.
 
     Returns one record per (trial, prompt) with the baseline run and the DFlash runs."""
@@ -290,8 +327,15 @@ def run_bench(pair: Pair, prompts: list[BenchPrompt], ids: list[list[int]], cfg:
         random.Random(cfg.seed * 1_000_003 + trial).shuffle(order)
         for pos, i in enumerate(order):
             bp, seed = prompts[i], cfg.seed + 7919 * trial + i
-            rec = {"id": bp.id, "suite": bp.suite, "trial": trial, "position": pos,
-                   "prompt_tokens": len(ids[i]), "baseline": None, "dflash": {}}
+            rec = {
+                "id": bp.id,
+                "suite": bp.suite,
+                "trial": trial,
+                "position": pos,
+                "prompt_tokens": len(ids[i]),
+                "baseline": None,
+                "dflash": {},
+            }
             jobs: list[int | None] = [None, *cfg.block_sizes]
             if (trial + pos) % 2:  # alternate which kind runs first
                 jobs = jobs[1:] + jobs[:1]
@@ -303,7 +347,8 @@ def run_bench(pair: Pair, prompts: list[BenchPrompt], ids: list[list[int]], cfg:
                     run = rec["baseline"] = run_baseline(pair, ids[i], cfg, seed)
                 else:
                     run = rec["dflash"][bs] = run_dflash(
-                        pair, ids[i], cfg, bs, seed, on_cycle=lambda a, b=bs: obs.cycle(b, a))
+                        pair, ids[i], cfg, bs, seed, on_cycle=lambda a, b=bs: obs.cycle(b, a)
+                    )
                 obs.done(run)
             obs.checked(rec, cfg.greedy)
             records.append(rec)

@@ -16,8 +16,6 @@ def first_diff(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-
-
 def trial_tps(runs: list[Run]) -> float:
     """Decode tok/s of a set of runs: Σ decode tokens ÷ Σ decode time (token-weighted)."""
     t = sum(r.decode_time for r in runs)
@@ -94,6 +92,5 @@ def mismatches(records: list[dict]) -> list[dict]:
         for bs, run in r["dflash"].items():
             i = first_diff(run.tokens, r["baseline"].tokens)
             if i is not None:
-                out.append({"id": r["id"], "trial": r["trial"], "block_size": bs,
-                            "first_diff": i})
+                out.append({"id": r["id"], "trial": r["trial"], "block_size": bs, "first_diff": i})
     return out

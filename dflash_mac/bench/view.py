@@ -19,8 +19,9 @@ from .summary import trial_tps
 class BenchView(Observer):
     """Rich Live panel on a terminal; one plain line per prompt otherwise (logs, CI)."""
 
-    def __init__(self, console: Console, total_prompts: int, block_sizes: list[int],
-                 live: bool | None = None):
+    def __init__(
+        self, console: Console, total_prompts: int, block_sizes: list[int], live: bool | None = None
+    ):
         self.console = console
         self.total = total_prompts
         self.block_sizes = block_sizes
@@ -35,8 +36,13 @@ class BenchView(Observer):
     # -- context --------------------------------------------------------------------------
     def __enter__(self) -> BenchView:
         if self.live_mode:
-            self.live = Live(self.render(), console=self.console, refresh_per_second=4,
-                             transient=True, get_renderable=self.render)
+            self.live = Live(
+                self.render(),
+                console=self.console,
+                refresh_per_second=4,
+                transient=True,
+                get_renderable=self.render,
+            )
             self.live.start()
         return self
 
@@ -66,8 +72,10 @@ class BenchView(Observer):
                 self.n_equal += run.tokens == record["baseline"].tokens
         if not self.live_mode:
             base = record["baseline"]
-            parts = [f"[{self.done_prompts}/{self.total}] trial {record['trial'] + 1} "
-                     f"{record['id']}: baseline {base.decode_tps:.1f} tok/s"]
+            parts = [
+                f"[{self.done_prompts}/{self.total}] trial {record['trial'] + 1} "
+                f"{record['id']}: baseline {base.decode_tps:.1f} tok/s"
+            ]
             for bs, run in sorted(record["dflash"].items()):
                 ok = "" if not greedy else (" ✓" if run.tokens == base.tokens else " ✗ MISMATCH")
                 parts.append(f"bs {bs} {run.decode_tps:.1f} tok/s τ {run.tau:.2f}{ok}")
@@ -81,27 +89,40 @@ class BenchView(Observer):
     def render(self) -> Panel:
         base = trial_tps(self.runs[None])
         stats = Table.grid(padding=(0, 2))
-        stats.add_row("[dim]block[/]", "[dim]τ[/]", "[dim]DFlash tok/s[/]",
-                      "[dim]baseline tok/s[/]", "[dim]speedup[/]")
+        stats.add_row(
+            "[dim]block[/]",
+            "[dim]τ[/]",
+            "[dim]DFlash tok/s[/]",
+            "[dim]baseline tok/s[/]",
+            "[dim]speedup[/]",
+        )
         for bs in self.block_sizes:
             dfl = trial_tps(self.runs[bs])
             speed = f"{dfl / base:.2f}×" if base > 0 and dfl > 0 else "–"
             mark = "▸" if bs == self.bs else " "
-            stats.add_row(f"{mark}{bs}", f"{self.tau(bs):.2f}", f"{dfl:.1f}", f"{base:.1f}",
-                          speed)
+            stats.add_row(f"{mark}{bs}", f"{self.tau(bs):.2f}", f"{dfl:.1f}", f"{base:.1f}", speed)
         lossless = f"lossless {self.n_equal}/{self.n_checked}" if self.n_checked else ""
         hist = histogram(self.lengths[self.bs], self.bs)
         bar = Table.grid()  # a bare ProgressBar ends without a newline: the next row would
-        bar.add_row(ProgressBar(total=max(self.total, 1), completed=self.done_prompts,
-                                width=60))  # start on its line
-        return Panel(Group(
-            Text.assemble(("prompts ", "dim"), f"{self.done_prompts}/{self.total}  ",
-                          (self.label, "cyan"), f"  {lossless}"),
-            bar,
-            stats,
-            Text(f"acceptance histogram, block {self.bs} (tokens per cycle)", style="dim"),
-            Text("\n".join(bars(hist))),
-        ), title="dflash-mac bench", expand=False)
+        bar.add_row(
+            ProgressBar(total=max(self.total, 1), completed=self.done_prompts, width=60)
+        )  # start on its line
+        return Panel(
+            Group(
+                Text.assemble(
+                    ("prompts ", "dim"),
+                    f"{self.done_prompts}/{self.total}  ",
+                    (self.label, "cyan"),
+                    f"  {lossless}",
+                ),
+                bar,
+                stats,
+                Text(f"acceptance histogram, block {self.bs} (tokens per cycle)", style="dim"),
+                Text("\n".join(bars(hist))),
+            ),
+            title="dflash-mac bench",
+            expand=False,
+        )
 
 
 def print_acceptance(console: Console, doc: dict) -> None:
@@ -111,9 +132,11 @@ def print_acceptance(console: Console, doc: dict) -> None:
         if row["suite"] != "all" and any(r["suite"] == "all" for r in doc["rows"]):
             continue
         bs = row["block_size"]
-        console.print(f"[bold]block size {bs}[/] · {row['suite']} · τ {row['tau'][0]:.2f} · "
-                      f"{row['cycles']} cycles · speedup {row['speedup'][0]:.2f}×",
-                      highlight=False)
+        console.print(
+            f"[bold]block size {bs}[/] · {row['suite']} · τ {row['tau'][0]:.2f} · "
+            f"{row['cycles']} cycles · speedup {row['speedup'][0]:.2f}×",
+            highlight=False,
+        )
         console.print("[dim]acceptance histogram (tokens per cycle)[/]")
         for line in bars(row["histogram"]):
             console.print(line, highlight=False)

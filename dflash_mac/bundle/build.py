@@ -43,11 +43,17 @@ def stage_corpus(out: Path, cache: Path) -> None:
     n_eval = corpus.eval_prompts_jsonl(out / "eval_prompts.jsonl", limit=32)
     n_train = corpus.train_prompts_jsonl(cache / "train_prompts.jsonl", limit=4000)
     train, heldout = corpus.split_modules()
-    info = {"train_modules": len(train), "heldout_modules": [m.name for m in heldout],
-            "eval_prompts": n_eval, "train_prompts": n_train}
+    info = {
+        "train_modules": len(train),
+        "heldout_modules": [m.name for m in heldout],
+        "eval_prompts": n_eval,
+        "train_prompts": n_train,
+    }
     (cache / "corpus.json").write_text(json.dumps(info, indent=1))
-    console.log(f"corpus: {len(train)} train / {len(heldout)} held-out modules, "
-                f"{n_eval} eval prompts, {n_train} drafter-training prompts")
+    console.log(
+        f"corpus: {len(train)} train / {len(heldout)} held-out modules, "
+        f"{n_eval} eval prompts, {n_train} drafter-training prompts"
+    )
 
 
 def stage_tokenizer(out: Path, cache: Path) -> None:
@@ -77,23 +83,33 @@ def stage_target(out: Path, cache: Path, minutes: float, **overrides: object) ->
             setattr(tc, k, v)
     train_ids = np.load(cache / "train_tokens.npy")
     eval_ids = np.load(cache / "eval_tokens.npy")
-    cols = [TextColumn("[bold]target tokens"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]:.3f}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
-            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
+    cols = [
+        TextColumn("[bold]target tokens"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]:.3f}"),
+        TextColumn("{task.fields[tps]:,.0f} tok/s"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+    ]
     with Progress(*cols, console=console) as bar:
         task = bar.add_task("train", total=None, loss=float("nan"), tps=0.0)
 
         def on_step(step: int, total: int, loss: float, tps: float) -> None:
             bar.update(task, completed=step, total=total or None, loss=loss, tps=tps)
 
-        model, meta = pretrain.pretrain(train_ids, eval_ids, cache / "target_ckpt", tc,
-                                        progress=on_step, log=console.log)
+        model, meta = pretrain.pretrain(
+            train_ids, eval_ids, cache / "target_ckpt", tc, progress=on_step, log=console.log
+        )
     pretrain.save_target(model, out / "target")
     meta.update(sample_and_time(out / "target", out / "eval_prompts.jsonl"))
     (cache / "target_train.json").write_text(json.dumps(meta, indent=1))
     last = meta["curve"][-1]
-    console.log(f"target saved: {meta['tokens_trained']:,} tokens, final train loss "
-                f"{last['train_loss']}, eval loss {last['eval_loss']}, {last['seconds']:.0f}s")
+    console.log(
+        f"target saved: {meta['tokens_trained']:,} tokens, final train loss "
+        f"{last['train_loss']}, eval loss {last['eval_loss']}, {last['seconds']:.0f}s"
+    )
 
 
 def sample_and_time(target: Path, prompts: Path, n: int = 3, max_tokens: int = 96) -> dict:
@@ -132,31 +148,51 @@ def stage_drafter(out: Path, cache: Path) -> None:
     # then two fine-tunes of that drafter (`--init-from`, fresh warmup + cosine each). The step
     # counts are the committed run's (first fixed by `--minutes` budgets on the build machine);
     # data order and anchors follow from the seed and the step, so the schedule is identical.
-    base = TrainingArgs(target=str(out / "target"), prompts=prompts, out_dir=out / "dflash",
-                        block_size=8, num_layers=1, target_layer_ids=[1, 3, 5],  # full depth
-                        max_new_tokens=256, limit=600, gen_batch_size=64, lr=2e-3, batch_size=4,
-                        anchors=128, cache_dir=cache / "drafter")
+    base = TrainingArgs(
+        target=str(out / "target"),
+        prompts=prompts,
+        out_dir=out / "dflash",
+        block_size=8,
+        num_layers=1,
+        target_layer_ids=[1, 3, 5],  # full depth
+        max_new_tokens=256,
+        limit=600,
+        gen_batch_size=64,
+        lr=2e-3,
+        batch_size=4,
+        anchors=128,
+        cache_dir=cache / "drafter",
+    )
     reporter = ProgressReporter(console)
     train_drafter(replace(base, steps=247), reporter)
     train_drafter(replace(base, steps=110, init_from=out / "dflash"), reporter)
-    train_drafter(replace(base, steps=137, init_from=out / "dflash",
-                          eval_prompts=out / "eval_prompts.jsonl"), reporter)
+    train_drafter(
+        replace(base, steps=137, init_from=out / "dflash", eval_prompts=out / "eval_prompts.jsonl"),
+        reporter,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry point."""
-    ap = argparse.ArgumentParser(prog="python -m dflash_mac.bundle.build", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m dflash_mac.bundle.build",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--out", type=Path, default=Path("models/bundled"))
     ap.add_argument("--stage", choices=(*STAGES, "all"), default="all")
-    ap.add_argument("--minutes", type=float, default=30.0,
-                    help="wall-clock training budget of the target")
+    ap.add_argument(
+        "--minutes", type=float, default=30.0, help="wall-clock training budget of the target"
+    )
     ap.add_argument("--cache", type=Path, default=CACHE)
     ap.add_argument("--fresh", action="store_true", help="discard the target checkpoint")
     ap.add_argument("--batch-size", type=int, default=None, help="target batch (sequences)")
     ap.add_argument("--lr", type=float, default=None, help="target peak learning rate")
-    ap.add_argument("--recalibrate", action="store_true",
-                    help="on resume, re-measure tokens/s and refit the token budget to --minutes")
+    ap.add_argument(
+        "--recalibrate",
+        action="store_true",
+        help="on resume, re-measure tokens/s and refit the token budget to --minutes",
+    )
     args = ap.parse_args(argv)
     args.cache.mkdir(parents=True, exist_ok=True)
     if args.fresh:
@@ -170,8 +206,14 @@ def main(argv: list[str] | None = None) -> None:
         elif st == "tokenizer":
             stage_tokenizer(args.out, args.cache)
         elif st == "target":
-            stage_target(args.out, args.cache, args.minutes, batch_size=args.batch_size,
-                         lr=args.lr, recalibrate=args.recalibrate or None)
+            stage_target(
+                args.out,
+                args.cache,
+                args.minutes,
+                batch_size=args.batch_size,
+                lr=args.lr,
+                recalibrate=args.recalibrate or None,
+            )
         else:
             stage_drafter(args.out, args.cache)
     console.log(f"done in {time.perf_counter() - t0:.0f}s")

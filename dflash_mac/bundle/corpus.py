@@ -19,8 +19,19 @@ from pathlib import Path
 
 HELDOUT_PERCENT = 5
 SKIP_DIRS = {
-    "test", "tests", "idle_test", "site-packages", "dist-packages", "idlelib", "tkinter",
-    "turtledemo", "__pycache__", "pydoc_data", "_bundled", "lib2to3", "ensurepip",
+    "test",
+    "tests",
+    "idle_test",
+    "site-packages",
+    "dist-packages",
+    "idlelib",
+    "tkinter",
+    "turtledemo",
+    "__pycache__",
+    "pydoc_data",
+    "_bundled",
+    "lib2to3",
+    "ensurepip",
 }
 MAX_FILE_BYTES = 150_000
 MAX_FUNC_CHARS = 2_400

@@ -131,8 +131,10 @@ def load_ckpt(model: nn.Module, opt: optim.Optimizer, ckpt_dir: Path) -> dict | 
 def evaluate(model: nn.Module, tokens: np.ndarray, seq_len: int, n_batches: int = 8) -> float:
     """Mean loss over the first ``n_batches`` x 8 windows of ``tokens``."""
     starts = np.arange((len(tokens) - 1) // seq_len)[: n_batches * 8] * seq_len
-    losses = [loss_fn(model, get_batch(tokens, starts[i : i + 8], seq_len)).item()
-              for i in range(0, len(starts), 8)]
+    losses = [
+        loss_fn(model, get_batch(tokens, starts[i : i + 8], seq_len)).item()
+        for i in range(0, len(starts), 8)
+    ]
     return float(np.mean(losses)) if losses else float("nan")
 
 
@@ -153,7 +155,11 @@ def pretrain(
         learning_rate=tc.lr, betas=[0.9, 0.95], eps=1e-8, weight_decay=tc.weight_decay
     )
     meta = load_ckpt(model, opt, ckpt_dir) or {
-        "step": 0, "windows": 0, "total_tokens": None, "train_seconds": 0.0, "curve": [],
+        "step": 0,
+        "windows": 0,
+        "total_tokens": None,
+        "train_seconds": 0.0,
+        "curve": [],
         "n_params": sum(v.size for _, v in tree_flatten(model.parameters())),
         "config": TARGET_CONFIG,
     }
@@ -202,10 +208,16 @@ def pretrain(
         done = meta["total_tokens"] is not None and done_tokens >= meta["total_tokens"]
         if meta["step"] % tc.ckpt_every == 0 or done:
             ev = evaluate(model, eval_tokens, tc.seq_len)
-            meta["curve"].append({
-                "step": meta["step"], "tokens": done_tokens, "train_loss": round(ema, 4),
-                "eval_loss": round(ev, 4), "seconds": round(elapsed, 1), "tok_per_s": round(tps, 1),
-            })
+            meta["curve"].append(
+                {
+                    "step": meta["step"],
+                    "tokens": done_tokens,
+                    "train_loss": round(ema, 4),
+                    "eval_loss": round(ev, 4),
+                    "seconds": round(elapsed, 1),
+                    "tok_per_s": round(tps, 1),
+                }
+            )
             meta["train_seconds"] = elapsed
             save_ckpt(model, opt, meta, ckpt_dir)
             log(json.dumps(meta["curve"][-1]))

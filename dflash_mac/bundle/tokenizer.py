@@ -62,8 +62,12 @@ def tokenizer_config() -> dict:
     added = {}
     for i, t in enumerate(SPECIAL_TOKENS):
         added[str(i)] = {
-            "content": t, "lstrip": False, "normalized": False, "rstrip": False,
-            "single_word": False, "special": True,
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
         }
     return {
         "tokenizer_class": "Qwen2Tokenizer",
@@ -90,7 +94,9 @@ def save_tokenizer(tok: Tokenizer, out_dir: Path) -> None:
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n")
     stm = {
         "additional_special_tokens": [IM_START, IM_END, MASK],
-        "eos_token": IM_END, "pad_token": EOT, "mask_token": MASK,
+        "eos_token": IM_END,
+        "pad_token": EOT,
+        "mask_token": MASK,
     }
     (out_dir / "special_tokens_map.json").write_text(json.dumps(stm, indent=2) + "\n")
 

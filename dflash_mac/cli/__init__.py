@@ -20,25 +20,49 @@ from dflash_mac.think import REASONING_CHOICES
 # Commands imported only when they run (as mlx-lm's CLI does), so `--help`, `models` and
 # `pull` never import MLX. name -> (module, function, the docstring's first line for the list).
 LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
-    "bench": ("dflash_mac.bench.command", "bench_command",
-              "Benchmark DFlash against plain decoding of the same target, in one process."),
-    "chat": ("dflash_mac.app.command", "chat",
-             "Chat in the terminal: streamed answers, a live acceptance histogram, saved chats."),
-    "convert": ("dflash_mac.cli.convert", "convert",
-                "Quantize a target model or a DFlash drafter to 4 or 8 bits (group 64 by "
-                "default)."),
-    "train": ("dflash_mac.train.command", "train",
-              "Train a DFlash drafter for TARGET on the target's own answers to --data prompts."),
-    "models": ("dflash_mac.cli.models", "models_command",
-               "List the known target/drafter pairs and what is already downloaded."),
-    "pull": ("dflash_mac.cli.models", "pull_command",
-             "Download a target and its DFlash drafter (resumable; progress bars)."),
-    "doctor": ("dflash_mac.cli.doctor", "doctor_command",
-               "Check this machine: platform, MLX, Metal, kernels, BLAS, memory, cache, "
-               "self-test."),
-    "serve": ("dflash_mac.serve.command", "serve",
-              "Serve the pair as an OpenAI-compatible API (for Continue, Cline, Aider, Zed, ...)."),
+    "bench": (
+        "dflash_mac.bench.command",
+        "bench_command",
+        "Benchmark DFlash against plain decoding of the same target, in one process.",
+    ),
+    "chat": (
+        "dflash_mac.app.command",
+        "chat",
+        "Chat in the terminal: streamed answers, a live acceptance histogram, saved chats.",
+    ),
+    "convert": (
+        "dflash_mac.cli.convert",
+        "convert",
+        "Quantize a target model or a DFlash drafter to 4 or 8 bits (group 64 by default).",
+    ),
+    "train": (
+        "dflash_mac.train.command",
+        "train",
+        "Train a DFlash drafter for TARGET on the target's own answers to --data prompts.",
+    ),
+    "models": (
+        "dflash_mac.cli.models",
+        "models_command",
+        "List the known target/drafter pairs and what is already downloaded.",
+    ),
+    "pull": (
+        "dflash_mac.cli.models",
+        "pull_command",
+        "Download a target and its DFlash drafter (resumable; progress bars).",
+    ),
+    "doctor": (
+        "dflash_mac.cli.doctor",
+        "doctor_command",
+        "Check this machine: platform, MLX, Metal, kernels, BLAS, memory, cache, self-test.",
+    ),
+    "serve": (
+        "dflash_mac.serve.command",
+        "serve",
+        "Serve the pair as an OpenAI-compatible API (for Continue, Cline, Aider, Zed, ...).",
+    ),
 }
+
+
 def is_user_error(e: BaseException) -> bool:
     """True for the exceptions the CLI shows as one red sentence (errors.UserError; a drafter
     config error from models/, which cannot know the engine's base class)."""
@@ -186,7 +210,9 @@ def generate(
     system: str | None = typer.Option(None, "--system", help="System prompt."),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     reasoning: str | None = typer.Option(
-        None, "--reasoning", help=f"Thinking mode: {', '.join(REASONING_CHOICES)}.",
+        None,
+        "--reasoning",
+        help=f"Thinking mode: {', '.join(REASONING_CHOICES)}.",
         callback=lambda value: check_reasoning(value),
     ),
     chat_template_args: str | None = typer.Option(
@@ -208,14 +234,23 @@ def generate(
 
     text = read_prompt(prompt)
     template_args = parse_template_args(chat_template_args)
-    pair = load_pair(model, draft, block_size=block_size, draft_bits=draft_bits,
-                     reasoning=reasoning)
-    ids = prompt_ids(pair.tokenizer, text, system=system, reasoning=reasoning,
-                     chat_template_args=template_args, ignore_chat_template=ignore_chat_template)
+    pair = load_pair(
+        model, draft, block_size=block_size, draft_bits=draft_bits, reasoning=reasoning
+    )
+    ids = prompt_ids(
+        pair.tokenizer,
+        text,
+        system=system,
+        reasoning=reasoning,
+        chat_template_args=template_args,
+        ignore_chat_template=ignore_chat_template,
+    )
     budget = fit_max_tokens(pair.context_length, len(ids), max_tokens)
     if budget.capped:
-        warn_line(f"[yellow]warning:[/] the prompt has {len(ids)} tokens and the model's "
-                  f"context is {pair.context_length}: --max-tokens capped to {budget.max_tokens}.")
+        warn_line(
+            f"[yellow]warning:[/] the prompt has {len(ids)} tokens and the model's "
+            f"context is {pair.context_length}: --max-tokens capped to {budget.max_tokens}."
+        )
     result = stream_to_terminal(
         pair,
         ids,
@@ -230,8 +265,9 @@ def generate(
         stop=stop,
     )
     if as_json:
-        typer.echo(json.dumps({"model": pair.model_id, "drafter": pair.draft_id,
-                               **result.as_dict()}))
+        typer.echo(
+            json.dumps({"model": pair.model_id, "drafter": pair.draft_id, **result.as_dict()})
+        )
     elif verbose:
         print_stats(pair, result, err)
     else:

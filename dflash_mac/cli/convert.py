@@ -20,8 +20,9 @@ def check_options(bits: int, group_size: int) -> None:
     if bits not in (4, 8):
         raise LoadError(f"--bits must be 4 or 8 (got {bits}).")
     if group_size not in GROUP_SIZES:
-        raise LoadError(f"--group-size must be 32, 64 or 128, the sizes MLX quantizes with "
-                        f"(got {group_size}).")
+        raise LoadError(
+            f"--group-size must be 32, 64 or 128, the sizes MLX quantizes with (got {group_size})."
+        )
 
 
 def quantized_tensors(folder: Path) -> int:
@@ -41,8 +42,10 @@ def check_quantized(src: str, out: Path, group_size: int) -> None:
     group size, so every layer stayed in float."""
     if quantized_tensors(out) == 0:
         shutil.rmtree(out, ignore_errors=True)
-        raise LoadError(f"nothing in '{src}' could be quantized with group size {group_size} "
-                        "(no weight width is a multiple of it); try --group-size 32.")
+        raise LoadError(
+            f"nothing in '{src}' could be quantized with group size {group_size} "
+            "(no weight width is a multiple of it); try --group-size 32."
+        )
 
 
 def is_drafter(cfg: dict) -> bool:
@@ -67,8 +70,11 @@ def convert_drafter(src: Path, out: Path, bits: int, group_size: int = 64) -> Pa
             shutil.copy2(f, out / f.name)
     raw = dict(read_json(src / "config.json"), quantization=model.config.quantization)
     (out / "config.json").write_text(json.dumps(raw, indent=2))
-    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())),
-                        metadata={"format": "mlx"})
+    mx.save_safetensors(
+        str(out / "model.safetensors"),
+        dict(tree_flatten(model.parameters())),
+        metadata={"format": "mlx"},
+    )
     return out
 
 
@@ -77,8 +83,9 @@ def convert_target(src: str, out: Path, bits: int, group_size: int = 64) -> Path
     from mlx_lm import convert as mlx_convert
 
     try:
-        mlx_convert(str(src), mlx_path=str(out), quantize=True, q_bits=bits,
-                    q_group_size=group_size)
+        mlx_convert(
+            str(src), mlx_path=str(out), quantize=True, q_bits=bits, q_group_size=group_size
+        )
     except Exception as e:  # mlx-lm raises ValueError / OSError / KeyError on bad folders
         raise LoadError(f"mlx-lm could not convert '{src}' ({e}).")
     return out
@@ -100,8 +107,10 @@ def convert(
     if out.exists():
         raise LoadError(f"{out} already exists; pass a new output folder.")
     if (entry := load_registry().get(src)) is not None and not Path(src).exists():
-        raise LoadError(f"'{src}' is a pair name; convert takes one model: its target "
-                        f"{entry.target_source()} or its drafter {entry.draft_source()}.")
+        raise LoadError(
+            f"'{src}' is a pair name; convert takes one model: its target "
+            f"{entry.target_source()} or its drafter {entry.draft_source()}."
+        )
     path = resolve(src)
     if is_drafter(read_json(path / "config.json")):
         convert_drafter(path, out, bits, group_size)

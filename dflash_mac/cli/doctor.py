@@ -128,10 +128,19 @@ def gather_facts() -> Facts:
     budget = int(info.get("max_recommended_working_set_size") or 0.75 * memory)
     kernels, kernels_error = _kernels()
     return Facts(
-        system=sys.platform, machine=platform.machine(), chip=_chip(info),
-        macos=platform.mac_ver()[0], mlx=mx.__version__, mlx_lm=mlx_lm, metal=metal,
-        kernels=kernels, kernels_error=kernels_error, blas=blas_in_use(),
-        memory_bytes=memory, budget_bytes=budget, hf_cache=hf_cache_dir(),
+        system=sys.platform,
+        machine=platform.machine(),
+        chip=_chip(info),
+        macos=platform.mac_ver()[0],
+        mlx=mx.__version__,
+        mlx_lm=mlx_lm,
+        metal=metal,
+        kernels=kernels,
+        kernels_error=kernels_error,
+        blas=blas_in_use(),
+        memory_bytes=memory,
+        budget_bytes=budget,
+        hf_cache=hf_cache_dir(),
         offline=os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"),
     )
 
@@ -140,22 +149,41 @@ def check_platform(f: Facts) -> Check:
     """Apple Silicon and a recent macOS; Linux runs on the CPU only."""
     if f.system == "darwin":
         if f.machine != "arm64":
-            return Check("platform", FAIL, f"Intel Mac ({f.chip}), macOS {f.macos}",
-                         "MLX needs Apple Silicon (M1 or later); run natively, not under "
-                         "Rosetta.")
+            return Check(
+                "platform",
+                FAIL,
+                f"Intel Mac ({f.chip}), macOS {f.macos}",
+                "MLX needs Apple Silicon (M1 or later); run natively, not under Rosetta.",
+            )
         v = _version_tuple(f.macos)
         if v < (13, 5):
-            return Check("platform", FAIL, f"{f.chip}, macOS {f.macos}",
-                         "MLX needs macOS 13.5 or later; update macOS.")
+            return Check(
+                "platform",
+                FAIL,
+                f"{f.chip}, macOS {f.macos}",
+                "MLX needs macOS 13.5 or later; update macOS.",
+            )
         if v < (14,):
-            return Check("platform", WARN, f"{f.chip}, macOS {f.macos}",
-                         "update to macOS 14 or later for faster Metal kernels.")
+            return Check(
+                "platform",
+                WARN,
+                f"{f.chip}, macOS {f.macos}",
+                "update to macOS 14 or later for faster Metal kernels.",
+            )
         return Check("platform", PASS, f"{f.chip}, macOS {f.macos}")
     if f.system.startswith("linux"):
-        return Check("platform", WARN, f"Linux {f.machine} ({f.chip}): MLX on the CPU only",
-                     "fine for tests and tiny pairs; real models need an Apple Silicon Mac.")
-    return Check("platform", FAIL, f"{f.system} {f.machine} is not supported",
-                 "use an Apple Silicon Mac (or Linux for CPU tests).")
+        return Check(
+            "platform",
+            WARN,
+            f"Linux {f.machine} ({f.chip}): MLX on the CPU only",
+            "fine for tests and tiny pairs; real models need an Apple Silicon Mac.",
+        )
+    return Check(
+        "platform",
+        FAIL,
+        f"{f.system} {f.machine} is not supported",
+        "use an Apple Silicon Mac (or Linux for CPU tests).",
+    )
 
 
 def check_mlx(f: Facts) -> Check:
@@ -172,22 +200,38 @@ def check_metal(f: Facts) -> Check:
     if f.metal:
         return Check("metal", PASS, "Metal available: MLX runs on the GPU")
     if f.system == "darwin":
-        return Check("metal", FAIL, "Metal not available",
-                     "run a native arm64 Python (not under Rosetta) with the `mlx` wheel.")
-    return Check("metal", WARN, "no Metal on this OS: MLX runs on the CPU",
-                 "expected off macOS; decoding is much slower than on a Mac GPU.")
+        return Check(
+            "metal",
+            FAIL,
+            "Metal not available",
+            "run a native arm64 Python (not under Rosetta) with the `mlx` wheel.",
+        )
+    return Check(
+        "metal",
+        WARN,
+        "no Metal on this OS: MLX runs on the CPU",
+        "expected off macOS; decoding is much slower than on a Mac GPU.",
+    )
 
 
 def check_kernels(f: Facts) -> Check:
     """Which DFlash 2 kernels run: the Metal ones or the exact MLX reference ops."""
     if f.kernels == "error":
-        return Check("kernels", FAIL, f.kernels_error,
-                     "unset DFLASH_MAC_KERNELS or set it to auto, metal or reference.")
+        return Check(
+            "kernels",
+            FAIL,
+            f.kernels_error,
+            "unset DFLASH_MAC_KERNELS or set it to auto, metal or reference.",
+        )
     if f.kernels == "metal":
         return Check("kernels", PASS, "DFlash 2 kernels: Metal")
     if f.metal:
-        return Check("kernels", WARN, "DFlash 2 kernels: reference although Metal is available",
-                     "unset DFLASH_MAC_KERNELS=reference for the faster Metal kernels.")
+        return Check(
+            "kernels",
+            WARN,
+            "DFlash 2 kernels: reference although Metal is available",
+            "unset DFLASH_MAC_KERNELS=reference for the faster Metal kernels.",
+        )
     return Check("kernels", PASS, "DFlash 2 kernels: reference (exact MLX ops; no Metal)")
 
 
@@ -195,9 +239,13 @@ def check_blas(f: Facts) -> Check:
     """The CPU BLAS behind MLX's matmuls (Linux: OpenBLAS preloaded by the CLI)."""
     if f.system == "darwin" or f.blas in ("Accelerate", "OpenBLAS"):
         return Check("blas", PASS, f"CPU BLAS: {f.blas}")
-    return Check("blas", WARN, f"CPU BLAS: {f.blas} (fp32 matmuls ~30x slower)",
-                 "install OpenBLAS (apt install libopenblas0); the dflash-mac command preloads "
-                 "it unless DFLASH_MAC_BLAS=reference.")
+    return Check(
+        "blas",
+        WARN,
+        f"CPU BLAS: {f.blas} (fp32 matmuls ~30x slower)",
+        "install OpenBLAS (apt install libopenblas0); the dflash-mac command preloads "
+        "it unless DFLASH_MAC_BLAS=reference.",
+    )
 
 
 def memory_need_gb(entry: PairEntry, context: int, full: bool = False) -> dict[str, float]:
@@ -216,19 +264,29 @@ def check_memory(f: Facts, entry: PairEntry, context: int) -> Check:
 
     need = memory_need_gb(entry, context)
     have, budget = f.memory_bytes / 1e9, f.budget_bytes / 1e9
-    msg = (f"'{entry.name}' needs ≈{need['total']:.1f} GB at {context} tokens (weights "
-           f"{fmt_size((need['target'] + need['drafter']) * 1e9)} + KV "
-           f"{fmt_size(need['kv'] * 1e9)}); {have:.1f} GB memory, {budget:.1f} GB usable "
-           "for models")
+    msg = (
+        f"'{entry.name}' needs ≈{need['total']:.1f} GB at {context} tokens (weights "
+        f"{fmt_size((need['target'] + need['drafter']) * 1e9)} + KV "
+        f"{fmt_size(need['kv'] * 1e9)}); {have:.1f} GB memory, {budget:.1f} GB usable "
+        "for models"
+    )
     if not have:
         return Check("memory", WARN, msg, "could not read this machine's memory size.")
     if need["total"] <= budget:
         return Check("memory", PASS, msg)
     if need["total"] <= have:
-        return Check("memory", WARN, msg,
-                     "tight: close other apps, use a shorter --context, or a smaller pair.")
-    return Check("memory", FAIL, msg,
-                 "does not fit: choose a smaller pair (`dflash-mac models`) or a 4-bit target.")
+        return Check(
+            "memory",
+            WARN,
+            msg,
+            "tight: close other apps, use a shorter --context, or a smaller pair.",
+        )
+    return Check(
+        "memory",
+        FAIL,
+        msg,
+        "does not fit: choose a smaller pair (`dflash-mac models`) or a 4-bit target.",
+    )
 
 
 def _existing_parent(path: Path) -> Path:
@@ -243,25 +301,42 @@ def check_hf_cache(f: Facts, entry: PairEntry | None = None) -> Check:
 
     base = _existing_parent(f.hf_cache)
     if not os.access(base, os.W_OK):
-        return Check("hf cache", FAIL, f"{f.hf_cache} is not writable",
-                     "set HF_HOME (or HF_HUB_CACHE) to a writable folder.")
+        return Check(
+            "hf cache",
+            FAIL,
+            f"{f.hf_cache} is not writable",
+            "set HF_HOME (or HF_HUB_CACHE) to a writable folder.",
+        )
     try:
         cache = scan_cache(f.hf_cache)
     except Exception as e:  # a corrupted cache must not break the doctor
-        return Check("hf cache", WARN, f"{f.hf_cache} could not be scanned ({e})",
-                     "inspect it with `hf cache scan` and delete broken repos.")
+        return Check(
+            "hf cache",
+            WARN,
+            f"{f.hf_cache} could not be scanned ({e})",
+            "inspect it with `hf cache scan` and delete broken repos.",
+        )
     free = shutil.disk_usage(base).free
     used = fmt_size(sum(r.size_bytes for r in cache.values()))
-    msg = (f"{f.hf_cache}: {len(cache)} models, {used}, {fmt_size(free)} free"
-           + (" (offline: HF_HUB_OFFLINE)" if f.offline else ""))
+    msg = f"{f.hf_cache}: {len(cache)} models, {used}, {fmt_size(free)} free" + (
+        " (offline: HF_HUB_OFFLINE)" if f.offline else ""
+    )
     if entry is not None and not entry.local and not pair_ready(entry, pair_cache(entry, cache)):
         need = entry.download_gb() * 1e9
         if f.offline:
-            return Check("hf cache", WARN, msg + f"; '{entry.name}' is not cached",
-                         f"go online and run `dflash-mac pull {entry.name}`.")
+            return Check(
+                "hf cache",
+                WARN,
+                msg + f"; '{entry.name}' is not cached",
+                f"go online and run `dflash-mac pull {entry.name}`.",
+            )
         if free < need:
-            return Check("hf cache", WARN, msg + f"; '{entry.name}' needs ≈{fmt_size(need)}",
-                         "free disk space or point HF_HOME at a larger disk.")
+            return Check(
+                "hf cache",
+                WARN,
+                msg + f"; '{entry.name}' needs ≈{fmt_size(need)}",
+                "free disk space or point HF_HOME at a larger disk.",
+            )
     return Check("hf cache", PASS, msg)
 
 
@@ -320,8 +395,9 @@ def load_selftest_pair(tmp: str) -> tuple[object, bool]:
     return load(*build_tiny_pair(tmp, seed=0, target_layers=4), dtype=mx.float32), False
 
 
-def check_selftest(loader: Callable[[str], tuple[object, bool]] = load_selftest_pair,
-                   n: int = SELFTEST_TOKENS) -> Check:
+def check_selftest(
+    loader: Callable[[str], tuple[object, bool]] = load_selftest_pair, n: int = SELFTEST_TOKENS
+) -> Check:
     """Load the bundled pair on this thread, decode on a worker thread (as `serve` and the chat
     app do) and check greedy DFlash output == mlx-lm greedy output."""
     t0 = time.perf_counter()
@@ -336,24 +412,40 @@ def check_selftest(loader: Callable[[str], tuple[object, bool]] = load_selftest_
             got, tau = on_worker_thread(lambda: dflash_tokens(pair, ids, n))
             ref = on_worker_thread(lambda: reference_tokens(pair, ids, n))
         except Exception as e:
-            return Check("self-test", FAIL, f"decoding on a worker thread failed ({e}); "
-                         "`serve` and `chat` would fail the same way", advice)
+            return Check(
+                "self-test",
+                FAIL,
+                f"decoding on a worker thread failed ({e}); "
+                "`serve` and `chat` would fail the same way",
+                advice,
+            )
     secs = time.perf_counter() - t0
     what = "bundled pair" if bundled else "tiny random pair (bundled pair missing)"
     if got != ref:
         k = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
-        return Check("self-test", FAIL, f"{what}: DFlash output differs from mlx-lm at token {k}",
-                     "DFlash is not lossless here; report a bug with `dflash-mac doctor --json`.")
-    msg = (f"{what} decodes losslessly on a worker thread: {n} tokens == mlx-lm greedy "
-           f"(τ {tau:.2f}, {secs:.1f} s)")
+        return Check(
+            "self-test",
+            FAIL,
+            f"{what}: DFlash output differs from mlx-lm at token {k}",
+            "DFlash is not lossless here; report a bug with `dflash-mac doctor --json`.",
+        )
+    msg = (
+        f"{what} decodes losslessly on a worker thread: {n} tokens == mlx-lm greedy "
+        f"(τ {tau:.2f}, {secs:.1f} s)"
+    )
     if not bundled:
-        return Check("self-test", WARN, msg,
-                     "build the bundled pair (python -m dflash_mac.bundle.build) or reinstall.")
+        return Check(
+            "self-test",
+            WARN,
+            msg,
+            "build the bundled pair (python -m dflash_mac.bundle.build) or reinstall.",
+        )
     return Check("self-test", PASS, msg)
 
 
-def run_checks(pair: str | None = None, context: int = 4096, selftest: bool = True,
-               facts: Facts | None = None) -> list[Check]:
+def run_checks(
+    pair: str | None = None, context: int = 4096, selftest: bool = True, facts: Facts | None = None
+) -> list[Check]:
     """All checks, in display order."""
     reg = load_registry()
     entry = reg.get(pair) if pair else reg.default_pair
@@ -362,8 +454,9 @@ def run_checks(pair: str | None = None, context: int = 4096, selftest: bool = Tr
     f = facts or gather_facts()
     checks = [check_platform(f), check_mlx(f), check_metal(f), check_kernels(f), check_blas(f)]
     if entry is None:
-        checks.append(Check("memory", FAIL, f"unknown pair '{pair}'",
-                            "pick a name from `dflash-mac models`."))
+        checks.append(
+            Check("memory", FAIL, f"unknown pair '{pair}'", "pick a name from `dflash-mac models`.")
+        )
     else:
         checks.append(check_memory(f, entry, context))
     checks.append(check_hf_cache(f, entry))

@@ -42,8 +42,12 @@ class CachedRepo:
     complete: bool
 
     def as_dict(self) -> dict:
-        return {"repo_id": self.repo_id, "size_bytes": self.size_bytes, "path": str(self.path),
-                "complete": self.complete}
+        return {
+            "repo_id": self.repo_id,
+            "size_bytes": self.size_bytes,
+            "path": str(self.path),
+            "complete": self.complete,
+        }
 
 
 def _snapshot_complete(rev) -> bool:
@@ -79,8 +83,9 @@ def scan_cache(cache_dir: Path | None = None) -> dict[str, CachedRepo]:
             continue
         complete = any(_snapshot_complete(rev) for rev in r.revisions)
         complete = complete and Path(r.repo_path).name not in partial
-        repos[r.repo_id.lower()] = CachedRepo(r.repo_id, r.size_on_disk, Path(r.repo_path),
-                                              complete)
+        repos[r.repo_id.lower()] = CachedRepo(
+            r.repo_id, r.size_on_disk, Path(r.repo_path), complete
+        )
     return repos
 
 
@@ -118,16 +123,23 @@ def models_report(registry: Registry | None = None, cache_dir: Path | None = Non
     pairs = []
     for e in reg.pairs:
         cached = pair_cache(e, cache)
-        pairs.append({**e.as_dict(), "default": e.name == reg.default,
-                      "cached": {k: v.as_dict() for k, v in cached.items()},
-                      "cached_bytes": sum(v.size_bytes for v in cached.values()),
-                      "ready": pair_ready(e, cached)})
+        pairs.append(
+            {
+                **e.as_dict(),
+                "default": e.name == reg.default,
+                "cached": {k: v.as_dict() for k, v in cached.items()},
+                "cached_bytes": sum(v.size_bytes for v in cached.values()),
+                "ready": pair_ready(e, cached),
+            }
+        )
     return {"cache_dir": str(cache_dir), "default": reg.default, "pairs": pairs}
 
 
-MODELS_NOTE = ("★ default pair · target: the MLX 4-bit conversion where one exists · block: "
-               "drafter's / recommended when quantized · download: ≈ target + drafter · get one "
-               "with `dflash-mac pull NAME`")
+MODELS_NOTE = (
+    "★ default pair · target: the MLX 4-bit conversion where one exists · block: "
+    "drafter's / recommended when quantized · download: ≈ target + drafter · get one "
+    "with `dflash-mac pull NAME`"
+)
 
 
 def models_rows(report: dict) -> list[dict[str, str]]:
@@ -141,15 +153,19 @@ def models_rows(report: dict) -> list[dict[str, str]]:
             cached = f"[green]{size} ✓[/]" if p["ready"] else f"[yellow]{size} partial[/]"
         else:
             cached = "[dim]—[/]"
-        rows.append({
-            "": "★" if p["default"] else "", "pair": p["name"], "kind": p["kind_label"],
-            "target": "package" if p["local"] else (p["mlx_4bit"] or p["target"]),
-            "drafter": "package" if p["local"] else p["draft"],
-            "block": f"{p['block_size']} / {p['quantized_block_size']}",
-            "thinking": "on" if p["thinking"] else "off",
-            "download": f"≈{p['download_gb']:.1f} GB" if not p["local"] else "—",
-            "cached": cached,
-        })
+        rows.append(
+            {
+                "": "★" if p["default"] else "",
+                "pair": p["name"],
+                "kind": p["kind_label"],
+                "target": "package" if p["local"] else (p["mlx_4bit"] or p["target"]),
+                "drafter": "package" if p["local"] else p["draft"],
+                "block": f"{p['block_size']} / {p['quantized_block_size']}",
+                "thinking": "on" if p["thinking"] else "off",
+                "download": f"≈{p['download_gb']:.1f} GB" if not p["local"] else "—",
+                "cached": cached,
+            }
+        )
     return rows
 
 
@@ -162,13 +178,22 @@ def models_table(report: dict, columns: tuple[str, ...] | None = None) -> Table:
     rows = models_rows(report)
     columns = columns or (tuple(rows[0]) if rows else ())
     narrow = "target" not in columns
-    table = Table(title="DFlash pairs", caption=f"Hugging Face cache: {report['cache_dir']}",
-                  caption_justify="left", box=box.SIMPLE_HEAD if narrow else box.HEAVY_HEAD,
-                  show_edge=not narrow, padding=(0, 1) if narrow else (0, 1, 0, 1))
+    table = Table(
+        title="DFlash pairs",
+        caption=f"Hugging Face cache: {report['cache_dir']}",
+        caption_justify="left",
+        box=box.SIMPLE_HEAD if narrow else box.HEAVY_HEAD,
+        show_edge=not narrow,
+        padding=(0, 1) if narrow else (0, 1, 0, 1),
+    )
     for col in columns:
-        table.add_column(col, no_wrap=col not in ("target", "drafter"), overflow="fold",
-                         justify="right" if col in RIGHT else "left",
-                         style="bold" if col == "pair" else None)
+        table.add_column(
+            col,
+            no_wrap=col not in ("target", "drafter"),
+            overflow="fold",
+            justify="right" if col in RIGHT else "left",
+            style="bold" if col == "pair" else None,
+        )
     for r in rows:
         table.add_row(*(r[c] for c in columns))
     return table
@@ -211,8 +236,9 @@ def folder_size(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
-def pull_plan(name: str, draft: str | None = None, full: bool = False,
-              registry: Registry | None = None) -> tuple[PairEntry | None, list[str]]:
+def pull_plan(
+    name: str, draft: str | None = None, full: bool = False, registry: Registry | None = None
+) -> tuple[PairEntry | None, list[str]]:
     """The pair entry (if known) and the repo ids to download for `pull NAME`."""
     reg = registry or load_registry()
     entry = reg.get(name)
@@ -240,8 +266,13 @@ def approx_gb(entry: PairEntry | None, repo: str) -> float | None:
     return sizes.get(repo)
 
 
-def pull(name: str, draft: str | None = None, full: bool = False,
-         registry: Registry | None = None, console: Console = err) -> list[Path]:
+def pull(
+    name: str,
+    draft: str | None = None,
+    full: bool = False,
+    registry: Registry | None = None,
+    console: Console = err,
+) -> list[Path]:
     """Download a pair's target and drafter into the Hugging Face cache (resumable)."""
     entry, repos = pull_plan(name, draft, full, registry)
     if entry is not None and entry.local:
@@ -252,12 +283,12 @@ def pull(name: str, draft: str | None = None, full: bool = False,
         gb = approx_gb(entry, repo)
         console.print(f"[bold]↓ {repo}[/]" + (f" (≈{gb:.1f} GB)" if gb else ""))
         path = download(repo, pulling=True)
-        console.print(f"[green]✓[/] {repo} → {path} ({fmt_size(folder_size(path))})",
-                      highlight=False)
+        console.print(
+            f"[green]✓[/] {repo} → {path} ({fmt_size(folder_size(path))})", highlight=False
+        )
         paths.append(path)
     extra = "" if draft is None and entry is not None else f" --draft {repos[1]}"
-    console.print(f"ready: dflash-mac generate --model {repos[0]}{extra} \"Hello\"",
-                  highlight=False)
+    console.print(f'ready: dflash-mac generate --model {repos[0]}{extra} "Hello"', highlight=False)
     return paths
 
 

@@ -29,8 +29,14 @@ def block_size_policy(pair: Pair, requested: int | None, warn=warn_line) -> int:
     return choice.size
 
 
-def load_pair(model: str | None, draft: str | None, *, block_size: int | None = None,
-              draft_bits: int | None = None, reasoning: str | None = None) -> Pair:
+def load_pair(
+    model: str | None,
+    draft: str | None,
+    *,
+    block_size: int | None = None,
+    draft_bits: int | None = None,
+    reasoning: str | None = None,
+) -> Pair:
     with err.status("Loading model pair…", spinner="dots"):
         pair = load(model, draft)
         if draft_bits is not None:
@@ -72,22 +78,26 @@ def stream_to_terminal(pair: Pair, prompt: Any, echo: bool = True, **kwargs) -> 
         last = ev
     if echo:
         sys.stdout.write("\n")
-    return GenerationResult("".join(text), tokens, last.finish_reason, last.stats,
-                            last.stats.prompt_tokens)
+    return GenerationResult(
+        "".join(text), tokens, last.finish_reason, last.stats, last.stats.prompt_tokens
+    )
 
 
 def bars(counts: list[int], width: int = 30) -> list[str]:
     """Horizontal bar rows for a histogram 1..n."""
     top = max(counts) if counts and max(counts) > 0 else 1
-    return [f"{i + 1:>3} │{'█' * round(width * c / top):<{width}} {c}" for i, c in
-            enumerate(counts)]
+    return [
+        f"{i + 1:>3} │{'█' * round(width * c / top):<{width}} {c}" for i, c in enumerate(counts)
+    ]
 
 
 def summary_line(result: GenerationResult) -> str:
     """The one stats line `generate` prints without -v (as mlx-lm prints its speed)."""
     s = result.stats
-    return (f"[dim]{s.generation_tokens} tokens · {s.decode_tps:.1f} tok/s · τ {s.tau:.2f} · "
-            f"block {s.block_size} · TTFT {s.ttft * 1000:.0f} ms (-v for details)[/]")
+    return (
+        f"[dim]{s.generation_tokens} tokens · {s.decode_tps:.1f} tok/s · τ {s.tau:.2f} · "
+        f"block {s.block_size} · TTFT {s.ttft * 1000:.0f} ms (-v for details)[/]"
+    )
 
 
 def print_stats(pair: Pair, result: GenerationResult, console: Console = err) -> None:
@@ -96,8 +106,11 @@ def print_stats(pair: Pair, result: GenerationResult, console: Console = err) ->
     s = result.stats
     from dflash_mac.metal_kernels import kernels_in_use
 
-    kernels = (f"{kernels_in_use()} (dynamic_conv, selector_walk)"
-               if pair.drafter.config.is_dflash2 else "none (DFlash 1: MLX ops only)")
+    kernels = (
+        f"{kernels_in_use()} (dynamic_conv, selector_walk)"
+        if pair.drafter.config.is_dflash2
+        else "none (DFlash 1: MLX ops only)"
+    )
     console.print(
         f"[dim]prompt[/] {s.prompt_tokens} tok ({s.cached_tokens} cached) · "
         f"prefill {s.prefill_tps:.1f} tok/s · TTFT {s.ttft * 1000:.0f} ms"

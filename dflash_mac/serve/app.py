@@ -40,23 +40,28 @@ async def api_error(request: Request, exc: Exception) -> Response:
     return JSONResponse(exc.body(), status_code=exc.status)
 
 
-def create_app(pair_or_session: Pair | Session, api_key: str | None = None,
-               max_tokens: int = 4096, block_size: int | None = None,
-               default_temp: float = 0.0) -> Starlette:
+def create_app(
+    pair_or_session: Pair | Session,
+    api_key: str | None = None,
+    max_tokens: int = 4096,
+    block_size: int | None = None,
+    default_temp: float = 0.0,
+) -> Starlette:
     """The ASGI app (see `routes.Settings` for the settings)."""
-    session = (pair_or_session if isinstance(pair_or_session, Session)
-               else Session(pair_or_session))
+    session = pair_or_session if isinstance(pair_or_session, Session) else Session(pair_or_session)
     worker = Worker(session, block_size)
     name = model_name(session.pair)
-    routes = Routes(session, worker, name, Settings(api_key, max_tokens, block_size,
-                                                    default_temp))
+    routes = Routes(session, worker, name, Settings(api_key, max_tokens, block_size, default_temp))
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield
         worker.close()
 
-    app = Starlette(routes=routes.table(), lifespan=lifespan,
-                    exception_handlers={APIError: api_error, HTTPException: api_error})
+    app = Starlette(
+        routes=routes.table(),
+        lifespan=lifespan,
+        exception_handlers={APIError: api_error, HTTPException: api_error},
+    )
     app.state.worker, app.state.session, app.state.model_name = worker, session, name
     return app

@@ -27,8 +27,6 @@ class ServeError(RuntimeError):
     """The server cannot start; one sentence for the user."""
 
 
-
-
 def read_pid(path: Path) -> int | None:
     try:
         return int(path.read_text().split()[0])
@@ -54,8 +52,10 @@ def check_free(host: str, port: int) -> None:
         try:
             s.bind((host, port))
         except OSError as e:
-            raise ServeError(f"cannot listen on {host}:{port} ({e.strerror}); pass another "
-                             "--port or stop what is using it.")
+            raise ServeError(
+                f"cannot listen on {host}:{port} ({e.strerror}); pass another "
+                "--port or stop what is using it."
+            )
 
 
 POLLED = ("/health", "/metrics")
@@ -92,8 +92,10 @@ class PidFile:
         other = read_pid(self.pid_path)
         # The launcher writes the PID it started (this process, or a wrapper that runs it).
         if other and other not in (os.getpid(), os.getppid()) and pid_alive(other):
-            raise ServeError(f"a dflash-mac server is already running (PID {other}); stop it "
-                             f"first, e.g. kill {other}.")
+            raise ServeError(
+                f"a dflash-mac server is already running (PID {other}); stop it "
+                f"first, e.g. kill {other}."
+            )
         self.url_path.write_text(self.url + "\n")
         self.pid_path.write_text(f"{os.getpid()}\n")
         return self
@@ -114,8 +116,7 @@ def run_server(app, host: str, port: int) -> None:
             app.state.worker.stop()
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(app, host=host, port=port, log_config=None,
-                            timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, host=host, port=port, log_config=None, timeout_graceful_shutdown=5)
     # uvicorn re-raises the signal after shutting down: make SIGTERM a clean exit so that
     # `finally` blocks (the PID file) run.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -123,26 +124,42 @@ def run_server(app, host: str, port: int) -> None:
 
 
 def serve(
-    model: str | None = typer.Option(None, "--model", "-m", help="Target model (folder or Hub "
-                                     "id; default: the bundled pair)."),
-    draft: str | None = typer.Option(None, "--draft", "-d", help="DFlash drafter (folder or "
-                                     "Hub id; default: the bundled pair)."),
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback only by "
-                             "default)."),
+    model: str | None = typer.Option(
+        None, "--model", "-m", help="Target model (folder or Hub id; default: the bundled pair)."
+    ),
+    draft: str | None = typer.Option(
+        None, "--draft", "-d", help="DFlash drafter (folder or Hub id; default: the bundled pair)."
+    ),
+    host: str = typer.Option(
+        "127.0.0.1", "--host", help="Address to bind (loopback only by default)."
+    ),
     port: int = typer.Option(8080, "--port", "-p", help="Port to listen on."),
-    api_key: str | None = typer.Option(None, "--api-key", envvar="DFLASH_MAC_API_KEY",
-                                       help="Require 'Authorization: Bearer KEY' on /v1/*."),
-    max_tokens: int = typer.Option(4096, "--max-tokens", "-n", help="Default and upper limit "
-                                   "of a request's max_tokens."),
-    block_size: int | None = typer.Option(None, "--block-size", "-b", help="Block size (draft "
-                                          "tokens + 1 per cycle); default: the drafter's, or "
-                                          "min(5, drafter's) when quantized."),
-    draft_bits: int | None = typer.Option(None, "--draft-bits", help="Quantize the drafter to "
-                                          "4 or 8 bits."),
-    temp: float = typer.Option(0.0, "--temp", help="Temperature for requests that do not set "
-                               "one (0 = greedy)."),
-    log_file: Path | None = typer.Option(None, "--log-file", help="Log file (default: serve.log "
-                                         "in the data directory)."),
+    api_key: str | None = typer.Option(
+        None,
+        "--api-key",
+        envvar="DFLASH_MAC_API_KEY",
+        help="Require 'Authorization: Bearer KEY' on /v1/*.",
+    ),
+    max_tokens: int = typer.Option(
+        4096, "--max-tokens", "-n", help="Default and upper limit of a request's max_tokens."
+    ),
+    block_size: int | None = typer.Option(
+        None,
+        "--block-size",
+        "-b",
+        help="Block size (draft "
+        "tokens + 1 per cycle); default: the drafter's, or "
+        "min(5, drafter's) when quantized.",
+    ),
+    draft_bits: int | None = typer.Option(
+        None, "--draft-bits", help="Quantize the drafter to 4 or 8 bits."
+    ),
+    temp: float = typer.Option(
+        0.0, "--temp", help="Temperature for requests that do not set one (0 = greedy)."
+    ),
+    log_file: Path | None = typer.Option(
+        None, "--log-file", help="Log file (default: serve.log in the data directory)."
+    ),
 ) -> None:
     """Serve the pair as an OpenAI-compatible API (for Continue, Cline, Aider, Zed, ...)."""
     from dflash_mac.cli.terminal import load_pair
@@ -156,16 +173,26 @@ def serve(
         setup_logging(log_path)
         url = f"http://{host if ':' not in host else f'[{host}]'}:{port}/v1"
         if host not in LOOPBACK and not api_key:
-            err.print(f"[yellow]warning:[/] listening on {host} without --api-key: anyone who "
-                      "can reach this machine can use the model.")
+            err.print(
+                f"[yellow]warning:[/] listening on {host} without --api-key: anyone who "
+                "can reach this machine can use the model."
+            )
         with PidFile(home, url):  # during loading too: a launcher sees "starting"
             pair = load_pair(model, draft, block_size=block_size, draft_bits=draft_bits)
             app = create_app(pair, api_key=api_key, max_tokens=max_tokens, default_temp=temp)
             logging.getLogger("dflash_mac.serve").info(
-                "serving %s + %s at %s (block %d, pid %d)", pair.model_id, pair.draft_id, url,
-                pair.block_size, os.getpid())
-            err.print(f"dflash-mac serve: {url}  (model {app.state.model_name}, log "
-                      f"{log_path})", highlight=False, soft_wrap=True)
+                "serving %s + %s at %s (block %d, pid %d)",
+                pair.model_id,
+                pair.draft_id,
+                url,
+                pair.block_size,
+                os.getpid(),
+            )
+            err.print(
+                f"dflash-mac serve: {url}  (model {app.state.model_name}, log {log_path})",
+                highlight=False,
+                soft_wrap=True,
+            )
             run_server(app, host, port)
     except ServeError as e:
         err.print(f"[bold red]error:[/] {e}", highlight=False)

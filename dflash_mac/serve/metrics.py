@@ -48,8 +48,16 @@ def summary(ev: Any, kind: str) -> dict:
 class Metrics:
     """Totals since start and the last request's numbers (for /metrics and the menu bar)."""
 
-    FIELDS = ("requests", "completed", "cancelled", "failed", "prompt_tokens", "cached_tokens",
-              "completion_tokens", "cycles")
+    FIELDS = (
+        "requests",
+        "completed",
+        "cancelled",
+        "failed",
+        "prompt_tokens",
+        "cached_tokens",
+        "completion_tokens",
+        "cycles",
+    )
 
     def __init__(self) -> None:
         self.started = time.time()
@@ -93,10 +101,13 @@ class Metrics:
 
     def snapshot(self) -> dict:
         with self.lock:
-            return {"uptime_s": round(time.time() - self.started, 1),
-                    "totals": dict(self.totals), "last": dict(self.last or {}) or None,
-                    "last_error": dict(self.last_error or {}) or None,
-                    "memory": dict(self.memory)}
+            return {
+                "uptime_s": round(time.time() - self.started, 1),
+                "totals": dict(self.totals),
+                "last": dict(self.last or {}) or None,
+                "last_error": dict(self.last_error or {}) or None,
+                "memory": dict(self.memory),
+            }
 
     def health(self) -> dict:
         """/health: "ok", or "degraded" with the last error while the last generation failed;
@@ -104,8 +115,11 @@ class Metrics:
         with self.lock:
             err = self.last_error
             counts = {k: self.totals[k] for k in ("requests", "completed", "failed")}
-        return {"status": "degraded" if err else "ok",
-                **({"last_error": err["message"]} if err else {}), **counts}
+        return {
+            "status": "degraded" if err else "ok",
+            **({"last_error": err["message"]} if err else {}),
+            **counts,
+        }
 
 
 def label(value: Any) -> str:
@@ -128,8 +142,16 @@ def prometheus(stats: dict) -> str:
     lines += [f"dflash_{k}_total {v}" for k, v in stats["totals"].items()]
     lines.append(f"dflash_degraded {int(bool(stats.get('last_error')))}")
     last = stats.get("last") or {}
-    for key in ("decode_tps", "prefill_tps", "tau", "cycles", "ttft_s", "prompt_tokens",
-                "cached_tokens", "completion_tokens"):
+    for key in (
+        "decode_tps",
+        "prefill_tps",
+        "tau",
+        "cycles",
+        "ttft_s",
+        "prompt_tokens",
+        "cached_tokens",
+        "completion_tokens",
+    ):
         if key in last:
             lines.append(f"dflash_last_{key} {last[key]}")
     if last:

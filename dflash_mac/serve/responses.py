@@ -30,10 +30,13 @@ class Responder:
     def __init__(self, req: GenRequest, model: str, ready: Ready):
         self.req, self.chat = req, req.kind == "chat"
         prefix = "chatcmpl" if self.chat else "cmpl"
-        self.base = {"id": f"{prefix}-{uuid.uuid4().hex[:24]}",
-                     "object": "chat.completion.chunk" if self.chat else "text_completion",
-                     "created": int(time.time()), "model": model,
-                     "system_fingerprint": FINGERPRINT}
+        self.base = {
+            "id": f"{prefix}-{uuid.uuid4().hex[:24]}",
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": int(time.time()),
+            "model": model,
+            "system_fingerprint": FINGERPRINT,
+        }
         self.split = ThinkSplitter(ready.think_open) if self.chat else None
 
     def parts(self, text: str, final: bool = False) -> tuple[str, str]:
@@ -46,8 +49,9 @@ class Responder:
             r, c = r + r2, c + c2
         return r, c
 
-    def chunk(self, delta: dict | None = None, text: str = "", finish: str | None = None,
-              **extra: Any) -> dict:
+    def chunk(
+        self, delta: dict | None = None, text: str = "", finish: str | None = None, **extra: Any
+    ) -> dict:
         if self.chat:
             choice = {"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish}
         else:
@@ -75,8 +79,13 @@ class Responder:
         else:
             choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish}
             obj = "text_completion"
-        return {**self.base, "object": obj, "choices": [choice], "usage": result["usage"],
-                "dflash": result["dflash"]}
+        return {
+            **self.base,
+            "object": obj,
+            "choices": [choice],
+            "usage": result["usage"],
+            "dflash": result["dflash"],
+        }
 
 
 async def next_item(job: Job, request: Request | None) -> tuple[str, Any]:
@@ -108,8 +117,14 @@ async def stream_events(job: Job, out: Responder) -> AsyncIterator[str]:
             elif kind == "done":
                 yield sse(out.chunk(finish=payload["finish_reason"], dflash=payload["dflash"]))
                 if out.req.include_usage:
-                    yield sse({**out.base, "choices": [], "usage": payload["usage"],
-                               "dflash": payload["dflash"]})
+                    yield sse(
+                        {
+                            **out.base,
+                            "choices": [],
+                            "usage": payload["usage"],
+                            "dflash": payload["dflash"],
+                        }
+                    )
             elif kind == "error":
                 yield sse(payload.body())
             elif kind == "end":

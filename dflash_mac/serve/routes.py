@@ -63,9 +63,13 @@ class Routes:
             if key is not None:
                 scheme, _, token = request.headers.get("authorization", "").partition(" ")
                 if scheme.lower() != "bearer" or not hmac.compare_digest(
-                        token.strip().encode(), key.encode()):
-                    raise APIError(401, "missing or wrong API key; send 'Authorization: Bearer "
-                                   "<key>'.", code="invalid_api_key")
+                    token.strip().encode(), key.encode()
+                ):
+                    raise APIError(
+                        401,
+                        "missing or wrong API key; send 'Authorization: Bearer <key>'.",
+                        code="invalid_api_key",
+                    )
             return await handler(request)
 
         return wrapped
@@ -79,8 +83,7 @@ class Routes:
 
     async def completions(self, request: Request) -> Response:
         s = self.settings
-        req = parse_completion(await body_of(request), s.max_tokens, s.max_tokens,
-                               s.default_temp)
+        req = parse_completion(await body_of(request), s.max_tokens, s.max_tokens, s.default_temp)
         return await self.generate(request, req)
 
     async def generate(self, request: Request, req: GenRequest) -> Response:
@@ -95,8 +98,9 @@ class Routes:
             raise payload if kind == "error" else APIError(503, "the server is shutting down.")
         out = Responder(req, self.name, payload)
         if req.stream:
-            return StreamingResponse(stream_events(job, out), media_type="text/event-stream",
-                                     headers=SSE_HEADERS)
+            return StreamingResponse(
+                stream_events(job, out), media_type="text/event-stream", headers=SSE_HEADERS
+            )
         texts, result = [], None
         while (item := await next_item(job, request))[0] != "end":
             kind, payload = item
@@ -115,11 +119,18 @@ class Routes:
 
     def model_card(self) -> dict:
         pair = self.pair
-        return {"id": self.name, "object": "model", "created": int(self.worker.metrics.started),
-                "owned_by": "dflash-mac", "root": str(pair.model_id),
-                "context_length": pair.context_length, "max_model_len": pair.context_length,
-                "draft": str(pair.draft_id), "drafter": pair.kind,
-                "block_size": self.settings.block_size or pair.block_size}
+        return {
+            "id": self.name,
+            "object": "model",
+            "created": int(self.worker.metrics.started),
+            "owned_by": "dflash-mac",
+            "root": str(pair.model_id),
+            "context_length": pair.context_length,
+            "max_model_len": pair.context_length,
+            "draft": str(pair.draft_id),
+            "drafter": pair.kind,
+            "block_size": self.settings.block_size or pair.block_size,
+        }
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self.model_card()]})
@@ -127,31 +138,47 @@ class Routes:
     async def model(self, request: Request) -> Response:
         wanted = request.path_params["model_id"]
         if wanted not in (self.name, str(self.pair.model_id)):
-            raise APIError(404, f"model {wanted!r} is not loaded; this server serves "
-                           f"{self.name!r}.", code="model_not_found")
+            raise APIError(
+                404,
+                f"model {wanted!r} is not loaded; this server serves {self.name!r}.",
+                code="model_not_found",
+            )
         return JSONResponse(self.model_card())
 
     def stats(self) -> dict:
         pair, worker = self.pair, self.worker
-        return {"model": self.name, "model_id": str(pair.model_id),
-                "draft_id": str(pair.draft_id), "drafter": pair.kind,
-                "block_size": self.settings.block_size or pair.block_size,
-                "context_length": pair.context_length, "busy": worker.busy,
-                "queued": worker.queued, "cached_tokens": len(self.session.state.ids),
-                **worker.metrics.snapshot()}
+        return {
+            "model": self.name,
+            "model_id": str(pair.model_id),
+            "draft_id": str(pair.draft_id),
+            "drafter": pair.kind,
+            "block_size": self.settings.block_size or pair.block_size,
+            "context_length": pair.context_length,
+            "busy": worker.busy,
+            "queued": worker.queued,
+            "cached_tokens": len(self.session.state.ids),
+            **worker.metrics.snapshot(),
+        }
 
     async def metrics(self, request: Request) -> Response:
         if request.query_params.get("format") == "prometheus":
-            return PlainTextResponse(prometheus(self.stats()),
-                                     media_type="text/plain; version=0.0.4")
+            return PlainTextResponse(
+                prometheus(self.stats()), media_type="text/plain; version=0.0.4"
+            )
         return JSONResponse(self.stats())
 
     async def dflash_stats(self, request: Request) -> Response:
         return JSONResponse(self.stats())
 
     async def health(self, request: Request) -> Response:
-        return JSONResponse({**self.worker.metrics.health(), "model": self.name,
-                             "busy": self.worker.busy, "queued": self.worker.queued})
+        return JSONResponse(
+            {
+                **self.worker.metrics.health(),
+                "model": self.name,
+                "busy": self.worker.busy,
+                "queued": self.worker.queued,
+            }
+        )
 
 
 async def body_of(request: Request) -> object:

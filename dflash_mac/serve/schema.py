@@ -10,22 +10,44 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ROLES = {"system", "developer", "user", "assistant"}
-REASONING_EFFORT = {"none": "off", "minimal": "off", "low": "low", "medium": "medium",
-                    "high": "high"}
+REASONING_EFFORT = {
+    "none": "off",
+    "minimal": "off",
+    "low": "low",
+    "medium": "medium",
+    "high": "high",
+}
 
 
 class APIError(Exception):
     """An HTTP error with an OpenAI-shaped body."""
 
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, kind: str = "invalid_request_error"):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = (
-            status, message, param, code, kind)
+            status,
+            message,
+            param,
+            code,
+            kind,
+        )
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 def bad(param: str, message: str) -> APIError:
@@ -46,8 +68,15 @@ class GenRequest:
     template: dict = field(default_factory=dict)  # reasoning, chat_template_args, ...
 
 
-def number(body: dict, name: str, default: float, lo: float, hi: float,
-           lo_open: bool = False, hi_open: bool = False) -> float:
+def number(
+    body: dict,
+    name: str,
+    default: float,
+    lo: float,
+    hi: float,
+    lo_open: bool = False,
+    hi_open: bool = False,
+) -> float:
     value = body.get(name)
     if value is None:
         return default
@@ -94,6 +123,7 @@ def stop_strings(body: dict) -> list[str]:
 
 def unsupported(body: dict) -> None:
     """400 for features this server does not implement, when a request actually asks for them."""
+
     def refuse(name: str, what: str) -> None:
         raise bad(name, f"'{name}' is not supported by dflash-mac serve ({what}).")
 
@@ -114,8 +144,9 @@ def unsupported(body: dict) -> None:
         refuse("function_call", "no function calling yet")
     fmt = body.get("response_format")
     if fmt not in (None, {"type": "text"}):
-        refuse("response_format", "only plain text output; json_object / json_schema are not "
-               "enforced")
+        refuse(
+            "response_format", "only plain text output; json_object / json_schema are not enforced"
+        )
     for name in ("frequency_penalty", "presence_penalty"):
         value = body.get(name)
         if value not in (None, 0, 0.0):
@@ -131,8 +162,9 @@ def unsupported(body: dict) -> None:
             refuse(name, "not implemented")
 
 
-def common(body: dict, kind: str, prompt: Any, default_max: int, cap: int,
-           default_temp: float) -> GenRequest:
+def common(
+    body: dict, kind: str, prompt: Any, default_max: int, cap: int, default_temp: float
+) -> GenRequest:
     """The fields chat and completion requests share."""
     unsupported(body)
     model = body.get("model")
@@ -158,8 +190,7 @@ def common(body: dict, kind: str, prompt: Any, default_max: int, cap: int,
     }
     if sampling["seed"] is not None:
         sampling["seed"] %= 2**32
-    return GenRequest(kind, prompt, stream, stream and include_usage, max_tokens, model,
-                      sampling)
+    return GenRequest(kind, prompt, stream, stream and include_usage, max_tokens, model, sampling)
 
 
 def message_text(i: int, content: Any) -> str:
@@ -168,14 +199,18 @@ def message_text(i: int, content: Any) -> str:
     if isinstance(content, list):
         parts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(
-                    part.get("text"), str):
-                raise bad(f"messages[{i}].content",
-                          "only text content parts are supported (no images or audio).")
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                raise bad(
+                    f"messages[{i}].content",
+                    "only text content parts are supported (no images or audio).",
+                )
             parts.append(part["text"])
         return "".join(parts)
-    raise bad(f"messages[{i}].content", "message content must be a string or a list of text "
-              "parts.")
+    raise bad(f"messages[{i}].content", "message content must be a string or a list of text parts.")
 
 
 def chat_messages(body: dict) -> list[dict]:
@@ -190,8 +225,10 @@ def chat_messages(body: dict) -> list[dict]:
         if role in ("tool", "function") or m.get("tool_calls") or m.get("function_call"):
             raise bad(f"messages[{i}]", "tool messages and tool calls are not supported yet.")
         if role not in ROLES:
-            raise bad(f"messages[{i}].role", f"unknown role {role!r}; use system, developer, "
-                      "user or assistant.")
+            raise bad(
+                f"messages[{i}].role",
+                f"unknown role {role!r}; use system, developer, user or assistant.",
+            )
         content = m.get("content")
         text = "" if content is None and role == "assistant" else message_text(i, content)
         out.append({"role": "system" if role == "developer" else role, "content": text})
@@ -206,8 +243,10 @@ def parse_chat(body: Any, default_max: int, cap: int, default_temp: float = 0.0)
     effort = body.get("reasoning_effort")
     if effort is not None:
         if effort not in REASONING_EFFORT:
-            raise bad("reasoning_effort", f"'reasoning_effort' must be one of "
-                      f"{', '.join(REASONING_EFFORT)}.")
+            raise bad(
+                "reasoning_effort",
+                f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORT)}.",
+            )
         req.template["reasoning"] = REASONING_EFFORT[effort]
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None:
@@ -222,23 +261,28 @@ def completion_prompt(value: Any) -> str | list[int]:
         value = value[0]  # a batch of one
     if isinstance(value, str) and value:
         return value
-    if isinstance(value, list) and value and all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+    if (
+        isinstance(value, list)
+        and value
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+    ):
         return value
-    raise bad("prompt", "'prompt' must be a non-empty string or list of token ids (one prompt "
-              "per request).")
+    raise bad(
+        "prompt",
+        "'prompt' must be a non-empty string or list of token ids (one prompt per request).",
+    )
 
 
-def parse_completion(body: Any, default_max: int, cap: int,
-                     default_temp: float = 0.0) -> GenRequest:
+def parse_completion(
+    body: Any, default_max: int, cap: int, default_temp: float = 0.0
+) -> GenRequest:
     """Validate a /v1/completions body (raw text, no chat template)."""
     if not isinstance(body, dict):
         raise bad("body", "the request body must be a JSON object.")
     if flag(body, "echo"):
         raise bad("echo", "'echo' is not supported by dflash-mac serve.")
     if body.get("suffix"):
-        raise bad("suffix", "'suffix' (fill-in-the-middle) is not supported by dflash-mac "
-                  "serve.")
+        raise bad("suffix", "'suffix' (fill-in-the-middle) is not supported by dflash-mac serve.")
     prompt = completion_prompt(body.get("prompt"))
     req = common(body, "completion", prompt, default_max, cap, default_temp)
     req.template["ignore_chat_template"] = True

@@ -104,8 +104,9 @@ class Worker:
                 job.emit("end")
         while not self._jobs.empty():  # refuse what is still queued
             if (job := self._jobs.get_nowait()) is not None:
-                job.emit("error", APIError(503, "the server is shutting down.",
-                                           kind="server_error"))
+                job.emit(
+                    "error", APIError(503, "the server is shutting down.", kind="server_error")
+                )
                 job.emit("end")
         self._idle.set()
         # Park instead of returning: MLX aborts the process at exit ("terminate called without
@@ -144,9 +145,13 @@ class Worker:
             job.emit("ready", Ready(len(ids), prompt_opens_think(tail)))
             budget = fit_max_tokens(pair.context_length, len(ids), req.max_tokens).max_tokens
             last = None
-            for ev in self.session.stream(ids, should_stop=lambda: self._should_stop(job),
-                                          max_tokens=budget, block_size=self.block_size,
-                                          **req.sampling):
+            for ev in self.session.stream(
+                ids,
+                should_stop=lambda: self._should_stop(job),
+                max_tokens=budget,
+                block_size=self.block_size,
+                **req.sampling,
+            ):
                 job.emit("text", (ev.text, ev.finish_reason))
                 last = ev
         except APIError as e:
@@ -167,6 +172,13 @@ class Worker:
         self.metrics.record(result)
         job.emit("done", result)
         u, d = result["usage"], result["dflash"]
-        log.info("%s: prompt %d tok (%d cached), %d tok out, %.1f tok/s, tau %.2f, %s",
-                 req.kind, u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"],
-                 u["completion_tokens"], d["decode_tps"], d["tau"], result["finish_reason"])
+        log.info(
+            "%s: prompt %d tok (%d cached), %d tok out, %.1f tok/s, tau %.2f, %s",
+            req.kind,
+            u["prompt_tokens"],
+            u["prompt_tokens_details"]["cached_tokens"],
+            u["completion_tokens"],
+            d["decode_tps"],
+            d["tau"],
+            result["finish_reason"],
+        )

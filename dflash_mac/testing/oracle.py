@@ -32,8 +32,9 @@ class OracleDrafter:
     """Proposes `sequence[start+1 : start+bs]` (the known greedy continuation), each token
     replaced by a wrong one with probability `error_rate` (1.0 = always wrong)."""
 
-    def __init__(self, real, sequence: list[int], vocab: int, error_rate: float = 0.0,
-                 seed: int = 0):
+    def __init__(
+        self, real, sequence: list[int], vocab: int, error_rate: float = 0.0, seed: int = 0
+    ):
         self.config = real.config
         self.sequence, self.vocab, self.error_rate = sequence, vocab, error_rate
         self.rng = random.Random(seed)

@@ -53,10 +53,19 @@ class TimedRollback(TargetRollback):
 def build_pair(hidden: int, layers: int, vocab: int) -> LoadedPair:
     mx.random.seed(0)
     text = hybrid_text_config(
-        vocab=vocab, hidden=hidden, layers=layers, interval=4, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=hidden // 8, linear_num_key_heads=hidden // 128,
-        linear_key_head_dim=128, linear_num_value_heads=hidden // 64, linear_value_head_dim=64,
-        intermediate_size=3 * hidden)
+        vocab=vocab,
+        hidden=hidden,
+        layers=layers,
+        interval=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=hidden // 8,
+        linear_num_key_heads=hidden // 128,
+        linear_key_head_dim=128,
+        linear_num_value_heads=hidden // 64,
+        linear_value_head_dim=64,
+        intermediate_size=3 * hidden,
+    )
     cfg = {"model_type": "qwen3_5", "text_config": text, "tie_word_embeddings": True}
     target = build_hybrid_target(cfg, weight_scale=2.0)
     dcfg = draft_config(dict(text, rope_theta=1e4), vocab - 1, layer_ids=[1, layers // 2])
@@ -115,11 +124,15 @@ def main(argv: list[str] | None = None) -> None:
     ids = [(7 * i + 3) % (args.vocab - 1) for i in range(64)]
     ref = [t for t, _ in generate_step(mx.array(ids), pair.target, max_tokens=args.tokens)]
     n_gdn = sum(1 for c in pair.target.make_cache() if not c.is_trimmable())
-    print(f"qwen3_5 random target: hidden {args.hidden}, {args.layers} layers ({n_gdn} "
-          f"GatedDeltaNet), {mx.default_device()}, {args.tokens} tokens, drafter 30% wrong")
+    print(
+        f"qwen3_5 random target: hidden {args.hidden}, {args.layers} layers ({n_gdn} "
+        f"GatedDeltaNet), {mx.default_device()}, {args.tokens} tokens, drafter 30% wrong"
+    )
     print("medians over all cycles of all repeats (strategies interleaved)\n")
-    print("| block | strategy | rollback ms (rejected cycle) | cycles rejected | "
-          "rollback ms per cycle | cycle ms | share of cycle |")
+    print(
+        "| block | strategy | rollback ms (rejected cycle) | cycles rejected | "
+        "rollback ms per cycle | cycle ms | share of cycle |"
+    )
     print("|---|---|---|---|---|---|---|")
     for bs in (int(b) for b in args.block_sizes.split(",")):
         runs: dict[str, Timing] = {s: Timing() for s in ("replay", "rerun")}
@@ -134,8 +147,10 @@ def main(argv: list[str] | None = None) -> None:
             rej = len(t.rollback) / len(t.cycle)
             per_rej = 1e3 * statistics.median(t.rollback)
             cycle = 1e3 * statistics.median(t.cycle)
-            print(f"| {bs} | {strategy} | {per_rej:.2f} | {100 * rej:.0f}% | "
-                  f"{per_rej * rej:.2f} | {cycle:.1f} | {100 * per_rej * rej / cycle:.1f}% |")
+            print(
+                f"| {bs} | {strategy} | {per_rej:.2f} | {100 * rej:.0f}% | "
+                f"{per_rej * rej:.2f} | {cycle:.1f} | {100 * per_rej * rej / cycle:.1f}% |"
+            )
 
 
 if __name__ == "__main__":

@@ -28,12 +28,17 @@ def write_byte_tokenizer(folder: Path) -> dict[str, int]:
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
     ids = {s: tok.token_to_id(s) for s in SPECIALS}
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "chat_template": CHATML,
-    }, indent=1))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "chat_template": CHATML,
+            },
+            indent=1,
+        )
+    )
     return ids
 
 
@@ -57,19 +62,34 @@ def target_config(vocab: int = 320, hidden: int = 64, layers: int = 4, **kw) -> 
     return cfg
 
 
-def draft_config(tcfg: dict, mask_id: int, layers: int = 1, block_size: int = 16,
-                 layer_ids: list[int] | None = None, arch: str = "DFlashDraftModel") -> dict:
+def draft_config(
+    tcfg: dict,
+    mask_id: int,
+    layers: int = 1,
+    block_size: int = 16,
+    layer_ids: list[int] | None = None,
+    arch: str = "DFlashDraftModel",
+) -> dict:
     n = tcfg["num_hidden_layers"]
     ids = layer_ids or sorted({1, max(1, n // 2), max(1, n - 2)})
-    keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-            "head_dim", "rms_norm_eps", "vocab_size", "max_position_embeddings")
+    keys = (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "vocab_size",
+        "max_position_embeddings",
+    )
     cfg = {k: tcfg[k] for k in keys}
     cfg.update(
-        architectures=[arch], model_type="qwen3", num_hidden_layers=layers,
-        num_target_layers=n, rope_parameters={"rope_theta": tcfg["rope_theta"],
-                                              "rope_type": "default"},
-        dflash_config={"block_size": block_size, "mask_token_id": mask_id,
-                       "target_layer_ids": ids},
+        architectures=[arch],
+        model_type="qwen3",
+        num_hidden_layers=layers,
+        num_target_layers=n,
+        rope_parameters={"rope_theta": tcfg["rope_theta"], "rope_type": "default"},
+        dflash_config={"block_size": block_size, "mask_token_id": mask_id, "target_layer_ids": ids},
     )
     return cfg
 
@@ -80,9 +100,15 @@ def save_model(model, folder: Path, config: dict) -> None:
     mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
 
 
-def build_tiny_pair(out: str | Path, seed: int = 0, target_layers: int = 4,
-                    draft_layers: int = 1, block_size: int = 16, weight_scale: float = 4.0,
-                    **target_kw) -> tuple[Path, Path]:
+def build_tiny_pair(
+    out: str | Path,
+    seed: int = 0,
+    target_layers: int = 4,
+    draft_layers: int = 1,
+    block_size: int = 16,
+    weight_scale: float = 4.0,
+    **target_kw,
+) -> tuple[Path, Path]:
     """Write a random qwen3 target (with tokenizer) and a matching random DFlash drafter."""
     from mlx_lm.models import qwen3
 

@@ -10,8 +10,14 @@ from mlx.utils import tree_map
 from .tiny import draft_config, save_model, write_byte_tokenizer
 
 
-def hybrid_text_config(vocab: int = 320, hidden: int = 64, layers: int = 6,
-                       interval: int = 3, model_type: str = "qwen3_5", **kw) -> dict:
+def hybrid_text_config(
+    vocab: int = 320,
+    hidden: int = 64,
+    layers: int = 6,
+    interval: int = 3,
+    model_type: str = "qwen3_5",
+    **kw,
+) -> dict:
     """The text config keys mlx-lm's qwen3_5 / qwen3_next need (linear attention included)."""
     cfg = {
         "model_type": model_type,
@@ -33,12 +39,22 @@ def hybrid_text_config(vocab: int = 320, hidden: int = 64, layers: int = 6,
         "tie_word_embeddings": True,
     }
     if model_type == "qwen3_next":  # a small MoE, as the real qwen3_next
-        cfg.update(rope_theta=10000.0, partial_rotary_factor=0.25, num_experts=4,
-                   num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
-                   moe_intermediate_size=hidden, shared_expert_intermediate_size=hidden)
+        cfg.update(
+            rope_theta=10000.0,
+            partial_rotary_factor=0.25,
+            num_experts=4,
+            num_experts_per_tok=2,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            moe_intermediate_size=hidden,
+            shared_expert_intermediate_size=hidden,
+        )
     else:
-        cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0,
-                                  "partial_rotary_factor": 0.25}
+        cfg["rope_parameters"] = {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25,
+        }
     cfg.update(kw)
     return cfg
 
@@ -57,10 +73,17 @@ def build_hybrid_target(tcfg: dict, weight_scale: float = 4.0):
     return model
 
 
-def build_tiny_hybrid_pair(out: str | Path, seed: int = 0, target_layers: int = 6,
-                           model_type: str = "qwen3_5", draft_layers: int = 1,
-                           block_size: int = 16, weight_scale: float = 4.0,
-                           layer_ids: list[int] | None = None, **text_kw) -> tuple[Path, Path]:
+def build_tiny_hybrid_pair(
+    out: str | Path,
+    seed: int = 0,
+    target_layers: int = 6,
+    model_type: str = "qwen3_5",
+    draft_layers: int = 1,
+    block_size: int = 16,
+    weight_scale: float = 4.0,
+    layer_ids: list[int] | None = None,
+    **text_kw,
+) -> tuple[Path, Path]:
     """Write a random qwen3_5 (or qwen3_next) target with tokenizer, and a random drafter.
 
     qwen3_5 is written the way the Hub ships it: `text_config` nested in the config."""
@@ -73,9 +96,13 @@ def build_tiny_hybrid_pair(out: str | Path, seed: int = 0, target_layers: int = 
     text = hybrid_text_config(layers=target_layers, model_type=model_type, **text_kw)
     text["eos_token_id"] = ids["<|im_end|>"]
     if model_type == "qwen3_5":
-        tcfg = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
-                "tie_word_embeddings": True, "eos_token_id": ids["<|im_end|>"],
-                "text_config": text}
+        tcfg = {
+            "model_type": "qwen3_5",
+            "architectures": ["Qwen3_5ForConditionalGeneration"],
+            "tie_word_embeddings": True,
+            "eos_token_id": ids["<|im_end|>"],
+            "text_config": text,
+        }
     else:
         tcfg = dict(text, architectures=["Qwen3NextForCausalLM"])
     mx.random.seed(seed)
@@ -83,8 +110,13 @@ def build_tiny_hybrid_pair(out: str | Path, seed: int = 0, target_layers: int = 
     save_model(target, tdir, tcfg)
     flat = dict(text, rope_theta=10000.0)
     n = target_layers
-    dcfg = draft_config(flat, ids["<|mask|>"], layers=draft_layers, block_size=block_size,
-                        layer_ids=layer_ids or sorted({1, n // 2, n - 2}))
+    dcfg = draft_config(
+        flat,
+        ids["<|mask|>"],
+        layers=draft_layers,
+        block_size=block_size,
+        layer_ids=layer_ids or sorted({1, n // 2, n - 2}),
+    )
     drafter = DFlashDraftModel(DraftConfig.from_dict(dcfg))
     save_model(drafter, ddir, dcfg)
     return tdir, ddir

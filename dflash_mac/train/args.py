@@ -64,8 +64,9 @@ class TrainingArgs:
     def check(self) -> None:
         """Raise `TrainError` for settings that cannot train."""
         if self.arch not in ARCHS:
-            raise TrainError(f"--arch {self.arch} is not supported yet "
-                             f"(choose from {', '.join(ARCHS)}).")
+            raise TrainError(
+                f"--arch {self.arch} is not supported yet (choose from {', '.join(ARCHS)})."
+            )
         if self.block_size < 2:
             raise TrainError(f"--block-size must be at least 2 (got {self.block_size}).")
 

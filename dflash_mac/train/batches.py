@@ -45,8 +45,7 @@ def make_batch(seqs: list[Sequence], idx: list[int], step: int, s: TrainSettings
         seq = np.array(seqs[i].ids[: s.max_length], dtype=np.int32)
         rng = np.random.default_rng([s.seed, step, j])
         toks.append(seq)
-        anchors.append(sample_anchors(rng, len(seqs[i].prompt), len(seq), s.block_size,
-                                      s.anchors))
+        anchors.append(sample_anchors(rng, len(seqs[i].prompt), len(seq), s.block_size, s.anchors))
     B, S, N = len(toks), max(len(t) for t in toks), max(len(a) for a in anchors)
     padded = np.zeros((B, S), dtype=np.int32)
     blocks = np.zeros((B, N, s.block_size), dtype=np.int32)
@@ -58,8 +57,14 @@ def make_batch(seqs: list[Sequence], idx: list[int], step: int, s: TrainSettings
         full = np.concatenate([a, np.full(N - len(a), a[0])]) if len(a) < N else a
         ids, lab = block_inputs(t, full, s.block_size, s.mask_token_id)
         blocks[j], labels[j], anc[j], valid[j, : len(a)] = ids, lab, full, 1.0
-    return Batch(mx.array(padded), mx.array(blocks), mx.array(labels), anc, mx.array(valid),
-                 sum(len(t) for t in toks))
+    return Batch(
+        mx.array(padded),
+        mx.array(blocks),
+        mx.array(labels),
+        anc,
+        mx.array(valid),
+        sum(len(t) for t in toks),
+    )
 
 
 def target_features(target: nn.Module, layer_ids: list[int], tokens: mx.array) -> mx.array:

@@ -79,7 +79,10 @@ def _visible(q_pos, k_pos, causal: bool, window: int | None):
 
 
 def block_mask(
-    anchors: np.ndarray, n_ctx: int, block_size: int, causal: bool = False,
+    anchors: np.ndarray,
+    n_ctx: int,
+    block_size: int,
+    causal: bool = False,
     window: int | None = None,
 ) -> np.ndarray:
     """Compact per-block mask ``[N, bs, n_ctx + bs]`` (True = visible).
@@ -96,7 +99,10 @@ def block_mask(
 
 
 def dense_block_mask(
-    anchors: np.ndarray, n_ctx: int, block_size: int, causal: bool = False,
+    anchors: np.ndarray,
+    n_ctx: int,
+    block_size: int,
+    causal: bool = False,
     window: int | None = None,
 ) -> np.ndarray:
     """The block-sparse mask over the flat layout ``[context | block 0 | ... | block N-1]``:

@@ -24,14 +24,18 @@ class LoopState:
     budget_fixed: bool = True  # False until a `minutes` budget has fixed `total`
 
     def meta(self, settings_key: dict, run_seconds: float) -> dict:
-        return {"step": self.step, "total_steps": self.total, "settings": settings_key,
-                "losses": self.losses, "elapsed": self.elapsed + run_seconds}
+        return {
+            "step": self.step,
+            "total_steps": self.total,
+            "settings": settings_key,
+            "losses": self.losses,
+            "elapsed": self.elapsed + run_seconds,
+        }
 
 
 def save_checkpoint(ckpt: Path, drafter, opt, meta: dict) -> None:
     ckpt.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(ckpt / "weights.safetensors"),
-                        dict(tree_flatten(drafter.parameters())))
+    mx.save_safetensors(str(ckpt / "weights.safetensors"), dict(tree_flatten(drafter.parameters())))
     mx.save_safetensors(str(ckpt / "optimizer.safetensors"), dict(tree_flatten(opt.state)))
     tmp = ckpt / "meta.json.tmp"
     tmp.write_text(json.dumps(meta, indent=1))
@@ -51,11 +55,17 @@ def resume(ckpt: Path, drafter, opt, settings_key: dict) -> LoopState | None:
         return None
     meta = json.loads((ckpt / "meta.json").read_text())
     if meta["settings"] != settings_key:
-        raise TrainError(f"the checkpoint in {ckpt} was made with other settings; "
-                         "drop --resume to start over.")
+        raise TrainError(
+            f"the checkpoint in {ckpt} was made with other settings; drop --resume to start over."
+        )
     meta = load_checkpoint(ckpt, drafter, opt)
-    return LoopState(step=meta["step"], total=meta["total_steps"], losses=meta["losses"],
-                     elapsed=meta["elapsed"], budget_fixed=True)
+    return LoopState(
+        step=meta["step"],
+        total=meta["total_steps"],
+        losses=meta["losses"],
+        elapsed=meta["elapsed"],
+        budget_fixed=True,
+    )
 
 
 def discard(ckpt: Path) -> None:
@@ -75,14 +85,20 @@ def load_init(drafter, folder: Path) -> str:
     """Load an existing drafter's weights (strict names and shapes) as the starting point."""
     from dflash_mac.loading import load_weights
 
-    weights = {k: v.astype(mx.float32) for k, v in load_weights(folder).items()
-               if "embed_tokens" not in k and not k.startswith("lm_head")}
+    weights = {
+        k: v.astype(mx.float32)
+        for k, v in load_weights(folder).items()
+        if "embed_tokens" not in k and not k.startswith("lm_head")
+    }
     expected = dict(tree_flatten(drafter.parameters()))
     bad = sorted(set(expected) ^ set(weights)) + [
-        k for k in weights if k in expected and weights[k].shape != expected[k].shape]
+        k for k in weights if k in expected and weights[k].shape != expected[k].shape
+    ]
     if bad:
-        raise TrainError(f"--init-from {folder} does not match the drafter being trained "
-                         f"({bad[:3]}); use the same layers and target.")
+        raise TrainError(
+            f"--init-from {folder} does not match the drafter being trained "
+            f"({bad[:3]}); use the same layers and target."
+        )
     drafter.load_weights(list(weights.items()))
     src = folder / "dflash_training.json"
     steps = json.loads(src.read_text()).get("steps") if src.exists() else None
@@ -95,12 +111,14 @@ SAVE_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16}  # anything else:
 def save_drafter(drafter, config: dict, out_dir: Path, dtype=mx.float16, extra: dict | None = None):
     """The z-lab drafter folder: config.json + model.safetensors (no embed / lm_head)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
-               for k, v in export_weights(drafter).items()}
-    config = dict(config, dtype={mx.float16: "float16", mx.bfloat16: "bfloat16"}.get(
-        dtype, "float32"))
-    mx.save_safetensors(str(out_dir / "model.safetensors"), weights,
-                        metadata={"format": "mlx"})
+    weights = {
+        k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
+        for k, v in export_weights(drafter).items()
+    }
+    config = dict(
+        config, dtype={mx.float16: "float16", mx.bfloat16: "bfloat16"}.get(dtype, "float32")
+    )
+    mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if extra is not None:
         (out_dir / "dflash_training.json").write_text(json.dumps(extra, indent=1) + "\n")

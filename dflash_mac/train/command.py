@@ -22,60 +22,85 @@ from .loop import StepReport, TrainingCallback
 
 
 def train(
-    target: str = typer.Option(..., "--target", "-m",
-                               help="Target model: local folder or Hugging Face id (mlx-lm)."),
-    data: Path = typer.Option(..., "--data", help="Prompts JSONL: {\"messages\": [...]} or "
-                              "{\"text\"|\"prompt\": ...} per line; the target answers them."),
+    target: str = typer.Option(
+        ..., "--target", "-m", help="Target model: local folder or Hugging Face id (mlx-lm)."
+    ),
+    data: Path = typer.Option(
+        ...,
+        "--data",
+        help='Prompts JSONL: {"messages": [...]} or '
+        '{"text"|"prompt": ...} per line; the target answers them.',
+    ),
     out: Path = typer.Option(..., "--out", "-o", help="Output drafter folder (z-lab format)."),
     block_size: int = typer.Option(16, "--block-size", "-b", help="Trained block size."),
     layers: int = typer.Option(1, "--layers", help="Drafter decoder layers."),
     target_layer_ids: str | None = typer.Option(
-        None, "--target-layer-ids",
+        None,
+        "--target-layer-ids",
         help="Comma-separated target layers to read features from (default: uniform "
-        "between layer 1 and L-3)."),
-    arch: str = typer.Option("dflash", "--arch", help="Drafter architecture: dflash or dflash2 "
-                       "(convs + candidate selector, selector loss)."),
-    steps: int | None = typer.Option(None, "--steps", help="Optimizer steps (overrides "
-                                     "--epochs)."),
+        "between layer 1 and L-3).",
+    ),
+    arch: str = typer.Option(
+        "dflash",
+        "--arch",
+        help="Drafter architecture: dflash or dflash2 (convs + candidate selector, selector loss).",
+    ),
+    steps: int | None = typer.Option(None, "--steps", help="Optimizer steps (overrides --epochs)."),
     epochs: float = typer.Option(6.0, "--epochs", help="Passes over the sequences."),
-    minutes: float | None = typer.Option(None, "--minutes",
-                                         help="Wall-clock cap on training (fixes the step "
-                                         "count from the first steps' speed)."),
+    minutes: float | None = typer.Option(
+        None,
+        "--minutes",
+        help="Wall-clock cap on training (fixes the step count from the first steps' speed).",
+    ),
     lr: float = typer.Option(6e-4, "--lr", help="Peak AdamW learning rate (cosine, 4% warmup)."),
     batch_size: int = typer.Option(4, "--batch-size", help="Sequences per step."),
-    anchors: int = typer.Option(512, "--anchors", help="Random anchors (blocks) per sequence, "
-                                "at most."),
+    anchors: int = typer.Option(
+        512, "--anchors", help="Random anchors (blocks) per sequence, at most."
+    ),
     max_length: int = typer.Option(3072, "--max-length", help="Sequence length cap (tokens)."),
-    intermediate_size: int | None = typer.Option(None, "--intermediate-size",
-                                                 help="Drafter MLP width (default: target's)."),
-    mask_token_id: int | None = typer.Option(None, "--mask-token-id",
-                                             help="Mask token id when the tokenizer has no "
-                                             "<|mask|> token."),
-    gen_max_tokens: int = typer.Option(256, "--gen-max-tokens",
-                                       help="Max tokens of each regenerated response."),
+    intermediate_size: int | None = typer.Option(
+        None, "--intermediate-size", help="Drafter MLP width (default: target's)."
+    ),
+    mask_token_id: int | None = typer.Option(
+        None, "--mask-token-id", help="Mask token id when the tokenizer has no <|mask|> token."
+    ),
+    gen_max_tokens: int = typer.Option(
+        256, "--gen-max-tokens", help="Max tokens of each regenerated response."
+    ),
     temp: float = typer.Option(0.0, "--temp", help="Regeneration temperature (0 = greedy)."),
-    gen_batch_size: int = typer.Option(32, "--gen-batch-size",
-                                       help="Prompts decoded together while regenerating."),
-    limit: int | None = typer.Option(None, "--limit",
-                                     help="Use N prompts, evenly spread over the file."),
-    eval_prompts: Path | None = typer.Option(None, "--eval-prompts",
-                                             help="Held-out prompts JSONL: τ, per-position "
-                                             "acceptance and speedup at the end."),
+    gen_batch_size: int = typer.Option(
+        32, "--gen-batch-size", help="Prompts decoded together while regenerating."
+    ),
+    limit: int | None = typer.Option(
+        None, "--limit", help="Use N prompts, evenly spread over the file."
+    ),
+    eval_prompts: Path | None = typer.Option(
+        None,
+        "--eval-prompts",
+        help="Held-out prompts JSONL: τ, per-position acceptance and speedup at the end.",
+    ),
     eval_max_tokens: int = typer.Option(256, "--eval-max-tokens"),
-    resume: bool = typer.Option(False, "--resume", help="Continue from the saved checkpoint "
-                                "(weights, optimizer, step, data order)."),
+    resume: bool = typer.Option(
+        False,
+        "--resume",
+        help="Continue from the saved checkpoint (weights, optimizer, step, data order).",
+    ),
     save_every: int = typer.Option(100, "--save-every", help="Checkpoint every N steps."),
     seed: int = typer.Option(0, "--seed"),
-    cache_dir: Path = typer.Option(Path(".cache/dflash-train"), "--cache-dir",
-                                   help="Regenerated data and checkpoints."),
-    dtype: str = typer.Option("float16", "--dtype", help="Saved weights: float16, bfloat16, "
-                              "float32."),
-    sliding_window: int | None = typer.Option(None, "--sliding-window",
-                                              help="Drafter attention sees only the last N "
-                                              "positions (bidirectional inside the block)."),
-    init_from: Path | None = typer.Option(None, "--init-from",
-                                          help="Start from this drafter folder (fine-tune; "
-                                          "fresh schedule)."),
+    cache_dir: Path = typer.Option(
+        Path(".cache/dflash-train"), "--cache-dir", help="Regenerated data and checkpoints."
+    ),
+    dtype: str = typer.Option(
+        "float16", "--dtype", help="Saved weights: float16, bfloat16, float32."
+    ),
+    sliding_window: int | None = typer.Option(
+        None,
+        "--sliding-window",
+        help="Drafter attention sees only the last N positions (bidirectional inside the block).",
+    ),
+    init_from: Path | None = typer.Option(
+        None, "--init-from", help="Start from this drafter folder (fine-tune; fresh schedule)."
+    ),
 ) -> None:
     """Train a DFlash drafter for TARGET on the target's own answers to --data prompts."""
     from dflash_mac.loading import LoadError
@@ -94,13 +119,34 @@ def train(
         if not ids:
             _fail("--target-layer-ids must be comma-separated integers, e.g. 1,9,17.")
     args = TrainingArgs(
-        target=target, prompts=data, out_dir=out, block_size=block_size, num_layers=layers,
-        target_layer_ids=ids, mask_token_id=mask_token_id, arch=arch, steps=steps,
-        epochs=epochs, minutes=minutes, lr=lr, batch_size=batch_size, anchors=anchors,
-        max_length=max_length, intermediate_size=intermediate_size,
-        max_new_tokens=gen_max_tokens, temp=temp, gen_batch_size=gen_batch_size, limit=limit,
-        eval_prompts=eval_prompts, eval_max_tokens=eval_max_tokens, resume=resume, seed=seed,
-        save_every=save_every, cache_dir=cache_dir, save_dtype=dtype, init_from=init_from,
+        target=target,
+        prompts=data,
+        out_dir=out,
+        block_size=block_size,
+        num_layers=layers,
+        target_layer_ids=ids,
+        mask_token_id=mask_token_id,
+        arch=arch,
+        steps=steps,
+        epochs=epochs,
+        minutes=minutes,
+        lr=lr,
+        batch_size=batch_size,
+        anchors=anchors,
+        max_length=max_length,
+        intermediate_size=intermediate_size,
+        max_new_tokens=gen_max_tokens,
+        temp=temp,
+        gen_batch_size=gen_batch_size,
+        limit=limit,
+        eval_prompts=eval_prompts,
+        eval_max_tokens=eval_max_tokens,
+        resume=resume,
+        seed=seed,
+        save_every=save_every,
+        cache_dir=cache_dir,
+        save_dtype=dtype,
+        init_from=init_from,
         sliding_window=sliding_window,
     )
     console = Console()
@@ -108,8 +154,10 @@ def train(
         train_drafter(args, ProgressReporter(console))
     except (TrainError, DataError, LoadError) as e:
         _fail(str(e))
-    console.print(f"\nTry it:\n  dflash-mac generate --model {target} --draft {out} "
-                  f"--block-size {min(block_size, 8)} -v \"def fibonacci(n):\"")
+    console.print(
+        f"\nTry it:\n  dflash-mac generate --model {target} --draft {out} "
+        f'--block-size {min(block_size, 8)} -v "def fibonacci(n):"'
+    )
 
 
 class ProgressReporter(TrainingCallback):
@@ -125,25 +173,44 @@ class ProgressReporter(TrainingCallback):
         self.console.log(message, _stack_offset=2)  # show where the message comes from
 
     def on_start(self, step: int, total: int, losses: list[float]) -> None:
-        cols = [TextColumn("[bold]drafter"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("loss {task.fields[loss]:.3f}"),
-                TextColumn("acc@1 {task.fields[acc]:.2f}"),
-                TextColumn("{task.fields[tps]:,.0f} tok/s"), TimeElapsedColumn(),
-                TextColumn("ETA"), TimeRemainingColumn()]
+        cols = [
+            TextColumn("[bold]drafter"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]:.3f}"),
+            TextColumn("acc@1 {task.fields[acc]:.2f}"),
+            TextColumn("{task.fields[tps]:,.0f} tok/s"),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+        ]
         self.bar = Progress(*cols, console=self.console, transient=False)
         self.bar.start()
-        self.task = self.bar.add_task("train", total=total, completed=step,
-                                      loss=losses[-1] if losses else float("nan"), acc=0.0,
-                                      tps=0.0)
+        self.task = self.bar.add_task(
+            "train",
+            total=total,
+            completed=step,
+            loss=losses[-1] if losses else float("nan"),
+            acc=0.0,
+            tps=0.0,
+        )
 
     def on_step(self, r: StepReport) -> None:
-        self.bar.update(self.task, completed=r.step, total=r.total,
-                        loss=float(np.mean(r.losses[-20:])), tps=r.tokens_per_s, acc=r.acc[0])
+        self.bar.update(
+            self.task,
+            completed=r.step,
+            total=r.total,
+            loss=float(np.mean(r.losses[-20:])),
+            tps=r.tokens_per_s,
+            acc=r.acc[0],
+        )
         if not self.console.is_terminal and (r.step % 10 == 0 or r.step == r.total):
             eta = r.run_seconds / max(r.step - r.start, 1) * (r.total - r.step)
-            self.console.log(f"step {r.step}/{r.total} loss {np.mean(r.losses[-10:]):.3f} acc "
-                             + " ".join(f"{a:.2f}" for a in r.acc)
-                             + f" | {r.tokens_per_s:,.0f} tok/s | ETA {eta / 60:.1f} min")
+            self.console.log(
+                f"step {r.step}/{r.total} loss {np.mean(r.losses[-10:]):.3f} acc "
+                + " ".join(f"{a:.2f}" for a in r.acc)
+                + f" | {r.tokens_per_s:,.0f} tok/s | ETA {eta / 60:.1f} min"
+            )
 
     def on_end(self) -> None:
         if self.bar is not None:

@@ -50,16 +50,25 @@ def resolve_mask_id(tokenizer: Any, mask_token_id: int | None) -> int:
 def train_settings(args: TrainingArgs, tcfg: dict, tokenizer: Any) -> TrainSettings:
     """The run's settings for this target: feature layers checked, mask id resolved."""
     n_layers = tcfg["num_hidden_layers"]
-    layer_ids = (list(args.target_layer_ids) if args.target_layer_ids
-                 else default_layer_ids(n_layers))
+    layer_ids = (
+        list(args.target_layer_ids) if args.target_layer_ids else default_layer_ids(n_layers)
+    )
     if bad := [i for i in layer_ids if not 0 <= i < n_layers]:
         raise TrainError(f"target layer ids {bad} are outside the target's {n_layers} layers.")
     return TrainSettings(
-        block_size=args.block_size, num_layers=args.num_layers, target_layer_ids=layer_ids,
-        mask_token_id=resolve_mask_id(tokenizer, args.mask_token_id), arch=args.arch,
-        lr=args.lr, batch_size=args.batch_size, anchors=args.anchors,
-        max_length=args.max_length, seed=args.seed, intermediate_size=args.intermediate_size,
-        sliding_window=args.sliding_window)
+        block_size=args.block_size,
+        num_layers=args.num_layers,
+        target_layer_ids=layer_ids,
+        mask_token_id=resolve_mask_id(tokenizer, args.mask_token_id),
+        arch=args.arch,
+        lr=args.lr,
+        batch_size=args.batch_size,
+        anchors=args.anchors,
+        max_length=args.max_length,
+        seed=args.seed,
+        intermediate_size=args.intermediate_size,
+        sliding_window=args.sliding_window,
+    )
 
 
 def drafter_config(tcfg: dict, s: TrainSettings) -> dict:
@@ -97,8 +106,11 @@ def drafter_config(tcfg: dict, s: TrainSettings) -> dict:
     if tcfg.get("rope_scaling"):
         cfg["rope_scaling"] = tcfg["rope_scaling"]
     if s.sliding_window:  # windowed drafter attention, bidirectional inside the block
-        cfg.update(layer_types=["sliding_attention"] * s.num_layers,
-                   sliding_window=s.sliding_window, is_causal=False)
+        cfg.update(
+            layer_types=["sliding_attention"] * s.num_layers,
+            sliding_window=s.sliding_window,
+            is_causal=False,
+        )
     return dflash2_config(cfg) if s.arch == "dflash2" else cfg
 
 

@@ -138,8 +138,15 @@ def load_or_regenerate(
     progress: Callable[[int, int, int, float], None] | None = None,
 ) -> tuple[list[Sequence], Path]:
     """Cached regenerated sequences (and the cache file's path)."""
-    settings = {"max_tokens": max_tokens, "temp": temp, "seed": seed, "max_prompt": max_prompt,
-                "limit": limit, "dtype": _dtype_name(target), "v": 1}
+    settings = {
+        "max_tokens": max_tokens,
+        "temp": temp,
+        "seed": seed,
+        "max_prompt": max_prompt,
+        "limit": limit,
+        "dtype": _dtype_name(target),
+        "v": 1,
+    }
     key = cache_key(Path(target_dir), Path(prompts_path), settings)
     cache_dir.mkdir(parents=True, exist_ok=True)
     final = cache_dir / f"regen-{key}.jsonl"
@@ -149,20 +156,20 @@ def load_or_regenerate(
         return seqs, final
     prompts = read_prompts(prompts_path)
     if limit is not None and limit < len(prompts):  # evenly spread over the file
-        prompts = [prompts[i] for i in np.linspace(0, len(prompts) - 1, limit).round()
-                   .astype(int)]
+        prompts = [prompts[i] for i in np.linspace(0, len(prompts) - 1, limit).round().astype(int)]
     ids = encode_prompts(tokenizer, prompts, max_prompt)
     partial = final.with_suffix(".partial")
     done = _read_cache(partial) if partial.exists() else []
     _write_cache(partial, done)  # drops a torn last line before appending
-    log(f"regenerating {len(ids) - len(done)} of {len(ids)} responses with the target "
-        f"(max {max_tokens} tokens, temp {temp}) -> {final}")
+    log(
+        f"regenerating {len(ids) - len(done)} of {len(ids)} responses with the target "
+        f"(max {max_tokens} tokens, temp {temp}) -> {final}"
+    )
     t0, n_tok = time.perf_counter(), sum(len(s.response) for s in done)
     with partial.open("a", encoding="utf-8") as f:
         for start in range(len(done), len(ids), chunk):
             batch = ids[start : start + chunk]
-            resp = regenerate(target, tokenizer, batch, max_tokens, temp, seed + start,
-                              batch_size)
+            resp = regenerate(target, tokenizer, batch, max_tokens, temp, seed + start, batch_size)
             for p, r in zip(batch, resp):
                 f.write(json.dumps({"prompt": p, "response": r}) + "\n")
                 done.append(Sequence(p, r))
@@ -177,8 +184,9 @@ def load_or_regenerate(
 def _dtype_name(target: Any) -> str:
     from mlx.utils import tree_flatten
 
-    floats = [v.dtype for _, v in tree_flatten(target.parameters())
-              if mx.issubdtype(v.dtype, mx.floating)]
+    floats = [
+        v.dtype for _, v in tree_flatten(target.parameters()) if mx.issubdtype(v.dtype, mx.floating)
+    ]
     return str(floats[0]) if floats else "?"
 
 

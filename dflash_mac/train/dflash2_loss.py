@@ -22,8 +22,9 @@ from dflash_mac.metal_kernels import reference
 from .forward import _attention, dflash_loss
 
 
-def dflash2_config(cfg: dict, kernel_size: int = 2, group_size: int = 16,
-                   rank: int | None = None, top_k: int = 16) -> dict:
+def dflash2_config(
+    cfg: dict, kernel_size: int = 2, group_size: int = 16, rank: int | None = None, top_k: int = 16
+) -> dict:
     """Turn a DFlash 1 drafter config.json dict into DFlash 2's (z-lab field names).
 
     Default selector rank: the published 256, scaled down for narrow drafters (``H / 8``, at
@@ -33,9 +34,13 @@ def dflash2_config(cfg: dict, kernel_size: int = 2, group_size: int = 16,
     while group_size > 1 and H % group_size:
         group_size //= 2
     out = dict(cfg, architectures=["DFlash2DraftModel"])
-    out["dflash_config"] = dict(cfg["dflash_config"], conv_kernel_size=kernel_size,
-                                conv_group_size=group_size, selector_rank=rank,
-                                selector_top_k=min(top_k, cfg["vocab_size"]))
+    out["dflash_config"] = dict(
+        cfg["dflash_config"],
+        conv_kernel_size=kernel_size,
+        conv_group_size=group_size,
+        selector_rank=rank,
+        selector_top_k=min(top_k, cfg["vocab_size"]),
+    )
     return out
 
 
@@ -43,14 +48,18 @@ def _conv(conv, x: mx.array, dyn: mx.array, side: int, N: int) -> mx.array:
     """One side of `conv` over the flat blocks ``x [B, N·bs, H]``; ``dyn [B, N·bs, 2, K, G]``."""
     B, L, H = x.shape
     bs = L // N
-    out = reference.dynamic_conv(x.reshape(B * N, bs, H), conv.base_kernel[side],
-                                 dyn[:, :, side].reshape(B * N, bs, *dyn.shape[3:]),
-                                 conv.group_size)
+    out = reference.dynamic_conv(
+        x.reshape(B * N, bs, H),
+        conv.base_kernel[side],
+        dyn[:, :, side].reshape(B * N, bs, *dyn.shape[3:]),
+        conv.group_size,
+    )
     return out.reshape(B, L, H)
 
 
-def train_hidden2(drafter, features: mx.array, block_ids: mx.array, anchors: mx.array,
-                  masks: list[mx.array]) -> mx.array:
+def train_hidden2(
+    drafter, features: mx.array, block_ids: mx.array, anchors: mx.array, masks: list[mx.array]
+) -> mx.array:
     """Final-normed DFlash 2 hidden states ``[B, N, bs, H]`` (as `forward.train_hidden`)."""
     B, N, bs = block_ids.shape
     ctx = drafter.project_context(features)  # [B, S, H]
@@ -68,9 +77,15 @@ def train_hidden2(drafter, features: mx.array, block_ids: mx.array, anchors: mx.
     return drafter.norm(h).reshape(B, N, bs, -1)
 
 
-def selector_loss(selector, hidden: mx.array, logits: mx.array, predecessors: mx.array,
-                  labels: mx.array, valid: mx.array, weights: mx.array
-                  ) -> tuple[mx.array, mx.array]:
+def selector_loss(
+    selector,
+    hidden: mx.array,
+    logits: mx.array,
+    predecessors: mx.array,
+    labels: mx.array,
+    valid: mx.array,
+    weights: mx.array,
+) -> tuple[mx.array, mx.array]:
     """Teacher-forced selector CE.
 
     hidden ``[B, N, P, H]`` (block positions 1..bs-1), logits ``[B, N, P, V]``, predecessors and
@@ -92,8 +107,9 @@ def selector_loss(selector, hidden: mx.array, logits: mx.array, predecessors: mx
     return loss, mx.stop_gradient(acc)
 
 
-def dflash2_loss(drafter, features, block_ids, labels, anchors, valid, masks,
-                 weights: mx.array) -> tuple[mx.array, mx.array]:
+def dflash2_loss(
+    drafter, features, block_ids, labels, anchors, valid, masks, weights: mx.array
+) -> tuple[mx.array, mx.array]:
     """Backbone position-decayed CE + selector CE (weight 1); acc = the selector's top-1."""
     hidden = train_hidden2(drafter, features, block_ids, anchors, masks)[:, :, 1:]
     logits = drafter.logits(hidden)  # [B, N, bs-1, V]
@@ -101,8 +117,9 @@ def dflash2_loss(drafter, features, block_ids, labels, anchors, valid, masks,
     n = mx.maximum(valid.sum(), 1)
     backbone = ((ce * weights).sum(axis=-1) * valid).sum() / (n * weights.sum())
     preds = mx.concatenate([block_ids[..., :1], labels[..., :-1]], axis=-1)  # true previous
-    sel, acc = selector_loss(drafter.candidate_selector, hidden, logits, preds, labels, valid,
-                             weights)
+    sel, acc = selector_loss(
+        drafter.candidate_selector, hidden, logits, preds, labels, valid, weights
+    )
     return backbone + sel, acc
 
 

@@ -52,8 +52,7 @@ class EvalResult:
 
     def as_dict(self) -> dict:
         d = asdict(self)
-        d.update(dflash_tps=self.dflash_tps, baseline_tps=self.baseline_tps,
-                 speedup=self.speedup)
+        d.update(dflash_tps=self.dflash_tps, baseline_tps=self.baseline_tps, speedup=self.speedup)
         return d
 
 
@@ -95,8 +94,13 @@ def dflash_run(pair: Pair, ids: list[int], max_tokens: int, block_size: int):
 
 
 def evaluate(
-    pair: Pair, prompts: list[list[int]], block_sizes: list[int], max_tokens: int = 256,
-    speed: bool = True, repeats: int = 1, log=None,
+    pair: Pair,
+    prompts: list[list[int]],
+    block_sizes: list[int],
+    max_tokens: int = 256,
+    speed: bool = True,
+    repeats: int = 1,
+    log=None,
 ) -> list[EvalResult]:
     """Evaluate each block size on every prompt against the plain target.
 
@@ -142,9 +146,11 @@ def evaluate(
 
 def summary_line(r: EvalResult) -> str:
     acc = " ".join(f"{a:.2f}" for a in r.position_acceptance)
-    return (f"bs {r.block_size}: τ {r.tau:.2f} | per-position acceptance {acc} | "
-            f"DFlash {r.dflash_tps:.0f} tok/s vs target {r.baseline_tps:.0f} tok/s = "
-            f"{r.speedup:.2f}x | identical {r.identical}/{r.prompts}")
+    return (
+        f"bs {r.block_size}: τ {r.tau:.2f} | per-position acceptance {acc} | "
+        f"DFlash {r.dflash_tps:.0f} tok/s vs target {r.baseline_tps:.0f} tok/s = "
+        f"{r.speedup:.2f}x | identical {r.identical}/{r.prompts}"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -155,26 +161,40 @@ def main(argv: list[str] | None = None) -> None:
 
     from .data import encode_prompts, read_prompts
 
-    ap = argparse.ArgumentParser(prog="python -m dflash_mac.train.evaluate",
-                                 description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m dflash_mac.train.evaluate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--model", required=True)
     ap.add_argument("--draft", required=True)
     ap.add_argument("--prompts", required=True, type=Path)
     ap.add_argument("--block-sizes", default="5,8")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--limit", type=int, default=None)
-    ap.add_argument("--repeats", type=int, default=1,
-                    help="time each prompt this many times and keep the best (noisy machines)")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="time each prompt this many times and keep the best (noisy machines)",
+    )
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args(argv)
     con = Console()
     pair = load(args.model, args.draft)
     prompts = encode_prompts(pair.tokenizer, read_prompts(args.prompts)[: args.limit], 4096)
-    con.log(f"{len(prompts)} prompts, max {args.max_tokens} tokens, greedy, "
-            f"{mx.default_device()}, BLAS: {blas_in_use()}")
-    res = evaluate(pair, prompts, [int(b) for b in args.block_sizes.split(",")],
-                   args.max_tokens, repeats=args.repeats, log=con.log)
+    con.log(
+        f"{len(prompts)} prompts, max {args.max_tokens} tokens, greedy, "
+        f"{mx.default_device()}, BLAS: {blas_in_use()}"
+    )
+    res = evaluate(
+        pair,
+        prompts,
+        [int(b) for b in args.block_sizes.split(",")],
+        args.max_tokens,
+        repeats=args.repeats,
+        log=con.log,
+    )
     if args.json:
         args.json.write_text(json.dumps([r.as_dict() for r in res], indent=1))
 

@@ -29,8 +29,7 @@ def layer_masks(drafter, anchors: np.ndarray, n_ctx: int, block_size: int) -> li
     for causal, window in zip(cfg.layer_causal, cfg.layer_window):
         key = (causal, window)
         if key not in cache:
-            m = np.stack([dense_block_mask(a, n_ctx, block_size, causal, window)
-                          for a in anchors])
+            m = np.stack([dense_block_mask(a, n_ctx, block_size, causal, window) for a in anchors])
             cache[key] = mx.array(m)[:, None]
         out.append(cache[key])
     return out
@@ -53,8 +52,9 @@ def _attention(attn, x: mx.array, ctx: mx.array, offsets: mx.array, mask: mx.arr
     ctx_k, ctx_v = attn.keys_values(ctx, 0)  # context K/V at 0..S-1
     keys = mx.concatenate([ctx_k, _flat(k, B, N)], axis=2)
     values = mx.concatenate([ctx_v, _flat(v, B, N)], axis=2)
-    out = mx.fast.scaled_dot_product_attention(_flat(q, B, N), keys, values, scale=attn.scale,
-                                               mask=mask)
+    out = mx.fast.scaled_dot_product_attention(
+        _flat(q, B, N), keys, values, scale=attn.scale, mask=mask
+    )
     return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 

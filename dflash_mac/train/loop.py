@@ -88,8 +88,15 @@ def make_optimizer(s: TrainSettings, total: int) -> tuple[optim.Optimizer, Sched
     return optim.AdamW(learning_rate=sched, weight_decay=s.weight_decay), sched
 
 
-def train_loop(t: Trainee, state: LoopState, ckpt: Path, settings_key: dict, save_every: int,
-               minutes: float | None, callback: TrainingCallback) -> float:
+def train_loop(
+    t: Trainee,
+    state: LoopState,
+    ckpt: Path,
+    settings_key: dict,
+    save_every: int,
+    minutes: float | None,
+    callback: TrainingCallback,
+) -> float:
     """Run steps `state.step`..`state.total` (updating `state`); return the training seconds
     of the whole run, earlier processes included."""
     s, drafter = t.settings, t.drafter
@@ -97,8 +104,9 @@ def train_loop(t: Trainee, state: LoopState, ckpt: Path, settings_key: dict, sav
     loss_fn = LOSSES[s.arch]
 
     def objective(d, feats, b, masks):
-        return loss_fn(d, feats, b.block_ids, b.labels, mx.array(b.anchors), b.valid, masks,
-                       weights)
+        return loss_fn(
+            d, feats, b.block_ids, b.labels, mx.array(b.anchors), b.valid, masks, weights
+        )
 
     grad_fn = nn.value_and_grad(drafter, objective)
     per_epoch = math.ceil(len(t.seqs) / s.batch_size)
@@ -109,8 +117,9 @@ def train_loop(t: Trainee, state: LoopState, ckpt: Path, settings_key: dict, sav
     try:
         while state.step < state.total:
             step = state.step
-            batch = make_batch(t.seqs, batch_indices(step, len(t.seqs), s.batch_size, s.seed),
-                               step, s)
+            batch = make_batch(
+                t.seqs, batch_indices(step, len(t.seqs), s.batch_size, s.seed), step, s
+            )
             masks = layer_masks(drafter, batch.anchors, batch.tokens.shape[1], s.block_size)
             feats = target_features(t.target, s.target_layer_ids, batch.tokens)
             (loss, acc), grads = grad_fn(drafter, feats, batch, masks)
@@ -121,21 +130,36 @@ def train_loop(t: Trainee, state: LoopState, ckpt: Path, settings_key: dict, sav
             state.losses.append(round(loss.item(), 5))
             now = time.perf_counter()
             tok_window = (tok_window + [(now, batch.n_tokens)])[-20:]
-            tps = (sum(n for _, n in tok_window[1:]) / (now - tok_window[0][0])
-                   if len(tok_window) > 1 else 0.0)
+            tps = (
+                sum(n for _, n in tok_window[1:]) / (now - tok_window[0][0])
+                if len(tok_window) > 1
+                else 0.0
+            )
             if not state.budget_fixed and step == min(state.total, 6):
                 per_step = (now - t_run) / step
                 cap = max(step + 1, int(minutes * 60 / per_step))
                 if cap < state.total:
                     state.total = t.sched.total = cap
-                    callback.log(f"{minutes:g} min budget at {per_step:.2f} s/step -> "
-                                 f"{cap} steps ({cap / per_epoch:.2f} epochs)")
+                    callback.log(
+                        f"{minutes:g} min budget at {per_step:.2f} s/step -> "
+                        f"{cap} steps ({cap / per_epoch:.2f} epochs)"
+                    )
                 state.budget_fixed = True
             if step % save_every == 0 or step == state.total:
-                save_checkpoint(ckpt, drafter, t.opt,
-                                state.meta(settings_key, time.perf_counter() - t_run))
-            callback.on_step(StepReport(step, state.total, start, state.losses, acc.tolist(),
-                                        tps, time.perf_counter() - t_run))
+                save_checkpoint(
+                    ckpt, drafter, t.opt, state.meta(settings_key, time.perf_counter() - t_run)
+                )
+            callback.on_step(
+                StepReport(
+                    step,
+                    state.total,
+                    start,
+                    state.losses,
+                    acc.tolist(),
+                    tps,
+                    time.perf_counter() - t_run,
+                )
+            )
     finally:
         callback.on_end()
     return state.elapsed + time.perf_counter() - t_run

@@ -58,28 +58,38 @@ def load_target(target_dir: Path) -> tuple[nn.Module, Any]:
     return model, tokenizer
 
 
-def prepare_data(model: nn.Module, tokenizer: Any, target_dir: Path, args: TrainingArgs,
-                 log) -> TrainingData:
+def prepare_data(
+    model: nn.Module, tokenizer: Any, target_dir: Path, args: TrainingArgs, log
+) -> TrainingData:
     """Regenerate (or reload) the responses; keep sequences with at least one full block."""
     t0 = time.perf_counter()
     seqs, data_file = load_or_regenerate(
-        model, tokenizer, target_dir, args.prompts, args.cache_dir / "data",
-        max_tokens=args.max_new_tokens, temp=args.temp, seed=args.seed,
-        max_prompt=max(16, args.max_length - args.block_size - 1), limit=args.limit,
-        batch_size=args.gen_batch_size, log=log,
-        progress=lambda d, n, tok, t: log(f"regenerated {d}/{n} ({tok:,} tokens, "
-                                          f"{tok / max(t, 1e-9):,.0f} tok/s)"),
+        model,
+        tokenizer,
+        target_dir,
+        args.prompts,
+        args.cache_dir / "data",
+        max_tokens=args.max_new_tokens,
+        temp=args.temp,
+        seed=args.seed,
+        max_prompt=max(16, args.max_length - args.block_size - 1),
+        limit=args.limit,
+        batch_size=args.gen_batch_size,
+        log=log,
+        progress=lambda d, n, tok, t: log(
+            f"regenerated {d}/{n} ({tok:,} tokens, {tok / max(t, 1e-9):,.0f} tok/s)"
+        ),
     )
     seconds = time.perf_counter() - t0
-    seqs = [q for q in seqs
-            if min(len(q.ids), args.max_length) - len(q.prompt) >= args.block_size]
+    seqs = [q for q in seqs if min(len(q.ids), args.max_length) - len(q.prompt) >= args.block_size]
     if not seqs:
         raise TrainError(f"no regenerated response is at least {args.block_size} tokens long.")
     return TrainingData(seqs, data_file, sum(len(q.response) for q in seqs), seconds)
 
 
-def prepare_trainee(args: TrainingArgs, s: TrainSettings, config: dict, model: nn.Module,
-                    seqs: list[Sequence], log) -> tuple[Trainee, str | None]:
+def prepare_trainee(
+    args: TrainingArgs, s: TrainSettings, config: dict, model: nn.Module, seqs: list[Sequence], log
+) -> tuple[Trainee, str | None]:
     """A seeded new drafter (or `init_from`'s weights) with AdamW over the run's length
     (`steps`, else `epochs`); also returns the note on where the weights came from."""
     mx.random.seed(args.seed)
@@ -93,8 +103,9 @@ def prepare_trainee(args: TrainingArgs, s: TrainSettings, config: dict, model: n
     return Trainee(drafter, opt, sched, model, seqs, s), init_note
 
 
-def start_state(args: TrainingArgs, total: int, trainee: Trainee, settings_key: dict,
-                log) -> LoopState:
+def start_state(
+    args: TrainingArgs, total: int, trainee: Trainee, settings_key: dict, log
+) -> LoopState:
     """A fresh run of `total` steps, or the checkpoint's position on --resume (a fresh run
     discards an old checkpoint)."""
     ckpt = args.checkpoint_dir
@@ -105,19 +116,34 @@ def start_state(args: TrainingArgs, total: int, trainee: Trainee, settings_key: 
         return state
     if not args.resume:
         discard(ckpt)
-    return LoopState(step=0, total=total,
-                     budget_fixed=args.steps is not None or args.minutes is None)
+    return LoopState(
+        step=0, total=total, budget_fixed=args.steps is not None or args.minutes is None
+    )
 
 
-def save_and_evaluate(trainee: Trainee, config: dict, args: TrainingArgs, summary: dict,
-                      target_dir: Path, train_s: float, log) -> dict:
+def save_and_evaluate(
+    trainee: Trainee,
+    config: dict,
+    args: TrainingArgs,
+    summary: dict,
+    target_dir: Path,
+    train_s: float,
+    log,
+) -> dict:
     """Write the drafter folder with its training summary; evaluate it on held-out prompts."""
     out_dtype = SAVE_DTYPES.get(args.save_dtype, mx.float32)
     save_drafter(trainee.drafter, config, args.out_dir, out_dtype, summary)
     log(f"drafter saved to {args.out_dir} ({train_s / 60:.1f} min of training)")
     if args.eval_prompts:
-        summary["eval"] = run_eval(target_dir, args.out_dir, args.eval_prompts, args.block_size,
-                                   args.eval_max_tokens, args.eval_limit, log)
+        summary["eval"] = run_eval(
+            target_dir,
+            args.out_dir,
+            args.eval_prompts,
+            args.block_size,
+            args.eval_max_tokens,
+            args.eval_limit,
+            log,
+        )
         (args.out_dir / "dflash_training.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
 
@@ -140,47 +166,76 @@ def train_drafter(args: TrainingArgs, callback: TrainingCallback | None = None) 
     model, tokenizer = load_target(target_dir)
     s = train_settings(args, tcfg, tokenizer)
     config = drafter_config(tcfg, s)
-    cb.log(f"target {args.target}: {tcfg['num_hidden_layers']} layers, hidden "
-           f"{tcfg['hidden_size']}, vocab {tcfg['vocab_size']}; drafter: {s.num_layers} "
-           f"layer(s), block {s.block_size}, features from layers {s.target_layer_ids}, mask id "
-           f"{s.mask_token_id}, γ {decay_gamma(s.block_size):.2f}")
+    cb.log(
+        f"target {args.target}: {tcfg['num_hidden_layers']} layers, hidden "
+        f"{tcfg['hidden_size']}, vocab {tcfg['vocab_size']}; drafter: {s.num_layers} "
+        f"layer(s), block {s.block_size}, features from layers {s.target_layer_ids}, mask id "
+        f"{s.mask_token_id}, γ {decay_gamma(s.block_size):.2f}"
+    )
 
     data = prepare_data(model, tokenizer, target_dir, args, cb.log)
-    cb.log(f"{len(data.seqs)} training sequences, {data.response_tokens:,} response tokens "
-           f"({data.file.name})")
+    cb.log(
+        f"{len(data.seqs)} training sequences, {data.response_tokens:,} response tokens "
+        f"({data.file.name})"
+    )
 
     trainee, init_note = prepare_trainee(args, s, config, model, data.seqs, cb.log)
     n_params = sum(v.size for _, v in tree_flatten(trainee.drafter.parameters()))
     per_epoch = math.ceil(len(data.seqs) / s.batch_size)
     settings_key = dict(asdict(s), data=data.file.name, init_from=init_note)
     state = start_state(args, trainee.sched.total, trainee, settings_key, cb.log)
-    cb.log(f"drafter {n_params / 1e6:.2f}M parameters; {state.total} steps of {s.batch_size} "
-           f"sequences × ≤{s.anchors} blocks ({per_epoch} steps/epoch), lr {s.lr}")
+    cb.log(
+        f"drafter {n_params / 1e6:.2f}M parameters; {state.total} steps of {s.batch_size} "
+        f"sequences × ≤{s.anchors} blocks ({per_epoch} steps/epoch), lr {s.lr}"
+    )
 
-    train_s = train_loop(trainee, state, args.checkpoint_dir, settings_key, args.save_every,
-                         args.minutes, cb)
+    train_s = train_loop(
+        trainee, state, args.checkpoint_dir, settings_key, args.save_every, args.minutes, cb
+    )
     summary = run_summary(args, s, data, state, train_s, n_params, init_note)
     save_and_evaluate(trainee, config, args, summary, target_dir, train_s, cb.log)
     summary["total_seconds"] = round(time.perf_counter() - t_start, 1)
     return summary
 
 
-def run_summary(args: TrainingArgs, s: TrainSettings, data: TrainingData, state: LoopState,
-                train_s: float, n_params: int, init_note: str | None) -> dict:
+def run_summary(
+    args: TrainingArgs,
+    s: TrainSettings,
+    data: TrainingData,
+    state: LoopState,
+    train_s: float,
+    n_params: int,
+    init_note: str | None,
+) -> dict:
     return {
-        "target": args.target, "prompts": str(args.prompts), "sequences": len(data.seqs),
+        "target": args.target,
+        "prompts": str(args.prompts),
+        "sequences": len(data.seqs),
         "response_tokens": data.response_tokens,
-        "regeneration": {"max_new_tokens": args.max_new_tokens, "temp": args.temp,
-                         "seconds": round(data.seconds, 1)},
-        "steps": state.total, "epochs": round(state.total * s.batch_size / len(data.seqs), 3),
-        "train_seconds": round(train_s, 1), "parameters": n_params,
-        "settings": asdict(s), "final_loss": float(np.mean(state.losses[-20:])),
+        "regeneration": {
+            "max_new_tokens": args.max_new_tokens,
+            "temp": args.temp,
+            "seconds": round(data.seconds, 1),
+        },
+        "steps": state.total,
+        "epochs": round(state.total * s.batch_size / len(data.seqs), 3),
+        "train_seconds": round(train_s, 1),
+        "parameters": n_params,
+        "settings": asdict(s),
+        "final_loss": float(np.mean(state.losses[-20:])),
         "init_from": init_note,
     }
 
 
-def run_eval(target: Path, draft: Path, prompts: Path, block_size: int, max_tokens: int,
-             limit: int | None, log) -> list[dict]:
+def run_eval(
+    target: Path,
+    draft: Path,
+    prompts: Path,
+    block_size: int,
+    max_tokens: int,
+    limit: int | None,
+    log,
+) -> list[dict]:
     """τ and per-position acceptance at the trained block size and at 5 (real runtime)."""
     from dflash_mac.loading import load
 

@@ -52,8 +52,14 @@ class Cli:
     env: dict[str, str]
 
     def __call__(self, *args: str, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
-        return subprocess.run([self.command, *args], env=self.env, capture_output=True,
-                              text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        return subprocess.run(
+            [self.command, *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -110,9 +116,22 @@ def server(cli: Cli, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.out"
     with log.open("w") as out:
-        proc = subprocess.Popen([cli.command, "serve", "--host", "127.0.0.1", "--port",
-                                 str(port), "--max-tokens", "64"], env=cli.env, stdout=out,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [
+                cli.command,
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--max-tokens",
+                "64",
+            ],
+            env=cli.env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
     srv = Server(proc, f"http://127.0.0.1:{port}", Path(cli.env["DFLASH_MAC_HOME"]), log)
     try:
         srv.wait_healthy(60)

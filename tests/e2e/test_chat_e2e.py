@@ -19,11 +19,16 @@ import pytest
 
 from dflash_mac.loading import BUNDLED_DRAFT
 
-pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed"),
+]
 
 CLI = Path(sys.executable).with_name("dflash-mac")
-STATS = re.compile(r"(\d+) tok · \d+ tok/s · τ [\d.]+ · [\d.–]+× · prefill (\d+) new \+ (\d+) "
-                   r"cached( · stopped)?")
+STATS = re.compile(
+    r"(\d+) tok · \d+ tok/s · τ [\d.]+ · [\d.–]+× · prefill (\d+) new \+ (\d+) "
+    r"cached( · stopped)?"
+)
 
 
 class Terminal:
@@ -34,15 +39,30 @@ class Terminal:
         self.exit_file = home / f"exit-{socket}"
         # The terminal's size, not the test runner's COLUMNS/LINES (some plugins export them).
         env = f"-u COLUMNS -u LINES DFLASH_MAC_HOME={shlex.quote(str(home))} HF_HUB_OFFLINE=1"
-        shell = (f"env {env} {shlex.quote(str(CLI))} chat -n {max_tokens}; "
-                 f"echo $? > {shlex.quote(str(self.exit_file))}")
-        self.tmux("new-session", "-d", "-x", "120", "-y", "40", "-s", "chat",
-                  f"sh -c {shlex.quote(shell)}")
+        shell = (
+            f"env {env} {shlex.quote(str(CLI))} chat -n {max_tokens}; "
+            f"echo $? > {shlex.quote(str(self.exit_file))}"
+        )
+        self.tmux(
+            "new-session",
+            "-d",
+            "-x",
+            "120",
+            "-y",
+            "40",
+            "-s",
+            "chat",
+            f"sh -c {shlex.quote(shell)}",
+        )
         self.tmux("resize-window", "-t", "chat", "-x", "120", "-y", "40")
 
     def tmux(self, *args: str) -> str:
-        return subprocess.run(["tmux", "-L", self.socket, "-f", "/dev/null", *args],
-                              capture_output=True, text=True, timeout=10).stdout
+        return subprocess.run(
+            ["tmux", "-L", self.socket, "-f", "/dev/null", *args],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout
 
     def screen(self) -> str:
         return self.tmux("capture-pane", "-p", "-t", "chat")
@@ -58,8 +78,9 @@ class Terminal:
                 return screen
             time.sleep(0.1)
         size = self.tmux("display", "-p", "-t", "chat", "#{window_width}x#{window_height}")
-        raise AssertionError(f"timed out waiting for {what}; the screen ({size.strip()}):\n"
-                             f"{self.screen()}")
+        raise AssertionError(
+            f"timed out waiting for {what}; the screen ({size.strip()}):\n{self.screen()}"
+        )
 
     def ask(self, text: str) -> None:
         self.keys("-l", text)
@@ -116,8 +137,11 @@ def test_chat_streams_stops_reuses_the_prefix_and_quits_cleanly(terminal):
     first = stats_lines(screen)[-1]
     assert first.group(4) and 0 < int(first.group(1)) < 300
     term.ask("def add(a, b):")
-    screen = term.wait(lambda s: "Ready." in s and stats_lines(s) and
-                       not stats_lines(s)[-1].group(4), "the second reply", timeout=45)
+    screen = term.wait(
+        lambda s: "Ready." in s and stats_lines(s) and not stats_lines(s)[-1].group(4),
+        "the second reply",
+        timeout=45,
+    )
     second = stats_lines(screen)[-1]
     assert int(second.group(3)) > 0  # prefill: only the new message, the rest was cached
     statuses.append(term.quit())  # after a reply

@@ -5,12 +5,23 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+pytestmark = pytest.mark.slow  # starts the installed command in subprocesses
+
 N = 8
 
 
 def test_generate_json(cli):
-    r = cli("generate", "Write a function that reverses a string.", "-n", str(N), "--temp", "0",
-            "--json")
+    r = cli(
+        "generate",
+        "Write a function that reverses a string.",
+        "-n",
+        str(N),
+        "--temp",
+        "0",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["finish_reason"] in ("length", "stop") and out["text"]
@@ -21,8 +32,20 @@ def test_generate_json(cli):
 
 
 def test_bench_tiny_run(cli):
-    r = cli("bench", "--suite", "code", "--limit", "1", "--trials", "1", "--max-tokens", str(N),
-            "--format", "json", "--no-live")
+    r = cli(
+        "bench",
+        "--suite",
+        "code",
+        "--limit",
+        "1",
+        "--trials",
+        "1",
+        "--max-tokens",
+        str(N),
+        "--format",
+        "json",
+        "--no-live",
+    )
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     (row,) = report["rows"]

@@ -11,14 +11,15 @@ import httpx
 import openai
 import pytest
 
+pytestmark = pytest.mark.slow  # starts the installed command in subprocesses
+
 PROMPT = "Write a Python function that adds two numbers."
 N = 8
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.root + "/v1", api_key="unused", max_retries=0,
-                         timeout=60)
+    return openai.OpenAI(base_url=server.root + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +36,18 @@ def generated(cli) -> dict:
 
 def test_chat_stream_with_usage_equals_generate(server, client, generated):
     stream = client.chat.completions.create(
-        model="dflash-mac", messages=[{"role": "user", "content": PROMPT}], max_tokens=N,
-        temperature=0, stream=True, stream_options={"include_usage": True})
+        model="dflash-mac",
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=N,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    finish = [c.choices[0].finish_reason for c in chunks if c.choices and
-              c.choices[0].finish_reason]
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     usage = chunks[-1].usage
     assert text and not chunks[-1].choices and usage is not None
     # Server and `generate` build the prompt with the same chat-template call, so greedy
@@ -54,8 +61,11 @@ def test_chat_stream_with_usage_equals_generate(server, client, generated):
 
 def test_chat_not_streamed(client, generated):
     r = client.chat.completions.create(
-        model="dflash-mac", messages=[{"role": "user", "content": PROMPT}], max_tokens=N,
-        temperature=0)
+        model="dflash-mac",
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=N,
+        temperature=0,
+    )
     want = generated["chat"]
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == want["text"]
@@ -64,8 +74,7 @@ def test_chat_not_streamed(client, generated):
 
 
 def test_completion_equals_raw_generate(client, generated):
-    r = client.completions.create(model="dflash-mac", prompt=PROMPT, max_tokens=N,
-                                  temperature=0)
+    r = client.completions.create(model="dflash-mac", prompt=PROMPT, max_tokens=N, temperature=0)
     want = generated["raw"]
     assert r.choices[0].text == want["text"] and want["text"]
     assert r.choices[0].finish_reason == want["finish_reason"]

@@ -116,9 +116,7 @@ def mlx_kernel_source(
     text += source + "\n}\n"
     if tvals:
         full = kernel_name + template_def
-        text += (
-            f'\ntemplate [[host_name("{kernel_name}")]] [[kernel]] decltype({full}) {full};\n'
-        )
+        text += f'\ntemplate [[host_name("{kernel_name}")]] [[kernel]] decltype({full}) {full};\n'
     return kernel_name, text
 
 
@@ -179,8 +177,7 @@ def translation_unit(
         targs = "<" + ", ".join(_template_value(v)[1] for _, v in template) + ">"
     call = f"{kernel_name}{targs}(\n      " + ",\n      ".join(args) + ")"
     body_at = mlx_source.rindex(source)  # make diagnostics point into the body file
-    mlx_source = (f'{mlx_source[:body_at]}#line 1 "{kernel_name}.metal"\n'
-                  f"{mlx_source[body_at:]}")
+    mlx_source = f'{mlx_source[:body_at]}#line 1 "{kernel_name}.metal"\n{mlx_source[body_at:]}'
     return (
         '#include "metal_shim.h"\n'
         "namespace {\n"

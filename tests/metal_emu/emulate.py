@@ -76,8 +76,13 @@ def _cached(name: str, key_text: str, build: Any) -> Path:
 
 def _runtime_object() -> Path:
     deps = "\0".join((HERE / f).read_text() for f in ("emu_abi.h", "emu_runtime.cpp"))
-    return _cached("runtime", deps, lambda tmp: _run_compiler(
-        ["-c", str(HERE / "emu_runtime.cpp"), "-o", str(tmp)], "emu_runtime.cpp failed"))
+    return _cached(
+        "runtime",
+        deps,
+        lambda tmp: _run_compiler(
+            ["-c", str(HERE / "emu_runtime.cpp"), "-o", str(tmp)], "emu_runtime.cpp failed"
+        ),
+    )
 
 
 def _compile(tu: str) -> Path:
@@ -88,8 +93,10 @@ def _compile(tu: str) -> Path:
     def build(tmp: Path) -> None:
         src = tmp.with_suffix(".cpp")
         src.write_text(tu)
-        _run_compiler([str(src), str(runtime), "-o", str(tmp)],
-                      f"kernel does not compile against the Metal shim ({src})")
+        _run_compiler(
+            [str(src), str(runtime), "-o", str(tmp)],
+            f"kernel does not compile against the Metal shim ({src})",
+        )
         src.unlink()
 
     return _cached("kernel", "\0".join([tu, deps, runtime.name]), build)
@@ -125,12 +132,22 @@ class EmulatedKernel:
         self.input_names, self.output_names = list(input_names), list(output_names)
         self.schedules, self.seed = list(schedules), seed
 
-    def build(self, inputs: Sequence[mx.array], output_dtypes: Sequence[Any],
-              template: Sequence[tuple[str, Any]] = ()) -> Path:
+    def build(
+        self,
+        inputs: Sequence[mx.array],
+        output_dtypes: Sequence[Any],
+        template: Sequence[tuple[str, Any]] = (),
+    ) -> Path:
         """Compile this kernel for these input/output dtypes and template arguments."""
         kname, text = mlx_kernel_source(
-            self.name, self.input_names, self.output_names, self.source, self.header,
-            inputs, output_dtypes, template,
+            self.name,
+            self.input_names,
+            self.output_names,
+            self.source,
+            self.header,
+            inputs,
+            output_dtypes,
+            template,
         )
         tu = translation_unit(
             kname, text, self.input_names, inputs, output_dtypes, self.source, template
@@ -152,18 +169,31 @@ class EmulatedKernel:
     ) -> list[mx.array]:
         inputs = [a if isinstance(a, mx.array) else mx.array(a) for a in inputs]
         if len(inputs) != len(self.input_names):
-            raise ValueError(f"[metal_kernel] Expected `inputs` to have size "
-                             f"{len(self.input_names)} but got size {len(inputs)}.")
+            raise ValueError(
+                f"[metal_kernel] Expected `inputs` to have size "
+                f"{len(self.input_names)} but got size {len(inputs)}."
+            )
         template = list(template or [])
         if verbose:
-            print(mlx_kernel_source(self.name, self.input_names, self.output_names,
-                                    self.source, self.header, inputs, output_dtypes,
-                                    template)[1])
+            print(
+                mlx_kernel_source(
+                    self.name,
+                    self.input_names,
+                    self.output_names,
+                    self.source,
+                    self.header,
+                    inputs,
+                    output_dtypes,
+                    template,
+                )[1]
+            )
         binary = self.build(inputs, output_dtypes, template)
         tg = tuple(min(t, g) for t, g in zip(threadgroup, grid))  # as MLX's dispatch
         if tg[0] * tg[1] * tg[2] > 1024:
-            raise EmulationError(f"Thread group size ({tg[0] * tg[1] * tg[2]}) is greater "
-                                 "than the maximum allowed threads per threadgroup (1024).")
+            raise EmulationError(
+                f"Thread group size ({tg[0] * tg[1] * tg[2]}) is greater "
+                "than the maximum allowed threads per threadgroup (1024)."
+            )
         bufs = [_raw(a) for a in inputs]
         for shape, dtype in zip(output_shapes, output_dtypes):
             np_t = TYPES[dtype][1]
@@ -173,45 +203,54 @@ class EmulatedKernel:
             else:
                 bufs.append(_raw(mx.full(tuple(shape), init_value, dtype)))
         blob = [b"DFEMU01\0", struct.pack("<6i", *grid, *tg)]
-        blob.append(struct.pack(f"<i{len(self.schedules)}i", len(self.schedules),
-                                *[SCHEDULES[s] for s in self.schedules]))
+        blob.append(
+            struct.pack(
+                f"<i{len(self.schedules)}i",
+                len(self.schedules),
+                *[SCHEDULES[s] for s in self.schedules],
+            )
+        )
         blob.append(struct.pack("<Iii", self.seed, len(bufs), len(inputs)))
         for b in bufs:
             strides = [s // b.itemsize for s in b.strides]
-            blob.append(struct.pack(f"<i{b.ndim}i{b.ndim}qq", b.ndim, *b.shape, *strides,
-                                    b.nbytes))
+            blob.append(struct.pack(f"<i{b.ndim}i{b.ndim}qq", b.ndim, *b.shape, *strides, b.nbytes))
             blob.append(b.tobytes())
         with tempfile.TemporaryDirectory(prefix="metal-emu-") as tmp:
             launch, result = Path(tmp) / "launch.bin", Path(tmp) / "out.bin"
             launch.write_bytes(b"".join(blob))
-            res = subprocess.run([str(binary), str(launch), str(result)],
-                                 capture_output=True, text=True, timeout=300)
+            res = subprocess.run(
+                [str(binary), str(launch), str(result)], capture_output=True, text=True, timeout=300
+            )
             if res.returncode != 0:
-                raise EmulationError(f"emulated kernel {self.name!r} failed "
-                                     f"(exit {res.returncode}): {res.stderr.strip()}")
+                raise EmulationError(
+                    f"emulated kernel {self.name!r} failed "
+                    f"(exit {res.returncode}): {res.stderr.strip()}"
+                )
             data = result.read_bytes()
-        return self._outputs(data, bufs[len(inputs):], output_dtypes)
+        return self._outputs(data, bufs[len(inputs) :], output_dtypes)
 
-    def _outputs(self, data: bytes, templates: list[np.ndarray],
-                 dtypes: Sequence[Any]) -> list[mx.array]:
+    def _outputs(
+        self, data: bytes, templates: list[np.ndarray], dtypes: Sequence[Any]
+    ) -> list[mx.array]:
         per_run = sum(t.nbytes for t in templates)
-        runs = [data[i * per_run:(i + 1) * per_run] for i in range(len(self.schedules))]
+        runs = [data[i * per_run : (i + 1) * per_run] for i in range(len(self.schedules))]
         for s, run in zip(self.schedules[1:], runs[1:]):
             if run != runs[0]:
                 off = 0
                 for name, t in zip(self.output_names, templates):
-                    a = np.frombuffer(runs[0][off:off + t.nbytes], t.dtype)
-                    b = np.frombuffer(run[off:off + t.nbytes], t.dtype)
+                    a = np.frombuffer(runs[0][off : off + t.nbytes], t.dtype)
+                    b = np.frombuffer(run[off : off + t.nbytes], t.dtype)
                     bad = np.flatnonzero(~_same(a, b))
                     if len(bad):
                         raise EmulationRaceError(
                             f"kernel {self.name!r}: output {name!r} differs between the "
                             f"{self.schedules[0]} and {s} thread schedules (first at flat "
-                            f"index {int(bad[0])}): a missing barrier or a data race")
+                            f"index {int(bad[0])}): a missing barrier or a data race"
+                        )
                     off += t.nbytes
         outs, off = [], 0
         for t, d in zip(templates, dtypes):
-            arr = np.frombuffer(runs[0][off:off + t.nbytes], t.dtype).reshape(t.shape)
+            arr = np.frombuffer(runs[0][off : off + t.nbytes], t.dtype).reshape(t.shape)
             off += t.nbytes
             out = mx.array(arr.copy())
             outs.append(out.view(d) if d == mx.bfloat16 else out)
@@ -226,11 +265,26 @@ def _same(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return ua == ub
 
 
-def metal_kernel(name: str, input_names: Sequence[str], output_names: Sequence[str],
-                 source: str, header: str = "", ensure_row_contiguous: bool = True,
-                 atomic_outputs: bool = False, compile_options: Any = None,
-                 **kwargs: Any) -> EmulatedKernel:
+def metal_kernel(
+    name: str,
+    input_names: Sequence[str],
+    output_names: Sequence[str],
+    source: str,
+    header: str = "",
+    ensure_row_contiguous: bool = True,
+    atomic_outputs: bool = False,
+    compile_options: Any = None,
+    **kwargs: Any,
+) -> EmulatedKernel:
     """Drop-in for `mx.fast.metal_kernel` that runs on the CPU emulator (IEEE math whatever
     `compile_options`; extra keywords: `schedules`, `seed`)."""
-    return EmulatedKernel(name, input_names, output_names, source, header,
-                          ensure_row_contiguous, atomic_outputs, **kwargs)
+    return EmulatedKernel(
+        name,
+        input_names,
+        output_names,
+        source,
+        header,
+        ensure_row_contiguous,
+        atomic_outputs,
+        **kwargs,
+    )
