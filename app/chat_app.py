@@ -20,6 +20,8 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
 from textual.widgets import Footer, Header, Label, ProgressBar, Static
 
+from dflash_mac.errors import is_user_error
+
 from .backend import Backend, ChatOptions, Snapshot, load_backend
 from .engine_thread import EngineThread
 from .palette import ChatCommands
@@ -72,16 +74,9 @@ class Warmed(Message):
 
 
 def error_sentence(e: BaseException) -> str:
-    """The one red sentence the CLI prints for user errors (cli.USER_ERRORS); the exception
+    """The one sentence the CLI prints for user errors (`cli.is_user_error`); the exception
     type and message otherwise."""
-    from dflash_mac.models.config import ConfigError
-
-    from dflash_mac.generate import PromptError
-    from dflash_mac.loading import LoadError
-    from dflash_mac.rollback import RollbackError
-
-    user_errors = (LoadError, PromptError, ConfigError, RollbackError)
-    return f"error: {e}" if isinstance(e, user_errors) else f"error: {type(e).__name__}: {e}"
+    return f"error: {e}" if is_user_error(e) else f"error: {type(e).__name__}: {e}"
 
 
 @dataclass

@@ -5,6 +5,8 @@ over the context) raises a subclass; everything else is a bug and keeps its trac
 
 from __future__ import annotations
 
+from .models.config import ConfigError
+
 INTERRUPTED = "interrupted."  # what Ctrl-C prints, at start-up or while a command runs
 
 
@@ -22,3 +24,9 @@ class PromptError(UserError, ValueError):
 
 class RollbackError(UserError, RuntimeError):
     """The target's cache cannot be rolled back (an unsupported cache type)."""
+
+
+def is_user_error(e: BaseException) -> bool:
+    """True for the exceptions every front end shows as one sentence: `UserError`, and a
+    drafter config error from models/ (which cannot know this base class)."""
+    return isinstance(e, (UserError, ConfigError))

@@ -13,8 +13,7 @@ from rich.console import Console
 from typer.core import TyperCommand, TyperGroup
 
 from dflash_mac import __version__
-from dflash_mac.errors import INTERRUPTED, UserError
-from dflash_mac.models.config import ConfigError
+from dflash_mac.errors import INTERRUPTED, is_user_error
 from dflash_mac.think import REASONING_CHOICES
 
 # Commands imported only when they run (as mlx-lm's CLI does), so `--help`, `models` and
@@ -61,12 +60,6 @@ LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
         "Serve the pair as an OpenAI-compatible API (for Continue, Cline, Aider, Zed, ...).",
     ),
 }
-
-
-def is_user_error(e: BaseException) -> bool:
-    """True for the exceptions the CLI shows as one red sentence (errors.UserError; a drafter
-    config error from models/, which cannot know the engine's base class)."""
-    return isinstance(e, (UserError, ConfigError))
 
 
 def plain_flags(params: list[Any]) -> list[Any]:

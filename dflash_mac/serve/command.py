@@ -16,6 +16,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from dflash_mac.errors import UserError
 from dflash_mac.platform import data_dir
 
 PID_NAME, URL_NAME, LOG_NAME = "serve.pid", "serve.url", "serve.log"
@@ -23,8 +24,8 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 err = Console(stderr=True)
 
 
-class ServeError(RuntimeError):
-    """The server cannot start; one sentence for the user."""
+class ServeError(UserError, RuntimeError):
+    """The server cannot start."""
 
 
 def read_pid(path: Path) -> int | None:

@@ -5,11 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash_mac.errors import UserError
+
 ARCHS = ("dflash", "dflash2")
 
 
-class TrainError(ValueError):
-    """A training setup that cannot work; the message is one sentence for the user."""
+class TrainError(UserError, ValueError):
+    """A training setup that cannot work."""
 
 
 @dataclass

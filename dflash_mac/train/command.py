@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +17,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from .args import TrainError
 from .loop import StepReport, TrainingCallback
 
 
@@ -103,10 +103,8 @@ def train(
     ),
 ) -> None:
     """Train a DFlash drafter for TARGET on the target's own answers to --data prompts."""
-    from dflash_mac.loading import LoadError
 
-    from .args import TrainError, TrainingArgs
-    from .data import DataError
+    from .args import TrainingArgs
     from .trainer import train_drafter
 
     check_inputs(data, eval_prompts, init_from)
@@ -117,7 +115,7 @@ def train(
         except ValueError:
             ids = None
         if not ids:
-            _fail("--target-layer-ids must be comma-separated integers, e.g. 1,9,17.")
+            raise TrainError("--target-layer-ids must be comma-separated integers, e.g. 1,9,17.")
     args = TrainingArgs(
         target=target,
         prompts=data,
@@ -150,10 +148,7 @@ def train(
         sliding_window=sliding_window,
     )
     console = Console()
-    try:
-        train_drafter(args, ProgressReporter(console))
-    except (TrainError, DataError, LoadError) as e:
-        _fail(str(e))
+    train_drafter(args, ProgressReporter(console))  # user errors: one sentence (cli.main)
     console.print(
         f"\nTry it:\n  dflash-mac generate --model {target} --draft {out} "
         f'--block-size {min(block_size, 8)} -v "def fibonacci(n):"'
@@ -222,11 +217,6 @@ def check_inputs(data: Path, eval_prompts: Path | None, init_from: Path | None) 
     for flag, path in (("--data", data), ("--eval-prompts", eval_prompts)):
         if path is not None and not path.is_file():
             what = "is a folder" if path.is_dir() else "does not exist"
-            _fail(f"{flag} {path} {what}; pass a JSONL file of prompts.")
+            raise TrainError(f"{flag} {path} {what}; pass a JSONL file of prompts.")
     if init_from is not None and not (init_from / "config.json").is_file():
-        _fail(f"--init-from {init_from} is not a drafter folder (no config.json).")
-
-
-def _fail(msg: str) -> None:
-    Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {msg}", highlight=False)
-    sys.exit(1)
+        raise TrainError(f"--init-from {init_from} is not a drafter folder (no config.json).")
