@@ -129,7 +129,9 @@ class Store:
 
     def export_markdown(self, chat_id: int) -> str:
         """The conversation as a Markdown document."""
-        from .text import close_fences, split_think
+        from dflash_mac.think import split_think
+
+        from .text import close_fences
 
         info = self.chat(chat_id)
         if info is None:

@@ -1,11 +1,10 @@
-"""Text helpers for the chat app: <think> splitting (streamed and whole), fence repair,
-unfenced code detection."""
+"""Text helpers for the chat app: control characters, fence repair, unfenced code detection
+(<think> splitting is dflash_mac/think.py, shared with the server)."""
 
 from __future__ import annotations
 
 import re
 
-OPEN, CLOSE = "<think>", "</think>"
 FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$")
 CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
@@ -16,78 +15,6 @@ def printable(text: str) -> str:
     return CONTROL.sub(
         lambda m: chr(0x2421 if m.group() == "\x7f" else 0x2400 + ord(m.group())), text
     )
-
-
-def _held(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
-
-
-class ThinkSplitter:
-    """Splits streamed text into (thinking, answer) fragments at <think> / </think> tags,
-    holding back a tag cut in half by a chunk boundary."""
-
-    def __init__(self, thinking: bool = False):
-        self.thinking = thinking
-        self.seen_answer = False
-        self._buf = ""
-
-    def feed(self, text: str) -> list[tuple[str, str]]:
-        """Returns [(kind, fragment)] with kind "thinking" or "answer", in order."""
-        self._buf += text
-        out: list[tuple[str, str]] = []
-        while self._buf:
-            if self.thinking:
-                tag = CLOSE
-            elif not self.seen_answer:  # a thinking section can only open before the answer
-                tag = OPEN
-            else:
-                self._emit(out, self._buf)
-                self._buf = ""
-                break
-            i = self._buf.find(tag)
-            if i >= 0:
-                self._emit(out, self._buf[:i])
-                self._buf = self._buf[i + len(tag) :]
-                self.thinking = not self.thinking
-                continue
-            keep = _held(self._buf, tag)
-            self._emit(out, self._buf[: len(self._buf) - keep])
-            self._buf = self._buf[len(self._buf) - keep :]
-            break
-        return out
-
-    def flush(self) -> list[tuple[str, str]]:
-        out: list[tuple[str, str]] = []
-        self._emit(out, self._buf)
-        self._buf = ""
-        return out
-
-    def _emit(self, out: list[tuple[str, str]], text: str) -> None:
-        if not text:
-            return
-        kind = "thinking" if self.thinking else "answer"
-        if kind == "answer":
-            if not self.seen_answer:
-                text = text.lstrip("\n")
-                if not text:
-                    return
-            self.seen_answer = True
-        out.append((kind, text))
-
-
-def split_think(text: str) -> tuple[str, str]:
-    """(thinking, answer) of a whole message; a leading section closed by </think> without an
-    opening tag (templates that open it in the prompt) counts as thinking."""
-    starts_open = CLOSE in text and OPEN not in text.split(CLOSE, 1)[0]
-    splitter = ThinkSplitter(thinking=starts_open)
-    parts = splitter.feed(text) + splitter.flush()
-    thinking = "".join(t for k, t in parts if k == "thinking")
-    answer = "".join(t for k, t in parts if k == "answer")
-    return thinking.strip("\n"), answer
 
 
 def close_fences(text: str) -> str:

@@ -11,8 +11,10 @@ from textual.widget import Widget
 from textual.widgets import Collapsible, Markdown, Static, TextArea
 from textual.widgets.markdown import MarkdownFence
 
+from dflash_mac.think import ThinkSplitter, split_think
+
 from .backend import EngineInfo, Snapshot
-from .text import ThinkSplitter, printable, repair_markdown, split_think
+from .text import printable, repair_markdown
 
 EIGHTHS = " ▏▎▍▌▋▊▉█"
 
@@ -130,7 +132,7 @@ class AssistantMessage(Vertical):
         self.raw = ""
         self.answer = ""
         self.thinking = ""
-        self.splitter = ThinkSplitter(thinking=thinking)
+        self.splitter = ThinkSplitter(open_at_start=thinking)
         self.finished = False
         self._dirty = False
 
@@ -144,13 +146,11 @@ class AssistantMessage(Vertical):
         self.raw += text
         self._take(self.splitter.feed(printable(text)))
 
-    def _take(self, parts: list[tuple[str, str]]) -> None:
-        for kind, fragment in parts:
-            if kind == "answer":
-                self.answer += fragment
-            else:
-                self.thinking += fragment
-            self._dirty = True
+    def _take(self, parts: tuple[str, str]) -> None:
+        reasoning, answer = parts
+        self.thinking += reasoning
+        self.answer += answer
+        self._dirty = self._dirty or bool(reasoning or answer)
 
     async def _thinking_box(self) -> Collapsible:
         if not self.query(Collapsible):

@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
+
+
+def held_suffix(text: str, tags: Iterable[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `tags`: what a
+    streamer must hold back because the next chunk may complete a tag (a stop string, </think>)."""
+    tags = [t for t in tags if t]
+    for n in range(min(max((len(t) for t in tags), default=1) - 1, len(text)), 0, -1):
+        if any(t.startswith(text[-n:]) for t in tags):
+            return n
+    return 0
 
 
 class TextStream:
@@ -59,12 +70,8 @@ class TextStream:
     def _delta(self, final: bool) -> str:
         text = self.text
         end = len(text)
-        if not final and self.stop:  # hold back a possible start of a stop string
-            longest = max(len(s) for s in self.stop)
-            for n in range(min(longest - 1, end), 0, -1):
-                if any(s.startswith(text[end - n :]) for s in self.stop):
-                    end -= n
-                    break
+        if not final:  # hold back a possible start of a stop string
+            end -= held_suffix(text, self.stop)
         end = max(end, self._emitted)
         delta, self._emitted = text[self._emitted : end], end
         return delta

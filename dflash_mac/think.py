@@ -1,6 +1,9 @@
-"""Split streamed model text into reasoning (`<think>…</think>`) and answer content."""
+"""Split model text into reasoning (`<think>…</think>`) and answer content: the one splitter
+of serve, chat and exports, streamed (`ThinkSplitter`) or whole (`split_think`)."""
 
 from __future__ import annotations
+
+from .textstream import held_suffix
 
 OPEN, CLOSE = "<think>", "</think>"
 REASONING_CHOICES = ("on", "off", "low", "medium", "high", "xhigh")
@@ -10,14 +13,6 @@ def prompt_opens_think(prompt_tail: str) -> bool:
     """True when the generation prompt ends inside an open <think> block (the template started
     the reasoning for the model, as Qwen3 / DeepSeek-R1 templates do)."""
     return prompt_tail.rfind(OPEN) > prompt_tail.rfind(CLOSE)
-
-
-def held_prefix(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class ThinkSplitter:
@@ -49,7 +44,7 @@ class ThinkSplitter:
                     reasoning += self.buf[:i]
                     self.buf, self.mode = self.buf[i + len(CLOSE) :], "after"
                     continue
-                keep = held_prefix(self.buf, CLOSE)
+                keep = held_suffix(self.buf, [CLOSE])
                 reasoning += self.buf[: len(self.buf) - keep]
                 self.buf = self.buf[len(self.buf) - keep :]
                 return reasoning, content
@@ -68,3 +63,13 @@ class ThinkSplitter:
         if self.mode == "think":
             return buf, ""
         return "", buf if self.mode != "after" else buf.lstrip("\n")
+
+
+def split_think(text: str) -> tuple[str, str]:
+    """(reasoning, answer) of a whole message. A leading section closed by </think> without an
+    opening tag (templates that open it in the prompt) counts as reasoning."""
+    opened = CLOSE in text and OPEN not in text.split(CLOSE, 1)[0]
+    splitter = ThinkSplitter(open_at_start=opened)
+    r1, c1 = splitter.feed(text)
+    r2, c2 = splitter.flush()
+    return (r1 + r2).strip("\n"), c1 + c2

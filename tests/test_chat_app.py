@@ -10,7 +10,7 @@ from dflash_mac.app.backend import ChatOptions, Snapshot
 from dflash_mac.app.chat_app import ChatApp, window_note
 from dflash_mac.app.screens import ChatListScreen, HelpScreen, InputScreen
 from dflash_mac.app.store import Store
-from dflash_mac.app.text import ThinkSplitter, close_fences, fence_code, printable, split_think
+from dflash_mac.app.text import close_fences, fence_code, printable
 from dflash_mac.app.widgets import (
     AssistantMessage,
     ChatInput,
@@ -24,6 +24,7 @@ from textual.widgets import Collapsible, Input, Static
 
 from dflash_mac.generate import PromptError
 from dflash_mac.loading import BUNDLED_DRAFT, BUNDLED_TARGET, LoadError
+from dflash_mac.think import ThinkSplitter, split_think
 
 SIZE = (120, 40)
 
@@ -79,13 +80,14 @@ def stats_text(widget: AssistantMessage) -> str:
 
 
 def test_think_splitter_handles_tags_cut_between_chunks():
+    """The chat app uses the server's splitter (dflash_mac/think.py)."""
     s = ThinkSplitter()
-    parts = []
-    for chunk in ["<thi", "nk>plan it", "</th", "ink>\n\nThe answer", " <think> stays"]:
-        parts += s.feed(chunk)
-    parts += s.flush()
-    assert "".join(t for k, t in parts if k == "thinking") == "plan it"
-    assert "".join(t for k, t in parts if k == "answer") == "The answer <think> stays"
+    parts = [
+        s.feed(c) for c in ["<thi", "nk>plan it", "</th", "ink>\n\nThe answer", " <think> stays"]
+    ]
+    parts.append(s.flush())
+    assert "".join(r for r, _ in parts) == "plan it"
+    assert "".join(c for _, c in parts) == "The answer <think> stays"
     assert split_think("opened in the prompt</think>\nanswer") == ("opened in the prompt", "answer")
 
 
