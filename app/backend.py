@@ -1,4 +1,4 @@
-"""The engine side of the chat app: loading, the plain-decode baseline, per-cycle snapshots.
+"""The engine side of the chat app: loading, the plain-decode baseline, the context window.
 
 Nothing here touches widgets; the app runs these in thread workers and posts messages."""
 
@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_mac.generate import PromptError, fit_max_tokens, reasoning_args
+from dflash_mac.stats import DecodeStats
 
 
 @dataclass
@@ -54,46 +55,17 @@ class EngineInfo:
     reasoning: bool  # the chat template has an on/off thinking switch
 
 
-@dataclass(frozen=True)
-class Snapshot:
-    """An immutable copy of the running statistics after one event (the engine mutates its
-    DecodeStats in place, so the worker copies what the UI shows)."""
-
-    histogram: tuple[int, ...]
-    tau: float
-    decode_tps: float
-    tokens: int
-    prompt_tokens: int
-    cached_tokens: int
-    block_size: int
-    memory_gb: float
-    finish_reason: str | None = None
-
-    @classmethod
-    def of(cls, stats: Any, finish_reason: str | None = None) -> Snapshot:
-        return cls(
-            tuple(stats.histogram),
-            stats.tau,
-            stats.decode_tps,
-            stats.generation_tokens,
-            stats.prompt_tokens,
-            stats.cached_tokens,
-            stats.block_size,
-            float(getattr(stats, "peak_memory_gb", 0.0)),
-            finish_reason,
-        )
-
-    def turn_stats(self, plain_tps: float) -> dict:
-        """The numbers stored with an answer and shown in its stats line."""
-        return {
-            "tokens": self.tokens,
-            "tps": round(self.decode_tps, 2),
-            "tau": round(self.tau, 3),
-            "speedup": round(self.decode_tps / plain_tps, 3) if plain_tps else 0.0,
-            "prompt": self.prompt_tokens,
-            "cached": self.cached_tokens,
-            "finish": self.finish_reason,
-        }
+def turn_stats(stats: DecodeStats, finish: str | None, plain_tps: float) -> dict:
+    """The numbers stored with an answer and shown in its stats line."""
+    return {
+        "tokens": stats.generation_tokens,
+        "tps": round(stats.decode_tps, 2),
+        "tau": round(stats.tau, 3),
+        "speedup": round(stats.decode_tps / plain_tps, 3) if plain_tps else 0.0,
+        "prompt": stats.prompt_tokens,
+        "cached": stats.cached_tokens,
+        "finish": finish,
+    }
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,9 @@ from textual.message import Message
 from textual.widgets import Footer, Header, Label, ProgressBar, Static
 
 from dflash_mac.errors import is_user_error
+from dflash_mac.stats import DecodeStats
 
-from .backend import Backend, ChatOptions, Snapshot, load_backend
+from .backend import Backend, ChatOptions, load_backend, turn_stats
 from .engine_thread import EngineThread
 from .palette import ChatCommands
 from .screens import ChatListScreen
@@ -46,9 +47,11 @@ class TurnStarted(Message):
 
 
 class TurnEnded(Message):
-    def __init__(self, snapshot: Snapshot | None, error: str | None = None) -> None:
+    def __init__(
+        self, stats: DecodeStats | None, finish: str | None = None, error: str | None = None
+    ) -> None:
         super().__init__()
-        self.snapshot, self.error = snapshot, error
+        self.stats, self.finish, self.error = stats, finish, error
 
 
 def warm_highlighter() -> None:
@@ -91,20 +94,20 @@ class Turn:
     stop: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
     chunks: list[str] = field(default_factory=list)  # text not yet shown (engine side fills)
-    snapshot: Snapshot | None = None  # the latest statistics
+    stats: DecodeStats | None = None  # the latest statistics (an immutable snapshot)
     thinking: bool = False  # the answer starts inside a thinking section (set before `put`)
 
-    def put(self, text: str, snapshot: Snapshot) -> None:
+    def put(self, text: str, stats: DecodeStats) -> None:
         """Engine side: one cycle's text and statistics."""
         with self.lock:
             self.chunks.append(text)
-            self.snapshot = snapshot
+            self.stats = stats
 
-    def take(self) -> tuple[str, Snapshot | None]:
+    def take(self) -> tuple[str, DecodeStats | None]:
         """UI side: the text since the last call and the latest statistics."""
         with self.lock:
             text, self.chunks = "".join(self.chunks), []
-            return text, self.snapshot
+            return text, self.stats
 
 
 def window_note(skip: int, context: int) -> str:
@@ -197,7 +200,7 @@ class ChatApp(ChatCommands, App):
         self.post_message(Loaded(backend))
 
     def _generate(self, turn: Turn, system: str, reasoning: str | None) -> None:
-        backend, snap = self.backend, None
+        backend, stats, finish = self.backend, None, None
         try:
             with backend.lock:
                 fit = backend.fit(turn.history, system, reasoning, self.opts.max_tokens, turn.skip)
@@ -207,15 +210,15 @@ class ChatApp(ChatCommands, App):
                 kwargs = {**self.opts.generation_kwargs(), "max_tokens": fit.max_tokens}
                 text, ids = [], []
                 for ev in backend.stream(fit.prompt, turn.stop.is_set, **kwargs):
-                    snap = Snapshot.of(ev.stats, ev.finish_reason)
+                    stats, finish = ev.stats, ev.finish_reason
                     text.append(ev.text)
                     ids += ev.tokens
-                    turn.put(ev.text, snap)
+                    turn.put(ev.text, stats)
                 backend.record("".join(text), ids)
         except Exception as e:
-            self.post_message(TurnEnded(snap, error_sentence(e)))
+            self.post_message(TurnEnded(stats, finish, error_sentence(e)))
         else:
-            self.post_message(TurnEnded(snap))
+            self.post_message(TurnEnded(stats, finish))
 
     def _warm(
         self,
@@ -334,17 +337,17 @@ class ChatApp(ChatCommands, App):
         turn = self.turn
         if turn is None:
             return
-        text, snapshot = turn.take()
+        text, stats = turn.take()
         self._ticks += 1
         if (
-            snapshot is not None
+            stats is not None
             and self._ticks % self.PANEL_EVERY == 0
-            and snapshot is not self.panel.snapshot
+            and stats is not self.panel.stats
         ):
-            self.panel.show(snapshot)
+            self.panel.show(stats)
         if text and turn.widget.is_attached:
             if not turn.widget.raw:
-                turn.widget.splitter.thinking = turn.thinking
+                turn.widget.start(thinking=turn.thinking)
             turn.widget.feed(text)
             await turn.widget.flush()
 
@@ -354,8 +357,8 @@ class ChatApp(ChatCommands, App):
         turn, self.turn = self.turn, None
         if turn is None:
             return
-        snap = message.snapshot
-        stats = snap.turn_stats(self.backend.info.plain_tps) if snap else {}
+        snap = message.stats
+        stats = turn_stats(snap, message.finish, self.backend.info.plain_tps) if snap else {}
         if message.error:
             stats["error"] = message.error
             self.set_status(message.error, error=True)

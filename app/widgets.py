@@ -11,9 +11,10 @@ from textual.widget import Widget
 from textual.widgets import Collapsible, Markdown, Static, TextArea
 from textual.widgets.markdown import MarkdownFence
 
+from dflash_mac.stats import DecodeStats
 from dflash_mac.think import ThinkSplitter, split_think
 
-from .backend import EngineInfo, Snapshot
+from .backend import EngineInfo
 from .text import printable, repair_markdown
 
 EIGHTHS = " ▏▎▍▌▋▊▉█"
@@ -141,6 +142,10 @@ class AssistantMessage(Vertical):
         yield LiveText(id="live", classes="live")
         yield Static("", classes="stats-line")
 
+    def start(self, thinking: bool) -> None:
+        """Before the first chunk: whether the prompt opened a thinking section."""
+        self.splitter = ThinkSplitter(open_at_start=thinking)
+
     def feed(self, text: str) -> None:
         """Take a streamed chunk (shown at the next `flush`)."""
         self.raw += text
@@ -222,22 +227,22 @@ class HistogramPanel(Widget):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.info: EngineInfo | None = None
-        self.snapshot: Snapshot | None = None
+        self.stats: DecodeStats | None = None
         self.reasoning = "default"
 
     def set_info(self, info: EngineInfo | None, reasoning: str = "default") -> None:
         self.info, self.reasoning = info, reasoning
         self.refresh()
 
-    def show(self, snapshot: Snapshot) -> None:
-        self.snapshot = snapshot
+    def show(self, stats: DecodeStats) -> None:
+        self.stats = stats
         self.refresh()
 
     def render(self) -> Text:
         return self.render_panel()
 
     def render_panel(self) -> Text:
-        info, s = self.info, self.snapshot
+        info, s = self.info, self.stats
         bs = (s.block_size if s else None) or (info.block_size if info else 0)
         hist = list(s.histogram) if s else [0] * bs
         top = max(hist) if hist and max(hist) else 0
@@ -257,7 +262,7 @@ class HistogramPanel(Widget):
             ("decode", f"{s.decode_tps:.1f} tok/s" if s and s.decode_tps else "–"),
             ("plain", f"{plain:.1f} tok/s" if plain else "–"),
             ("speedup", f"{s.decode_tps / plain:.2f}×" if s and plain and s.decode_tps else "–"),
-            ("tokens", str(s.tokens) if s else "–"),
+            ("tokens", str(s.generation_tokens) if s else "–"),
             (
                 "prefill",
                 f"{s.prompt_tokens - s.cached_tokens} new + {s.cached_tokens} cached" if s else "–",
@@ -265,7 +270,7 @@ class HistogramPanel(Widget):
             ("block", str(bs or "–")),
             ("drafter", info.kind if info else "–"),
             ("kernels", info.kernels if info else "–"),
-            ("memory", memory(s.memory_gb) if s else "–"),
+            ("memory", memory(s.peak_memory_gb) if s else "–"),
             ("reasoning", self.reasoning),
         ]
         for name, value in rows:

@@ -6,7 +6,7 @@ import time
 
 import pytest
 from chat_fakes import ANSWER, FakeSession, fake_backend
-from dflash_mac.app.backend import ChatOptions, Snapshot
+from dflash_mac.app.backend import ChatOptions
 from dflash_mac.app.chat_app import ChatApp, window_note
 from dflash_mac.app.screens import ChatListScreen, HelpScreen, InputScreen
 from dflash_mac.app.store import Store
@@ -24,6 +24,7 @@ from textual.widgets import Collapsible, Input, Static
 
 from dflash_mac.generate import PromptError
 from dflash_mac.loading import BUNDLED_DRAFT, BUNDLED_TARGET, LoadError
+from dflash_mac.stats import DecodeStats
 from dflash_mac.think import ThinkSplitter, split_think
 
 SIZE = (120, 40)
@@ -158,12 +159,11 @@ async def test_streams_answer_with_stats_and_histogram():
         assert answer_source(widget) == expected
         assert widget.query_one(CodeFence).code.startswith("def reverse")
         panel = app.query_one(HistogramPanel)
-        assert panel.snapshot.histogram == (0, 1, 1, 0, 1, 1, 0, 0)
-        assert panel.snapshot.tau == pytest.approx(4.0)
+        assert panel.stats.histogram == [0, 1, 1, 0, 1, 1, 0, 0]
+        assert panel.stats.tau == pytest.approx(4.0)
         # 17 tokens, 80 tok/s, τ 4.0, 80/40 = 2.0x; the first turn has nothing cached.
         assert stats_text(widget) == (
-            "17 tok · 80 tok/s · τ 4.0 · 2.0× · prefill "
-            f"{panel.snapshot.prompt_tokens} new + 0 cached"
+            f"17 tok · 80 tok/s · τ 4.0 · 2.0× · prefill {panel.stats.prompt_tokens} new + 0 cached"
         )
         saved = app.store.messages(app.chat_id)
         assert [m.role for m in saved] == ["user", "assistant"]
@@ -179,12 +179,12 @@ async def test_histogram_moves_every_cycle():
         await ask(pilot, "go", wait=False)
         await until(pilot, lambda: session.held.is_set())
         panel = app.query_one(HistogramPanel)
-        await until(pilot, lambda: panel.snapshot and panel.snapshot.tokens == 9)
-        assert panel.snapshot.histogram == (0, 0, 1, 0, 1, 0, 0, 0)
+        await until(pilot, lambda: panel.stats and panel.stats.generation_tokens == 9)
+        assert panel.stats.histogram == [0, 0, 1, 0, 1, 0, 0, 0]
         assert "4.00" in str(panel.render())
         session.release.set()
         await until(pilot, lambda: app.turn is None)
-        assert panel.snapshot.histogram == (0, 1, 1, 0, 1, 1, 0, 0)
+        assert panel.stats.histogram == [0, 1, 1, 0, 1, 1, 0, 0]
 
 
 @pytest.mark.anyio
@@ -444,7 +444,7 @@ async def test_side_panel_hides_with_f2_and_narrows_on_small_terminals():
         await pilot.resize_terminal(90, 30)
         await pilot.pause()
         assert panel.display and panel.outer_size.width == 26
-        assert "█" in str(panel.render()) or panel.snapshot is None
+        assert "█" in str(panel.render()) or panel.stats is None
         await pilot.resize_terminal(60, 30)
         await pilot.pause()
         assert not panel.display
@@ -564,7 +564,9 @@ class PanelApp(App):
     def on_mount(self) -> None:
         panel = self.query_one(HistogramPanel)
         panel.set_info(fake_backend().info, "off")
-        panel.show(Snapshot((3, 5, 9, 14, 11, 6, 2, 1), 4.21, 96.4, 412, 180, 150, 8, 1.37))
+        counts = (3, 5, 9, 14, 11, 6, 2, 1)  # cycles that committed 1..8 tokens
+        lengths = tuple(k + 1 for k, c in enumerate(counts) for _ in range(c))
+        panel.show(DecodeStats(8, 180, 150, 412, lengths, 0.1, 412 / 96.4, int(1.37e9)))
 
 
 def test_snapshot_histogram_panel(snap_compare):
