@@ -200,6 +200,8 @@ class AssistantMessage(Vertical):
         if not body.strip():
             body = "*(stopped)*" if stats.get("finish") == "cancelled" else "*(no answer)*"
         await self.query_one("#answer", ChatMarkdown).update(body)
+        if not self.is_attached or not self.query(".stats-line"):
+            return  # removed while rendering (a new chat, the app quitting)
         self.query_one("#live").display = False
         self.query_one(".stats-line", Static).update(turn_line(stats))
         self.finished = True
