@@ -4,30 +4,24 @@ from __future__ import annotations
 
 import typer
 
+from dflash_mac.cli import options
 from dflash_mac.generate import REASONING_CHOICES, PromptError
-
-MODEL_HELP = "Target model: local folder or Hugging Face id (default: the bundled pair)."
-DRAFT_HELP = "DFlash drafter: local folder or Hugging Face id (default: the bundled pair)."
 
 
 def chat(
-    model: str | None = typer.Option(None, "--model", "-m", help=MODEL_HELP),
-    draft: str | None = typer.Option(None, "--draft", "-d", help=DRAFT_HELP),
+    model: str | None = options.MODEL,
+    draft: str | None = options.DRAFT,
     system: str | None = typer.Option(None, "--system", help="System prompt for new chats."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass."),
     top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = all)."),
     min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min_p * max prob."),
-    block_size: int | None = typer.Option(
-        None, "--block-size", "-b", help="Block size (default: the drafter's; ≤5 if quantized)."
-    ),
+    block_size: int | None = options.BLOCK_SIZE,
     max_tokens: int = typer.Option(1024, "--max-tokens", "-n", help="Tokens per answer at most."),
     reasoning: str | None = typer.Option(
         None, "--reasoning", help=f"Thinking mode: {', '.join(REASONING_CHOICES)} (ctrl+t toggles)."
     ),
-    draft_bits: int | None = typer.Option(
-        None, "--draft-bits", help="Quantize the drafter to 4 or 8 bits (group 64)."
-    ),
+    draft_bits: int | None = options.DRAFT_BITS,
     seed: int | None = typer.Option(None, "--seed", help="Random seed (sampling)."),
     resume: bool = typer.Option(False, "--resume", "-r", help="Reopen the most recent chat."),
 ) -> None:

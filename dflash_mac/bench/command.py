@@ -8,6 +8,7 @@ from typing import Any
 
 import typer
 
+from dflash_mac.cli import options
 from dflash_mac.pair import Pair
 
 from .run import (
@@ -108,12 +109,8 @@ def limit_per_suite(prompts: list[BenchPrompt], limit: int | None) -> list[Bench
 
 
 def bench_command(
-    model: str | None = typer.Option(
-        None, "--model", "-m", help="Target model (default: the bundled pair)."
-    ),
-    draft: str | None = typer.Option(
-        None, "--draft", "-d", help="DFlash drafter (default: the bundled pair)."
-    ),
+    model: str | None = options.MODEL,
+    draft: str | None = options.DRAFT,
     suite: str = typer.Option(
         "code", "--suite", "-s", help="Prompt suite: code, math, chat or all."
     ),
@@ -137,9 +134,7 @@ def bench_command(
     top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = all)."),
     min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min_p * max prob."),
     seed: int = typer.Option(0, "--seed", help="Seed of the prompt shuffle and sampling."),
-    draft_bits: int | None = typer.Option(
-        None, "--draft-bits", help="Quantize the drafter to 4 or 8 bits."
-    ),
+    draft_bits: int | None = options.DRAFT_BITS,
     reasoning: str | None = typer.Option(
         None,
         "--reasoning",

@@ -16,6 +16,8 @@ from dflash_mac import __version__
 from dflash_mac.errors import INTERRUPTED, is_user_error
 from dflash_mac.think import REASONING_CHOICES
 
+from . import options
+
 # Commands imported only when they run (as mlx-lm's CLI does), so `--help`, `models` and
 # `pull` never import MLX. name -> (module, function, the docstring's first line for the list).
 LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -127,20 +129,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-MODEL_HELP = (
-    "Target model: local folder, Hugging Face id or pair name from `dflash-mac models` "
-    "(default: the bundled pair)."
-)
-DRAFT_HELP = (
-    "DFlash drafter: local folder, Hugging Face id, or auto (default: the registry's drafter "
-    "for --model; see `dflash-mac models`)."
-)
-BLOCK_HELP = (
-    "Block size (draft tokens + 1 per cycle). Default: the drafter's block size, or "
-    "min(5, drafter block) when the target or drafter is quantized (quantized matmuls lose "
-    "efficiency at wide verify widths)."
-)
-
 
 def _version(value: bool) -> None:
     if value:
@@ -191,9 +179,9 @@ def parse_template_args(text: str | None) -> dict:
 @app.command(cls=Command)
 def generate(
     prompt: str = typer.Argument(..., help="The prompt, or - to read it from stdin."),
-    model: str | None = typer.Option(None, "--model", "-m", help=MODEL_HELP),
-    draft: str | None = typer.Option(None, "--draft", "-d", help=DRAFT_HELP),
-    block_size: int | None = typer.Option(None, "--block-size", "-b", help=BLOCK_HELP),
+    model: str | None = options.MODEL,
+    draft: str | None = options.DRAFT,
+    block_size: int | None = options.BLOCK_SIZE,
     max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Tokens to generate at most."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass."),
@@ -214,9 +202,7 @@ def generate(
     ignore_chat_template: bool = typer.Option(
         False, "--ignore-chat-template", help="Use the prompt as raw text."
     ),
-    draft_bits: int | None = typer.Option(
-        None, "--draft-bits", help="Quantize the drafter to 4 or 8 bits (group 64)."
-    ),
+    draft_bits: int | None = options.DRAFT_BITS,
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print statistics after the text."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
 ) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from dflash_mac.cli import options
 from dflash_mac.errors import UserError
 from dflash_mac.platform import data_dir
 
@@ -125,12 +126,8 @@ def run_server(app, host: str, port: int) -> None:
 
 
 def serve(
-    model: str | None = typer.Option(
-        None, "--model", "-m", help="Target model (folder or Hub id; default: the bundled pair)."
-    ),
-    draft: str | None = typer.Option(
-        None, "--draft", "-d", help="DFlash drafter (folder or Hub id; default: the bundled pair)."
-    ),
+    model: str | None = options.MODEL,
+    draft: str | None = options.DRAFT,
     host: str = typer.Option(
         "127.0.0.1", "--host", help="Address to bind (loopback only by default)."
     ),
@@ -144,17 +141,8 @@ def serve(
     max_tokens: int = typer.Option(
         4096, "--max-tokens", "-n", help="Default and upper limit of a request's max_tokens."
     ),
-    block_size: int | None = typer.Option(
-        None,
-        "--block-size",
-        "-b",
-        help="Block size (draft "
-        "tokens + 1 per cycle); default: the drafter's, or "
-        "min(5, drafter's) when quantized.",
-    ),
-    draft_bits: int | None = typer.Option(
-        None, "--draft-bits", help="Quantize the drafter to 4 or 8 bits."
-    ),
+    block_size: int | None = options.BLOCK_SIZE,
+    draft_bits: int | None = options.DRAFT_BITS,
     temp: float = typer.Option(
         0.0, "--temp", help="Temperature for requests that do not set one (0 = greedy)."
     ),
