@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import signal
 import sys
 from typing import Any
@@ -268,6 +269,8 @@ def needs_blas(argv: list[str]) -> bool:
 
 def main() -> None:
     """Console-script entry point: clean one-sentence errors, never a traceback."""
+    # transformers' tokenizer warns about long inputs itself; our context rule says it better
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if needs_blas(sys.argv[1:]):
         from dflash_mac.platform import maybe_reexec_with_openblas
 
