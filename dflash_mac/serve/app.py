@@ -37,7 +37,7 @@ async def api_error(request: Request, exc: Exception) -> Response:
     if isinstance(exc, HTTPException):
         exc = APIError(exc.status_code, str(exc.detail), kind="invalid_request_error")
     assert isinstance(exc, APIError)
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=getattr(exc, "headers", None))
 
 
 def create_app(
@@ -46,10 +46,12 @@ def create_app(
     max_tokens: int = 4096,
     block_size: int | None = None,
     default_temp: float = 0.0,
+    max_queue: int = 8,
 ) -> Starlette:
-    """The ASGI app (see `routes.Settings` for the settings)."""
+    """The ASGI app (see `routes.Settings` for the settings; `max_queue` requests may wait
+    behind the running one, more get a 429)."""
     session = pair_or_session if isinstance(pair_or_session, Session) else Session(pair_or_session)
-    worker = Worker(session, block_size)
+    worker = Worker(session, block_size, max_queue)
     name = model_name(session.pair)
     routes = Routes(session, worker, name, Settings(api_key, max_tokens, block_size, default_temp))
 

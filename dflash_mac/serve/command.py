@@ -157,6 +157,12 @@ def serve(
     temp: float = typer.Option(
         0.0, "--temp", help="Temperature for requests that do not set one (0 = greedy)."
     ),
+    max_queue: int = typer.Option(
+        8,
+        "--max-queue",
+        min=0,
+        help="Requests that may wait behind the running one; more get HTTP 429 + Retry-After.",
+    ),
     log_file: Path | None = typer.Option(
         None, "--log-file", help="Log file (default: serve.log in the data directory)."
     ),
@@ -179,7 +185,13 @@ def serve(
             )
         with PidFile(home, url):  # during loading too: a launcher sees "starting"
             pair = load_pair(model, draft, block_size=block_size, draft_bits=draft_bits)
-            app = create_app(pair, api_key=api_key, max_tokens=max_tokens, default_temp=temp)
+            app = create_app(
+                pair,
+                api_key=api_key,
+                max_tokens=max_tokens,
+                default_temp=temp,
+                max_queue=max_queue,
+            )
             logging.getLogger("dflash_mac.serve").info(
                 "serving %s + %s at %s (block %d, pid %d)",
                 pair.model_id,

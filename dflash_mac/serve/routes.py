@@ -178,6 +178,7 @@ class Routes:
             "context_length": pair.context_length,
             "busy": worker.busy,
             "queued": worker.queued,
+            "max_queue": worker.max_queue,
             "cached_tokens": len(self.session.state.ids),
             **worker.metrics.snapshot(),
         }
