@@ -366,3 +366,30 @@ def test_tool_requests_refused_clearly(server, tiny_pair):
     finally:
         srv.should_exit = True
         thread.join(15)
+
+
+def test_ollama_client_tool_calls(server, scripted):
+    import ollama
+
+    client = ollama.Client(host=server["root"], timeout=60)
+    name = server["app"].state.model_name
+    assert "tools" in client.show(name).capabilities
+    messages = [{"role": "user", "content": "Weather in Paris and Rome?"}]
+    scripted(pieces_of(CALL_TEXT, 6))
+    r = client.chat(model=name, messages=messages, tools=[WEATHER])
+    assert r.message.content == "Checking." and r.message.thinking == "\nThe user wants weather.\n"
+    got = [(c.function.name, dict(c.function.arguments)) for c in r.message.tool_calls]
+    assert got == [("get_weather", {"city": "Paris", "days": 2}), ("get_weather", {"city": "Rome"})]
+    scripted(pieces_of(CALL_TEXT, 4))
+    parts = list(client.chat(model=name, messages=messages, tools=[WEATHER], stream=True))
+    streamed = [c.function.arguments["city"] for p in parts for c in p.message.tool_calls or []]
+    assert streamed == ["Paris", "Rome"] and parts[-1].done
+    # The calls and the tool's answer go back as history.
+    history = [
+        *messages,
+        {"role": "assistant", "content": "", "tool_calls": [dict(c) for c in r.message.tool_calls]},
+        {"role": "tool", "content": "sunny", "tool_name": "get_weather"},
+    ]
+    assert client.chat(
+        model=name, messages=history, tools=[WEATHER], options={"num_predict": 2}
+    ).done

@@ -19,6 +19,7 @@ from dflash_mac.pair import Pair
 from dflash_mac.registry import BUNDLED_TARGET
 from dflash_mac.session import Session
 
+from .ollama import OllamaRoutes
 from .routes import Routes, Settings
 from .schema import APIError
 from .worker import Worker
@@ -61,7 +62,7 @@ def create_app(
         worker.close()
 
     app = Starlette(
-        routes=routes.table(),
+        routes=routes.table() + OllamaRoutes(routes).table(),
         lifespan=lifespan,
         exception_handlers={APIError: api_error, HTTPException: api_error},
     )

@@ -70,6 +70,7 @@ class GenRequest:
     tools: list[dict] | None = None  # function tools the template was given (chat)
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
+    context_cap: int | None = None  # a smaller context than the model's (Ollama's num_ctx)
 
 
 def number(

@@ -151,6 +151,10 @@ class Worker:
     def _should_stop(self, job: Job) -> bool:
         return job.cancelled.is_set() or self._stopping.is_set()
 
+    def context_of(self, req: GenRequest) -> int:
+        """The model's context, or less when the request caps it (Ollama's num_ctx)."""
+        return min(self.session.pair.context_length, req.context_cap or 1 << 62)
+
     def _prepare(self, req: GenRequest) -> list[int]:
         pair = self.session.pair
         try:
@@ -163,7 +167,7 @@ class Worker:
         if vocab and any(not 0 <= t < vocab for t in ids):
             raise APIError(400, f"prompt token ids must be in [0, {vocab}).", param="prompt")
         try:
-            fit_max_tokens(pair.context_length, len(ids), 1)
+            fit_max_tokens(self.context_of(req), len(ids), 1)
         except PromptError as e:
             raise APIError(400, str(e), code="context_length_exceeded")
         return ids
@@ -179,7 +183,7 @@ class Worker:
             ids = self._prepare(req)
             tail = pair.tokenizer.decode(ids[-16:]) if req.kind == "chat" else ""
             job.emit("ready", Ready(len(ids), prompt_opens_think(tail)))
-            budget = fit_max_tokens(pair.context_length, len(ids), req.max_tokens).max_tokens
+            budget = fit_max_tokens(self.context_of(req), len(ids), req.max_tokens).max_tokens
             last = None
             for ev in self.session.stream(
                 ids,
