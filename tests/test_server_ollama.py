@@ -134,6 +134,7 @@ def test_bad_requests(server, client, name):
             {"model": name, "messages": [{"role": "user", "content": "x", "images": ["aGk="]}]},
             "images",
         ),
+        ("/api/generate", {"model": name, "prompt": "x", "format": "json"}, "format"),
         ("/api/generate", {"model": name, "prompt": "x", "suffix": "y"}, "suffix"),
         (
             "/api/generate",

@@ -19,7 +19,6 @@ from rich.console import Console
 from dflash_mac.platform import data_dir
 
 
-
 def pid_name(port: int) -> str:
     return f"serve-{port}.pid"
 

@@ -101,9 +101,10 @@ def think_body(think: Any) -> dict:
 def format_body(fmt: Any) -> dict:
     if fmt in (None, ""):
         return {}
-    # Passed on as a response_format, which the shared validation refuses with its reason.
-    schema = {"name": "format", "schema": fmt} if isinstance(fmt, dict) else None
-    return {"response_format": {"type": "json_schema", "json_schema": schema}}
+    raise bad(
+        "format",
+        "'format' (JSON output) is not enforced by dflash-mac serve; ask for JSON in the prompt.",
+    )
 
 
 def chat_messages(messages: Any) -> list[dict]:
