@@ -52,6 +52,7 @@ def name(server) -> str:
 
 def test_version_list_show_ps(server, client, name):
     assert httpx.get(server["root"] + "/api/version", timeout=5).json()["version"]
+    assert "running" in httpx.get(server["root"] + "/", timeout=5).text
     models = client.list().models
     assert [m.model for m in models] == [name]
     assert models[0].details.family == "qwen3" and models[0].size > 0

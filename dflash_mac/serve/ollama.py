@@ -16,7 +16,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .responses import Responder, next_item
@@ -144,6 +144,7 @@ class OllamaRoutes:
             return ollama_errors(self.routes.guarded(h))
 
         return [
+            Route("/", self.root),
             Route("/api/version", ollama_errors(self.version)),
             Route("/api/tags", g(self.tags)),
             Route("/api/ps", g(self.ps)),
@@ -199,6 +200,10 @@ class OllamaRoutes:
         names = (self.routes.name, self.tag, str(self.routes.pair.model_id))
         if wanted not in names:
             raise APIError(404, f"model {wanted!r} not found; this server serves {self.tag!r}.")
+
+    async def root(self, request: Request) -> Response:
+        """Ollama clients probe `/` to see whether a server runs."""
+        return PlainTextResponse("dflash-mac is running (OpenAI API at /v1, Ollama API at /api)")
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": OLLAMA_VERSION})
