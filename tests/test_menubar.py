@@ -19,7 +19,9 @@ import httpx
 import pytest
 
 PLUGIN = Path(__file__).resolve().parents[1] / "app" / "menubar" / "dflash-mac.5s.sh"
-ACTION = re.compile(r'^[^|]+\| bash="[^"]+" param1=[a-z-]+ terminal=false refresh=true$')
+ACTION = re.compile(
+    r'^[^|]+\| bash="[^"]+" param1=[a-z-]+( param2=\d+)? terminal=false refresh=true$'
+)
 
 pytestmark = pytest.mark.skipif(not shutil.which("curl"), reason="the plugin needs curl")
 
@@ -110,21 +112,22 @@ def test_stopped_menu_and_simple_actions(env, tmp_path):
     assert "dflash_mac chat --model" in (tmp_path / "osascript.out").read_text()
     home = Path(env["DFLASH_MAC_HOME"])
     home.mkdir()
-    (home / "serve.pid").write_text("999999\n")  # stale: no such process
+    (home / f"serve-{env['DFLASH_MAC_PORT']}.pid").write_text("999999\n")  # stale: no such process
     assert "stopped" in plugin(env).splitlines()[0]
 
 
 @pytest.mark.slow
 def test_start_and_stop_really_run_the_server(env):
     port, home = env["DFLASH_MAC_PORT"], Path(env["DFLASH_MAC_HOME"])
+    pid_file, log_file = home / f"serve-{port}.pid", home / f"serve-{port}.log"
     started = time.time()
     assert "started" in plugin(env, "start")
     assert time.time() - started < 5  # backgrounded, no terminal
-    pid = int((home / "serve.pid").read_text())
+    pid = int(pid_file.read_text())
     try:
         assert plugin(env).splitlines()[0] in ("◐ dflash starting", "● dflash running")
-        assert wait_for(lambda: healthy(port), 60), (home / "serve.log").read_text()
-        assert int((home / "serve.pid").read_text()) == pid
+        assert wait_for(lambda: healthy(port), 60), log_file.read_text()
+        assert int(pid_file.read_text()) == pid
         lines = check_format(plugin(env))
         assert lines[0] == "● dflash running"
         body = {
@@ -141,11 +144,11 @@ def test_start_and_stop_really_run_the_server(env):
         assert any(line.startswith("Model: ") and "DFlash" in line for line in lines)
         assert any("chat: prompt" in line for line in lines)  # recent log
         assert "Requests: 1, 0 failed, 4 tokens generated" in lines
-        log = (home / "serve.log").read_text()
+        log = log_file.read_text()
         assert "POST /v1/chat/completions" in log  # access lines, but not the polling ones
         assert "GET /health" not in log and "GET /metrics" not in log
         assert "stopped" in plugin(env, "stop")
-        assert not alive(pid) and not (home / "serve.pid").exists()
+        assert not alive(pid) and not pid_file.exists()
         assert not healthy(port)
         assert "stopped" in check_format(plugin(env))[0]
     finally:
@@ -205,3 +208,50 @@ def test_failing_server_is_shown_red_with_its_error_and_counts(env):
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def fake_serve_process() -> subprocess.Popen:
+    """A live process whose command line says `serve`, as the plugin checks."""
+    code = "import time; time.sleep(60)"
+    return subprocess.Popen([sys.executable, "-c", code, "serve"], stdin=subprocess.DEVNULL)
+
+
+def test_each_running_server_is_listed_and_can_be_stopped(env):
+    home = Path(env["DFLASH_MAC_HOME"])
+    home.mkdir()
+    port, other = int(env["DFLASH_MAC_PORT"]), free_port()
+    servers, procs = [], []
+    try:
+        for p, model in ((port, "first"), (other, "second")):
+            srv = FakeServer(("127.0.0.1", p), FakeHandler)
+            srv.health = {"status": "ok", "requests": 1, "completed": 1, "failed": 0}
+            srv.prometheus = (
+                f'dflash_info{{model="{model}",model_id="t",draft="d",drafter="DFlash"}} 1\n'
+                "dflash_requests_total 5\ndflash_failed_total 0\n"
+                "dflash_last_decode_tps 12.5\ndflash_last_tau 3.25\n"
+            )
+            threading.Thread(target=srv.serve_forever, daemon=True).start()
+            servers.append(srv)
+            procs.append(fake_serve_process())
+            (home / f"serve-{p}.pid").write_text(f"{procs[-1].pid}\n")
+            (home / f"serve-{p}.url").write_text(f"http://127.0.0.1:{p}/v1\n")
+        lines = check_format(plugin(env))
+        assert lines[0] == "● dflash 12.5 tok/s · τ 3.25 · +1"
+        assert any(line.startswith("Server: running at") for line in lines)
+        want = f"Server on port {other}: second at http://127.0.0.1:{other}/v1 (PID {procs[1].pid})"
+        assert f"{want} | color=green" in lines
+        assert "--Last request: 12.5 tok/s, τ 3.25" in lines
+        assert any(f"param1=stop param2={other} " in line for line in lines)
+        assert f"stopped dflash-mac serve on port {other}" in plugin(env, "stop", str(other))
+        procs[1].wait(10)
+        lines = check_format(plugin(env))
+        assert lines[0] == "● dflash 12.5 tok/s · τ 3.25"
+        assert not any(line.startswith("Server on port") for line in lines)
+        assert alive(procs[0].pid)
+    finally:
+        for srv in servers:
+            srv.shutdown()
+            srv.server_close()
+        for proc in procs:
+            proc.kill()
+            proc.wait(10)

@@ -19,23 +19,26 @@ def test_data_dir_honours_env(tmp_path, monkeypatch):
 
 
 def test_pid_file_written_and_removed(tmp_path):
-    with PidFile(tmp_path, "http://127.0.0.1:1/v1"):
-        assert (tmp_path / "serve.pid").read_text().strip() == str(os.getpid())
-        assert (tmp_path / "serve.url").read_text().strip() == "http://127.0.0.1:1/v1"
-    assert not (tmp_path / "serve.pid").exists() and not (tmp_path / "serve.url").exists()
+    with PidFile(tmp_path, "http://127.0.0.1:1/v1", 1):
+        assert (tmp_path / "serve-1.pid").read_text().strip() == str(os.getpid())
+        assert (tmp_path / "serve-1.url").read_text().strip() == "http://127.0.0.1:1/v1"
+    assert not (tmp_path / "serve-1.pid").exists() and not (tmp_path / "serve-1.url").exists()
 
 
 def test_pid_file_refuses_a_live_server(tmp_path):
     other = subprocess.Popen(["sleep", "30"])
     try:
-        (tmp_path / "serve.pid").write_text(f"{other.pid}\n")
-        with pytest.raises(ServeError, match="already running"), PidFile(tmp_path, "u"):
-            pass
-        assert (tmp_path / "serve.pid").read_text().strip() == str(other.pid)  # left alone
+        (tmp_path / "serve-8080.pid").write_text(f"{other.pid}\n")
+        with pytest.raises(ServeError, match="already running on port 8080"):
+            with PidFile(tmp_path, "u", 8080):
+                pass
+        assert (tmp_path / "serve-8080.pid").read_text().strip() == str(other.pid)  # left alone
+        with PidFile(tmp_path, "u", 8081):  # another port: side by side
+            assert (tmp_path / "serve-8081.pid").exists()
     finally:
         other.kill()
         other.wait()
-    with PidFile(tmp_path, "u"):  # a dead PID is stale: taken over
+    with PidFile(tmp_path, "u", 8080):  # a dead PID is stale: taken over
         pass
 
 

@@ -301,7 +301,7 @@ BAD = [
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "stop": 5}, "stop"),
     ({"messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5}, "presence_penalty"),
-    ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages[0]"),
+    ({"messages": [{"role": "function", "content": "x", "name": "f"}]}, "messages[0]"),
     (
         {
             "messages": [

@@ -14,8 +14,9 @@
 # Install: symlink this file into the SwiftBar plugin folder (see docs/editors.md).
 # Settings (environment): DFLASH_MAC_CMD (default: dflash-mac), DFLASH_MAC_HOST, DFLASH_MAC_PORT,
 # DFLASH_MAC_MODEL, DFLASH_MAC_DRAFT, DFLASH_MAC_SERVE_ARGS (extra serve flags),
-# DFLASH_MAC_HOME (data dir holding serve.pid, serve.url and serve.log).
-# Actions: "$0 start|stop|chat|copy-url|open-log" (what the menu items run).
+# DFLASH_MAC_HOME (data dir holding serve-PORT.pid, serve-PORT.url and serve-PORT.log).
+# Actions: "$0 start|stop [PORT]|chat|copy-url|open-log" (what the menu items run).
+# Each running server (one per port) is listed; start/stop act on DFLASH_MAC_PORT by default.
 
 PATH="$PATH:/opt/homebrew/bin:/usr/local/bin:$HOME/.local/bin"
 CMD=${DFLASH_MAC_CMD:-dflash-mac}
@@ -28,10 +29,14 @@ elif [ "$(uname)" = Darwin ]; then
 else
     DATA="${XDG_DATA_HOME:-$HOME/.local/share}/dflash-mac"
 fi
-PIDFILE="$DATA/serve.pid"
-LOG="$DATA/serve.log"
-URL="http://$HOST:$PORT/v1"
-[ -s "$DATA/serve.url" ] && URL=$(head -n 1 "$DATA/serve.url")
+PIDFILE="$DATA/serve-$PORT.pid"
+LOG="$DATA/serve-$PORT.log"
+
+# The base URL of the server on port $1 (from its URL file when it wrote one).
+url_of() {
+    if [ -s "$DATA/serve-$1.url" ]; then head -n 1 "$DATA/serve-$1.url"; else echo "http://$HOST:$1/v1"; fi
+}
+URL=$(url_of "$PORT")
 ROOT=${URL%/v1}
 case $0 in /*) SELF=$0 ;; *) SELF="$(pwd)/$0" ;; esac
 
@@ -41,10 +46,11 @@ alive() {
     case $(ps -p "$1" -o stat= 2>/dev/null) in *Z*) return 1 ;; esac
 }
 
-# The PID of a live `serve` process from the PID file, or failure.
+# The PID of a live `serve` process from the PID file of port $1 (default $PORT), or failure.
 server_pid() {
-    [ -s "$PIDFILE" ] || return 1
-    pid=$(head -n 1 "$PIDFILE" | tr -cd 0-9)
+    file="$DATA/serve-${1:-$PORT}.pid"
+    [ -s "$file" ] || return 1
+    pid=$(head -n 1 "$file" | tr -cd 0-9)
     [ -n "$pid" ] && alive "$pid" || return 1
     case $(ps -p "$pid" -o command= 2>/dev/null) in *serve*) ;; *) return 1 ;; esac
     echo "$pid"
@@ -80,15 +86,17 @@ do_start() {
 }
 
 do_stop() {
-    pid=$(server_pid) || { echo "dflash-mac serve is not running"; return 0; }
+    port=${1:-$PORT}
+    case $port in *[!0-9]* | "") echo "not a port: $port" >&2; return 2 ;; esac
+    pid=$(server_pid "$port") || { echo "dflash-mac serve is not running on port $port"; return 0; }
     kill -TERM "$pid" 2>/dev/null
     i=0
     while alive "$pid" && [ "$i" -lt 50 ]; do sleep 0.2; i=$((i + 1)); done
     if alive "$pid"; then
         kill -KILL "$pid" 2>/dev/null
-        rm -f "$PIDFILE" "$DATA/serve.url"
+        rm -f "$DATA/serve-$port.pid" "$DATA/serve-$port.url"
     fi
-    echo "stopped dflash-mac serve (PID $pid)"
+    echo "stopped dflash-mac serve on port $port (PID $pid)"
 }
 
 do_chat() {
@@ -124,15 +132,29 @@ do_open_log() {
 
 case $1 in
     start) do_start; exit ;;
-    stop) do_stop; exit ;;
+    stop) do_stop "$2"; exit ;;
     chat) do_chat; exit ;;
     copy-url) do_copy; exit ;;
     open-log) do_open_log; exit ;;
     "") ;;
-    *) echo "usage: $0 [start|stop|chat|copy-url|open-log]" >&2; exit 2 ;;
+    *) echo "usage: $0 [start|stop [PORT]|chat|copy-url|open-log]" >&2; exit 2 ;;
 esac
 
 # ---- menu ------------------------------------------------------------------------------------
+# Ports of the other live servers (PID files of other ports in $DATA).
+OTHERS=""
+for f in "$DATA"/serve-*.pid; do
+    [ -e "$f" ] || continue
+    p=${f##*/serve-}
+    p=${p%.pid}
+    case $p in *[!0-9]* | "") continue ;; esac
+    [ "$p" = "$PORT" ] && continue
+    server_pid "$p" >/dev/null && OTHERS="$OTHERS $p"
+done
+NOTHERS=$(echo $OTHERS | wc -w | tr -d ' ')
+MORE=""
+[ "$NOTHERS" -gt 0 ] && MORE=" · +$NOTHERS"
+
 PID=$(server_pid)
 METRICS=""
 if HEALTH=$(health); then
@@ -151,13 +173,14 @@ TAU=$(metric dflash_last_tau)
 case $STATE in
     running)
         if [ -n "$TPS" ]; then
-            printf '● dflash %.1f tok/s · τ %.2f\n' "$TPS" "$TAU"
+            printf '● dflash %.1f tok/s · τ %.2f%s\n' "$TPS" "$TAU" "$MORE"
         else
-            echo "● dflash running"
+            echo "● dflash running$MORE"
         fi ;;
-    degraded) echo "▲ dflash failing" ;;
-    starting) echo "◐ dflash starting" ;;
-    stopped) echo "○ dflash stopped" ;;
+    degraded) echo "▲ dflash failing$MORE" ;;
+    starting) echo "◐ dflash starting$MORE" ;;
+    stopped)
+        if [ "$NOTHERS" -gt 0 ]; then echo "● dflash $NOTHERS running"; else echo "○ dflash stopped"; fi ;;
 esac
 echo "---"
 case $STATE in
@@ -186,6 +209,21 @@ elif [ "$STATE" = stopped ]; then
 else
     echo "Server started outside this launcher (no PID file in $DATA)"
 fi
+for p in $OTHERS; do
+    purl=$(url_of "$p")
+    METRICS=$(curl -fsS --max-time 2 "${purl%/v1}/metrics?format=prometheus" 2>/dev/null)
+    echo "---"
+    if [ -n "$METRICS" ]; then
+        echo "Server on port $p: $(info_label model) at $purl (PID $(server_pid "$p")) | color=green"
+        ptps=$(metric dflash_last_decode_tps)
+        [ -n "$ptps" ] && printf -- '--Last request: %.1f tok/s, τ %.2f\n' "$ptps" "$(metric dflash_last_tau)"
+        echo "--Requests: $(metric dflash_requests_total), $(metric dflash_failed_total) failed"
+    else
+        echo "Server on port $p: starting (PID $(server_pid "$p"))"
+    fi
+    echo "--Stop this server | bash=\"$SELF\" param1=stop param2=$p terminal=false refresh=true"
+done
+echo "---"
 echo "Open chat in Terminal | bash=\"$SELF\" param1=chat terminal=false refresh=true"
 echo "Copy base URL ($URL) | bash=\"$SELF\" param1=copy-url terminal=false refresh=true"
 echo "---"

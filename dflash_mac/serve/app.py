@@ -19,6 +19,7 @@ from dflash_mac.pair import Pair
 from dflash_mac.registry import BUNDLED_TARGET
 from dflash_mac.session import Session
 
+from .ollama import OllamaRoutes
 from .routes import Routes, Settings
 from .schema import APIError
 from .worker import Worker
@@ -37,7 +38,7 @@ async def api_error(request: Request, exc: Exception) -> Response:
     if isinstance(exc, HTTPException):
         exc = APIError(exc.status_code, str(exc.detail), kind="invalid_request_error")
     assert isinstance(exc, APIError)
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=getattr(exc, "headers", None))
 
 
 def create_app(
@@ -46,10 +47,12 @@ def create_app(
     max_tokens: int = 4096,
     block_size: int | None = None,
     default_temp: float = 0.0,
+    max_queue: int = 8,
 ) -> Starlette:
-    """The ASGI app (see `routes.Settings` for the settings)."""
+    """The ASGI app (see `routes.Settings` for the settings; `max_queue` requests may wait
+    behind the running one, more get a 429)."""
     session = pair_or_session if isinstance(pair_or_session, Session) else Session(pair_or_session)
-    worker = Worker(session, block_size)
+    worker = Worker(session, block_size, max_queue)
     name = model_name(session.pair)
     routes = Routes(session, worker, name, Settings(api_key, max_tokens, block_size, default_temp))
 
@@ -59,7 +62,7 @@ def create_app(
         worker.close()
 
     app = Starlette(
-        routes=routes.table(),
+        routes=routes.table() + OllamaRoutes(routes).table(),
         lifespan=lifespan,
         exception_handlers={APIError: api_error, HTTPException: api_error},
     )

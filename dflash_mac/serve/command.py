@@ -1,8 +1,8 @@
 """`dflash-mac serve`: load a pair and run the OpenAI-compatible server (uvicorn).
 
-Writes `serve.pid` and `serve.url` to the data directory (`DFLASH_MAC_HOME`, else the platform
-user data dir) so a launcher can find and stop it, logs to `serve.log` there, and removes the
-PID file on exit."""
+Writes `serve-PORT.pid` and `serve-PORT.url` to the data directory (`DFLASH_MAC_HOME`, else the
+platform user data dir) so a launcher can find and stop it, logs to `serve-PORT.log` there, and
+removes the PID file on exit. One server per port: several models can be served side by side."""
 
 from __future__ import annotations
 
@@ -20,7 +20,19 @@ from dflash_mac.cli import options
 from dflash_mac.errors import UserError
 from dflash_mac.platform import data_dir
 
-PID_NAME, URL_NAME, LOG_NAME = "serve.pid", "serve.url", "serve.log"
+
+def pid_name(port: int) -> str:
+    return f"serve-{port}.pid"
+
+
+def url_name(port: int) -> str:
+    return f"serve-{port}.url"
+
+
+def log_name(port: int) -> str:
+    return f"serve-{port}.log"
+
+
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 err = Console(stderr=True)
 
@@ -84,19 +96,20 @@ def setup_logging(path: Path) -> None:
 
 
 class PidFile:
-    """`serve.pid` (this process) and `serve.url` while the server runs; refuses to start
-    over a live server's PID file."""
+    """`serve-PORT.pid` (this process) and `serve-PORT.url` while the server runs; refuses to
+    start over the PID file of a live server on the same port."""
 
-    def __init__(self, home: Path, url: str):
-        self.pid_path, self.url_path, self.url = home / PID_NAME, home / URL_NAME, url
+    def __init__(self, home: Path, url: str, port: int):
+        self.pid_path, self.url_path = home / pid_name(port), home / url_name(port)
+        self.url, self.port = url, port
 
     def __enter__(self) -> PidFile:
         other = read_pid(self.pid_path)
         # The launcher writes the PID it started (this process, or a wrapper that runs it).
         if other and other not in (os.getpid(), os.getppid()) and pid_alive(other):
             raise ServeError(
-                f"a dflash-mac server is already running (PID {other}); stop it "
-                f"first, e.g. kill {other}."
+                f"a dflash-mac server is already running on port {self.port} (PID {other}); "
+                f"stop it first (kill {other}) or pass another --port."
             )
         self.url_path.write_text(self.url + "\n")
         self.pid_path.write_text(f"{os.getpid()}\n")
@@ -146,8 +159,14 @@ def serve(
     temp: float = typer.Option(
         0.0, "--temp", help="Temperature for requests that do not set one (0 = greedy)."
     ),
+    max_queue: int = typer.Option(
+        8,
+        "--max-queue",
+        min=0,
+        help="Requests that may wait behind the running one; more get HTTP 429 + Retry-After.",
+    ),
     log_file: Path | None = typer.Option(
-        None, "--log-file", help="Log file (default: serve.log in the data directory)."
+        None, "--log-file", help="Log file (default: serve-PORT.log in the data directory)."
     ),
 ) -> None:
     """Serve the pair as an OpenAI-compatible API (for Continue, Cline, Aider, Zed, ...)."""
@@ -157,7 +176,7 @@ def serve(
 
     try:
         home = data_dir()
-        log_path = log_file or home / LOG_NAME
+        log_path = log_file or home / log_name(port)
         check_free(host, port)
         setup_logging(log_path)
         url = f"http://{host if ':' not in host else f'[{host}]'}:{port}/v1"
@@ -166,9 +185,15 @@ def serve(
                 f"[yellow]warning:[/] listening on {host} without --api-key: anyone who "
                 "can reach this machine can use the model."
             )
-        with PidFile(home, url):  # during loading too: a launcher sees "starting"
+        with PidFile(home, url, port):  # during loading too: a launcher sees "starting"
             pair = load_pair(model, draft, block_size=block_size, draft_bits=draft_bits)
-            app = create_app(pair, api_key=api_key, max_tokens=max_tokens, default_temp=temp)
+            app = create_app(
+                pair,
+                api_key=api_key,
+                max_tokens=max_tokens,
+                default_temp=temp,
+                max_queue=max_queue,
+            )
             logging.getLogger("dflash_mac.serve").info(
                 "serving %s + %s at %s (block %d, pid %d)",
                 pair.model_id,

@@ -53,6 +53,7 @@ class Metrics:
         "completed",
         "cancelled",
         "failed",
+        "rejected",
         "prompt_tokens",
         "cached_tokens",
         "completion_tokens",

@@ -15,6 +15,7 @@ from dflash_mac import __version__
 from dflash_mac.think import ThinkSplitter
 
 from .schema import GenRequest
+from .tools import ToolFormat, ToolStream, openai_call
 from .worker import Job, Ready
 
 FINGERPRINT = f"dflash-mac-{__version__}"
@@ -27,7 +28,9 @@ def sse(obj: dict | str) -> str:
 class Responder:
     """Builds the OpenAI response objects of one request (chat or completion)."""
 
-    def __init__(self, req: GenRequest, model: str, ready: Ready):
+    def __init__(
+        self, req: GenRequest, model: str, ready: Ready, tool_format: ToolFormat | None = None
+    ):
         self.req, self.chat = req, req.kind == "chat"
         prefix = "chatcmpl" if self.chat else "cmpl"
         self.base = {
@@ -38,16 +41,34 @@ class Responder:
             "system_fingerprint": FINGERPRINT,
         }
         self.split = ThinkSplitter(ready.think_open) if self.chat else None
+        self.tools = (
+            ToolStream(tool_format, req.tools, req.parallel_tool_calls)
+            if self.chat and req.tools and tool_format
+            else None
+        )
+        self.calls: list[dict] = []  # OpenAI tool_calls entries so far
+        self.new_calls: list[dict] = []  # those of the last delta
 
     def parts(self, text: str, final: bool = False) -> tuple[str, str]:
-        """(reasoning, content) of a text delta."""
+        """(reasoning, content) of a text delta; tool calls go to `new_calls` / `calls`."""
         if not self.split:
             return "", text
         r, c = self.split.feed(text)
         if final:
             r2, c2 = self.split.flush()
             r, c = r + r2, c + c2
+        self.new_calls = []
+        if self.tools:
+            c, calls = self.tools.feed(c, final)
+            self.new_calls = [
+                openai_call(call, len(self.calls) + i) for i, call in enumerate(calls)
+            ]
+            self.calls += self.new_calls
         return r, c
+
+    def finish_reason(self, reason: str) -> str:
+        """`tool_calls` when the model stopped after calling tools."""
+        return "tool_calls" if self.calls and reason == "stop" else reason
 
     def chunk(
         self, delta: dict | None = None, text: str = "", finish: str | None = None, **extra: Any
@@ -66,14 +87,26 @@ class Responder:
         if not self.chat:
             return [self.chunk(text=content)] if content else []
         out = [self.chunk({"reasoning_content": reasoning})] if reasoning else []
-        return out + ([self.chunk({"content": content})] if content else [])
+        out += [self.chunk({"content": content})] if content else []
+        for call in self.new_calls:  # name first, then the arguments, as OpenAI streams them
+            fn = call["function"]
+            head = {**call, "function": {"name": fn["name"], "arguments": ""}}
+            out.append(self.chunk({"tool_calls": [head]}))
+            tail = {"index": call["index"], "function": {"arguments": fn["arguments"]}}
+            out.append(self.chunk({"tool_calls": [tail]}))
+        return out
 
     def whole(self, reasoning: str, content: str, result: dict) -> dict:
-        finish = result["finish_reason"]
+        finish = self.finish_reason(result["finish_reason"])
         if self.chat:
-            message = {"role": "assistant", "content": content}
+            message: dict[str, Any] = {"role": "assistant", "content": content}
             if reasoning:
                 message["reasoning_content"] = reasoning
+            if self.calls:
+                message["content"] = content or None
+                message["tool_calls"] = [
+                    {k: v for k, v in c.items() if k != "index"} for c in self.calls
+                ]
             choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
             obj = "chat.completion"
         else:
@@ -115,7 +148,8 @@ async def stream_events(job: Job, out: Responder) -> AsyncIterator[str]:
                 for c in out.deltas(text, final=finish is not None):
                     yield sse(c)
             elif kind == "done":
-                yield sse(out.chunk(finish=payload["finish_reason"], dflash=payload["dflash"]))
+                finish = out.finish_reason(payload["finish_reason"])
+                yield sse(out.chunk(finish=finish, dflash=payload["dflash"]))
                 if out.req.include_usage:
                     yield sse(
                         {

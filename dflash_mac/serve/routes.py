@@ -19,6 +19,7 @@ from dflash_mac.session import Session
 from .metrics import prometheus
 from .responses import Responder, next_item, stream_events
 from .schema import APIError, GenRequest, parse_chat, parse_completion
+from .tools import ToolSupport
 from .worker import Job, Worker
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -42,6 +43,7 @@ class Routes:
     def __init__(self, session: Session, worker: Worker, name: str, settings: Settings):
         self.session, self.worker, self.name, self.settings = session, worker, name, settings
         self.pair = session.pair
+        self.tool_support = ToolSupport.of(self.pair.tokenizer)
 
     def table(self) -> list[Route]:
         g = self.guarded
@@ -79,7 +81,27 @@ class Routes:
     async def chat(self, request: Request) -> Response:
         s = self.settings
         req = parse_chat(await body_of(request), s.max_tokens, s.max_tokens, s.default_temp)
+        if req.tools:
+            self.give_tools(req)
         return await self.generate(request, req)
+
+    def give_tools(self, req: GenRequest) -> None:
+        """Pass the request's tools (and tool_choice) to the chat template, or a 400 when this
+        model cannot call tools."""
+        support = self.tool_support
+        if problem := support.problem():
+            raise APIError(400, problem, param="tools")
+        args = {**req.template.get("chat_template_args", {}), "tools": req.tools}
+        if support.takes_tool_choice and req.tool_choice is not None:
+            args["tool_choice"] = req.tool_choice
+        elif req.tool_choice == "required":
+            raise APIError(
+                400,
+                "'tool_choice': 'required' cannot be enforced with this model's chat template; "
+                "use 'auto' or name the function.",
+                param="tool_choice",
+            )
+        req.template["chat_template_args"] = args
 
     async def completions(self, request: Request) -> Response:
         s = self.settings
@@ -96,7 +118,7 @@ class Routes:
             raise
         if kind != "ready":
             raise payload if kind == "error" else APIError(503, "the server is shutting down.")
-        out = Responder(req, self.name, payload)
+        out = Responder(req, self.name, payload, self.tool_support.format)
         if req.stream:
             return StreamingResponse(
                 stream_events(job, out), media_type="text/event-stream", headers=SSE_HEADERS
@@ -156,6 +178,7 @@ class Routes:
             "context_length": pair.context_length,
             "busy": worker.busy,
             "queued": worker.queued,
+            "max_queue": worker.max_queue,
             "cached_tokens": len(self.session.state.ids),
             **worker.metrics.snapshot(),
         }

@@ -5,11 +5,12 @@ is silently dropped (unknown, harmless fields such as `user` or `metadata` are i
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
-ROLES = {"system", "developer", "user", "assistant"}
+ROLES = {"system", "developer", "user", "assistant", "tool"}
 REASONING_EFFORT = {
     "none": "off",
     "minimal": "off",
@@ -66,6 +67,10 @@ class GenRequest:
     model: str | None = None
     sampling: dict = field(default_factory=dict)  # temp, top_p, top_k, min_p, seed, stop, use_eos
     template: dict = field(default_factory=dict)  # reasoning, chat_template_args, ...
+    tools: list[dict] | None = None  # function tools the template was given (chat)
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
+    context_cap: int | None = None  # a smaller context than the model's (Ollama's num_ctx)
 
 
 def number(
@@ -135,13 +140,10 @@ def unsupported(body: dict) -> None:
         refuse("logprobs", "no log-probabilities are returned")
     if body.get("top_logprobs") not in (None, 0):
         refuse("top_logprobs", "no log-probabilities are returned")
-    for name in ("tools", "functions"):
-        if body.get(name):
-            refuse(name, "no tool / function calling yet; describe tools in the prompt instead")
-    if body.get("tool_choice") not in (None, "none"):
-        refuse("tool_choice", "no tool calling yet")
+    if body.get("functions"):
+        refuse("functions", "the legacy form; send 'tools' instead")
     if body.get("function_call") not in (None, "none"):
-        refuse("function_call", "no function calling yet")
+        refuse("function_call", "the legacy form; send 'tool_choice' instead")
     fmt = body.get("response_format")
     if fmt not in (None, {"type": "text"}):
         refuse(
@@ -222,17 +224,80 @@ def chat_messages(body: dict) -> list[dict]:
         if not isinstance(m, dict):
             raise bad(f"messages[{i}]", "each message must be an object.")
         role = m.get("role")
-        if role in ("tool", "function") or m.get("tool_calls") or m.get("function_call"):
-            raise bad(f"messages[{i}]", "tool messages and tool calls are not supported yet.")
+        if role == "function" or m.get("function_call"):
+            raise bad(f"messages[{i}]", "legacy function messages are not supported; use tools.")
         if role not in ROLES:
             raise bad(
                 f"messages[{i}].role",
-                f"unknown role {role!r}; use system, developer, user or assistant.",
+                f"unknown role {role!r}; use system, developer, user, assistant or tool.",
             )
         content = m.get("content")
         text = "" if content is None and role == "assistant" else message_text(i, content)
-        out.append({"role": "system" if role == "developer" else role, "content": text})
+        msg = {"role": "system" if role == "developer" else role, "content": text}
+        if role == "assistant" and m.get("tool_calls") is not None:
+            msg["tool_calls"] = history_calls(i, m["tool_calls"])
+        if role == "tool":
+            call_id = m.get("tool_call_id")
+            if call_id is not None and not isinstance(call_id, str):
+                raise bad(f"messages[{i}].tool_call_id", "'tool_call_id' must be a string.")
+            msg.update({k: m[k] for k in ("tool_call_id", "name") if isinstance(m.get(k), str)})
+        out.append(msg)
     return out
+
+
+def history_calls(i: int, calls: Any) -> list[dict]:
+    """An assistant message's `tool_calls`, arguments as objects (what templates render)."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise bad(where, "'tool_calls' must be a list.")
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad(where, "each tool call needs a function with a name.")
+        args = fn.get("arguments") or {}
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                raise bad(where, f"the arguments of {fn['name']!r} are not valid JSON.")
+        if not isinstance(args, dict):
+            raise bad(where, f"the arguments of {fn['name']!r} must be a JSON object.")
+        entry = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+        if isinstance(call.get("id"), str):
+            entry["id"] = call["id"]
+        out.append(entry)
+    return out
+
+
+def chat_tools(body: dict, req: GenRequest) -> None:
+    """`tools`, `tool_choice` and `parallel_tool_calls` into `req` (the model's support for
+    them is checked where the tokenizer is known: routes.py)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    req.parallel_tool_calls = flag(body, "parallel_tool_calls", True)
+    if tools is None or tools == []:
+        if choice not in (None, "none", "auto"):
+            raise bad("tool_choice", "'tool_choice' needs 'tools'.")
+        return
+    if not isinstance(tools, list) or not all(
+        isinstance(t, dict)
+        and t.get("type", "function") == "function"
+        and isinstance(t.get("function"), dict)
+        and isinstance(t["function"].get("name"), str)
+        for t in tools
+    ):
+        raise bad("tools", "'tools' must be a list of {type: function, function: {name, ...}}.")
+    names = [t["function"]["name"] for t in tools]
+    if isinstance(choice, dict):
+        wanted = (choice.get("function") or {}).get("name")
+        if choice.get("type") != "function" or wanted not in names:
+            raise bad("tool_choice", "'tool_choice' must name one of the given tools.")
+        tools = [t for t in tools if t["function"]["name"] == wanted]
+    elif choice not in (None, "auto", "none", "required"):
+        raise bad("tool_choice", "'tool_choice' must be none, auto, required or a function.")
+    if choice == "none":
+        return
+    req.tools, req.tool_choice = tools, choice
 
 
 def parse_chat(body: Any, default_max: int, cap: int, default_temp: float = 0.0) -> GenRequest:
@@ -248,6 +313,7 @@ def parse_chat(body: Any, default_max: int, cap: int, default_temp: float = 0.0)
                 f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORT)}.",
             )
         req.template["reasoning"] = REASONING_EFFORT[effort]
+    chat_tools(body, req)
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None:
         if not isinstance(kwargs, dict):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import queue
 import threading
 import time
@@ -31,6 +32,20 @@ class Ready:
     think_open: bool
 
 
+class QueueFull(APIError):
+    """429: more requests are waiting than the server queues (`serve --max-queue`)."""
+
+    def __init__(self, waiting: int, retry_after: int):
+        super().__init__(
+            429,
+            f"the server is busy: {waiting} requests are already waiting; retry in "
+            f"{retry_after} s.",
+            code="queue_full",
+            kind="rate_limit_error",
+        )
+        self.headers = {"Retry-After": str(retry_after)}
+
+
 class Job:
     """One request's link to the worker: a cancel flag and a queue of (kind, payload) items.
 
@@ -43,6 +58,8 @@ class Job:
         self.items: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
         self.checked = time.monotonic()  # last client-disconnect check (event loop side)
+        self.started = self.queued_at = time.monotonic()
+        self.position = 0  # requests ahead of this one when it was queued (0: ran at once)
 
     def emit(self, kind: str, payload: Any = None) -> None:
         try:
@@ -57,9 +74,12 @@ class Job:
 class Worker:
     """Runs jobs on one thread against one `Session` (prefix reuse across requests)."""
 
-    def __init__(self, session: Session, block_size: int | None = None):
+    def __init__(self, session: Session, block_size: int | None = None, max_queue: int = 8):
         self.session = session
         self.block_size = block_size
+        self.max_queue = max_queue  # requests that may wait behind the running one
+        self._submit_lock = threading.Lock()
+        self._durations: list[float] = []  # seconds of the last few requests (Retry-After)
         self.metrics = Metrics()
         self.current: Job | None = None
         self._jobs: queue.Queue[Job | None] = queue.Queue()
@@ -79,8 +99,21 @@ class Worker:
     def submit(self, job: Job) -> None:
         if self._stopping.is_set():
             raise APIError(503, "the server is shutting down.", kind="server_error")
-        self.metrics.count("requests")
-        self._jobs.put(job)
+        with self._submit_lock:
+            waiting = self._jobs.qsize()
+            if waiting >= self.max_queue:
+                self.metrics.count("rejected")
+                raise QueueFull(waiting, self.retry_after(waiting))
+            self.metrics.count("requests")
+            job.position = waiting + (1 if self.busy else 0)
+            job.queued_at = time.monotonic()
+            self._jobs.put(job)
+
+    def retry_after(self, waiting: int) -> int:
+        """Seconds until a queue slot is likely free: the recent mean request time."""
+        recent = self._durations[-8:]
+        mean = sum(recent) / len(recent) if recent else 5.0
+        return max(1, min(120, math.ceil(mean * max(1, waiting - self.max_queue + 1))))
 
     def stop(self) -> None:
         """Cancel the running job at its next cycle and refuse queued ones."""
@@ -97,10 +130,12 @@ class Worker:
     def _loop(self) -> None:
         while (job := self._jobs.get()) is not None:
             self.current = job
+            began = time.monotonic()
             try:
                 self._run(job)
             finally:
                 self.current = None
+                self._durations = [*self._durations[-7:], time.monotonic() - began]
                 job.emit("end")
         while not self._jobs.empty():  # refuse what is still queued
             if (job := self._jobs.get_nowait()) is not None:
@@ -116,6 +151,10 @@ class Worker:
     def _should_stop(self, job: Job) -> bool:
         return job.cancelled.is_set() or self._stopping.is_set()
 
+    def context_of(self, req: GenRequest) -> int:
+        """The model's context, or less when the request caps it (Ollama's num_ctx)."""
+        return min(self.session.pair.context_length, req.context_cap or 1 << 62)
+
     def _prepare(self, req: GenRequest) -> list[int]:
         pair = self.session.pair
         try:
@@ -128,7 +167,7 @@ class Worker:
         if vocab and any(not 0 <= t < vocab for t in ids):
             raise APIError(400, f"prompt token ids must be in [0, {vocab}).", param="prompt")
         try:
-            fit_max_tokens(pair.context_length, len(ids), 1)
+            fit_max_tokens(self.context_of(req), len(ids), 1)
         except PromptError as e:
             raise APIError(400, str(e), code="context_length_exceeded")
         return ids
@@ -139,11 +178,12 @@ class Worker:
             job.emit("error", APIError(499, "cancelled before it started."))
             return
         req, pair = job.req, self.session.pair
+        job.started = time.monotonic()
         try:
             ids = self._prepare(req)
             tail = pair.tokenizer.decode(ids[-16:]) if req.kind == "chat" else ""
             job.emit("ready", Ready(len(ids), prompt_opens_think(tail)))
-            budget = fit_max_tokens(pair.context_length, len(ids), req.max_tokens).max_tokens
+            budget = fit_max_tokens(self.context_of(req), len(ids), req.max_tokens).max_tokens
             last = None
             for ev in self.session.stream(
                 ids,
@@ -169,6 +209,8 @@ class Worker:
             job.emit("error", APIError(500, f"generation failed: {e}", kind="server_error"))
             return
         result = summary(last, req.kind)
+        result["dflash"]["queue_position"] = job.position
+        result["dflash"]["queue_wait_s"] = round(job.started - job.queued_at, 4)
         self.metrics.record(result)
         job.emit("done", result)
         u, d = result["usage"], result["dflash"]

@@ -91,7 +91,8 @@ def test_models_and_health(server, client):
 
 
 def test_sigterm_exits_cleanly_and_removes_the_pid_file(server):
-    pid_file = server.home / "serve.pid"
+    port = server.root.rsplit(":", 1)[1]
+    pid_file = server.home / f"serve-{port}.pid"
     assert int(pid_file.read_text()) == server.proc.pid
     assert server.terminate() == 0, server.output()
-    assert not pid_file.exists() and not (server.home / "serve.url").exists()
+    assert not pid_file.exists() and not (server.home / f"serve-{port}.url").exists()
