@@ -174,40 +174,36 @@ def serve(
 
     from .app import create_app
 
-    try:
-        home = data_dir()
-        log_path = log_file or home / log_name(port)
-        check_free(host, port)
-        setup_logging(log_path)
-        url = f"http://{host if ':' not in host else f'[{host}]'}:{port}/v1"
-        if host not in LOOPBACK and not api_key:
-            err.print(
-                f"[yellow]warning:[/] listening on {host} without --api-key: anyone who "
-                "can reach this machine can use the model."
-            )
-        with PidFile(home, url, port):  # during loading too: a launcher sees "starting"
-            pair = load_pair(model, draft, block_size=block_size, draft_bits=draft_bits)
-            app = create_app(
-                pair,
-                api_key=api_key,
-                max_tokens=max_tokens,
-                default_temp=temp,
-                max_queue=max_queue,
-            )
-            logging.getLogger("dflash_mac.serve").info(
-                "serving %s + %s at %s (block %d, pid %d)",
-                pair.model_id,
-                pair.draft_id,
-                url,
-                pair.block_size,
-                os.getpid(),
-            )
-            err.print(
-                f"dflash-mac serve: {url}  (model {app.state.model_name}, log {log_path})",
-                highlight=False,
-                soft_wrap=True,
-            )
-            run_server(app, host, port)
-    except ServeError as e:
-        err.print(f"[bold red]error:[/] {e}", highlight=False)
-        raise typer.Exit(1)
+    home = data_dir()
+    log_path = log_file or home / log_name(port)
+    check_free(host, port)
+    setup_logging(log_path)
+    url = f"http://{host if ':' not in host else f'[{host}]'}:{port}/v1"
+    if host not in LOOPBACK and not api_key:
+        err.print(
+            f"[yellow]warning:[/] listening on {host} without --api-key: anyone who "
+            "can reach this machine can use the model."
+        )
+    with PidFile(home, url, port):  # during loading too: a launcher sees "starting"
+        pair = load_pair(model, draft, block_size=block_size, draft_bits=draft_bits)
+        app = create_app(
+            pair,
+            api_key=api_key,
+            max_tokens=max_tokens,
+            default_temp=temp,
+            max_queue=max_queue,
+        )
+        logging.getLogger("dflash_mac.serve").info(
+            "serving %s + %s at %s (block %d, pid %d)",
+            pair.model_id,
+            pair.draft_id,
+            url,
+            pair.block_size,
+            os.getpid(),
+        )
+        err.print(
+            f"dflash-mac serve: {url}  (model {app.state.model_name}, log {log_path})",
+            highlight=False,
+            soft_wrap=True,
+        )
+        run_server(app, host, port)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from dflash_mac.think import held_prefix
+from dflash_mac.textstream import held_suffix
 
 log = logging.getLogger("dflash_mac.serve")
 PYTHON_TAG = "<|python_tag|>"
@@ -178,7 +178,7 @@ class ToolStream:
                     out += self.buf[:i]
                     self.buf, self.inside = self.buf[i + len(start) :], True
                     continue
-                keep = 0 if final else held_prefix(self.buf, start)
+                keep = 0 if final else held_suffix(self.buf, [start])
                 out += self.buf[: len(self.buf) - keep]
                 self.buf = self.buf[len(self.buf) - keep :]
                 break
