@@ -300,7 +300,8 @@ BAD = [
     ({"messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "stop": 5}, "stop"),
-    ({"messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5}, "presence_penalty"),
+    ({"messages": [{"role": "user", "content": "x"}], "presence_penalty": 3}, "presence_penalty"),
+    ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"x": 1}}, "logit_bias"),
     ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages[0]"),
     (
         {
@@ -320,6 +321,26 @@ def test_bad_chat_requests(server, body, param):
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["message"]
     assert err["param"] == param
+
+
+def test_penalties_and_logit_bias(server, client):
+    """Penalised greedy output equals `generate` with the same penalties; a token out of the
+    vocabulary in logit_bias is a 400."""
+    pair, prompt = server["pair"], "Count: one two one two one two"
+    kw = dict(presence_penalty=0.8, frequency_penalty=0.5)
+    ref = generate(pair, prompt, max_tokens=16, **kw)
+    r = chat(client, prompt, max_tokens=16, temperature=0, **kw)
+    assert r.choices[0].message.content == ref.text
+    banned = {t: -100.0 for t in ref.tokens[:3]}
+    ref_b = generate(pair, prompt, max_tokens=16, logit_bias=banned)
+    assert not set(ref_b.tokens) & set(banned)
+    r = chat(
+        client, prompt, max_tokens=16, temperature=0, logit_bias={str(t): -100 for t in banned}
+    )
+    assert r.choices[0].message.content == ref_b.text
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, prompt, max_tokens=4, logit_bias={"99999999": 1})
+    assert "is not in the vocabulary" in e.value.message
 
 
 def test_prompt_over_context(server, client):
