@@ -160,6 +160,12 @@ def serve(
     log_file: Path | None = typer.Option(
         None, "--log-file", help="Log file (default: serve.log in the data directory)."
     ),
+    prompt_cache_size: int = typer.Option(
+        4, "--prompt-cache-size", help="Conversations whose cached prefix is kept (LRU)."
+    ),
+    prompt_cache_bytes: int | None = typer.Option(
+        None, "--prompt-cache-bytes", help="Memory cap of the prompt cache in bytes (LRU)."
+    ),
 ) -> None:
     """Serve the pair as an OpenAI-compatible API (for Continue, Cline, Aider, Zed, ...)."""
     from dflash_mac.cli.terminal import load_pair
@@ -167,6 +173,10 @@ def serve(
     from .app import create_app
 
     try:
+        if prompt_cache_size < 1:
+            raise ServeError(f"--prompt-cache-size must be at least 1 (got {prompt_cache_size}).")
+        if prompt_cache_bytes is not None and prompt_cache_bytes < 0:
+            raise ServeError(f"--prompt-cache-bytes must be >= 0 (got {prompt_cache_bytes}).")
         home = data_dir()
         log_path = log_file or home / LOG_NAME
         check_free(host, port)
@@ -179,7 +189,14 @@ def serve(
             )
         with PidFile(home, url):  # during loading too: a launcher sees "starting"
             pair = load_pair(model, draft, block_size=block_size, draft_bits=draft_bits)
-            app = create_app(pair, api_key=api_key, max_tokens=max_tokens, default_temp=temp)
+            app = create_app(
+                pair,
+                api_key=api_key,
+                max_tokens=max_tokens,
+                default_temp=temp,
+                prompt_cache_size=prompt_cache_size,
+                prompt_cache_bytes=prompt_cache_bytes,
+            )
             logging.getLogger("dflash_mac.serve").info(
                 "serving %s + %s at %s (block %d, pid %d)",
                 pair.model_id,
