@@ -343,6 +343,29 @@ def test_penalties_and_logit_bias(server, client):
     assert "is not in the vocabulary" in e.value.message
 
 
+def test_two_conversations_each_reuse_their_prefix(server, client):
+    """Alternating two chats: each second turn reports its own first turn as cached."""
+
+    def ask(messages):
+        r = client.chat.completions.create(
+            model="dflash", messages=messages, max_tokens=8, temperature=0
+        )
+        return r.choices[0].message.content, r.usage
+
+    a = [{"role": "user", "content": "Write a function that reverses a list."}]
+    b = [{"role": "user", "content": "Name three colours of the rainbow, please."}]
+    text_a, usage_a = ask(a)
+    text_b, usage_b = ask(b)
+    _, usage_a2 = ask(
+        a + [{"role": "assistant", "content": text_a}, {"role": "user", "content": "Shorter."}]
+    )
+    _, usage_b2 = ask(
+        b + [{"role": "assistant", "content": text_b}, {"role": "user", "content": "More."}]
+    )
+    assert usage_a2.prompt_tokens_details.cached_tokens >= usage_a.prompt_tokens - 1
+    assert usage_b2.prompt_tokens_details.cached_tokens >= usage_b.prompt_tokens - 1
+
+
 def test_prompt_over_context(server, client):
     words = "x " * (server["pair"].context_length + 10)
     with pytest.raises(openai.BadRequestError) as e:
