@@ -34,6 +34,12 @@ class Session:
         self.cache.clear()
         self.state = DecodeState(self.pair)
 
+    def reuse(self, ids: list[int]) -> int:
+        """Take the cached state sharing the longest prefix with `ids` as `self.state` (cut back
+        to that prefix, or a fresh one); returns the number of reused tokens."""
+        self.state, keep = self.cache.take(ids)
+        return keep
+
     def tokenize(self, prompt: str | list[dict] | list[int], **template: Any) -> list[int]:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             return list(prompt)
@@ -48,8 +54,8 @@ class Session:
         """Like `stream_generate`, reusing whatever prefix of the prompt is already cached."""
         keys = ("system", "ignore_chat_template", "reasoning", "chat_template_args")
         ids = self.tokenize(prompt, **{k: kwargs.pop(k) for k in keys if k in kwargs})
-        state, _ = self.cache.take(ids)
-        self.state = state
+        self.reuse(ids)
+        state = self.state
         try:
             yield from stream_generate(
                 self.pair, ids, state=state, should_stop=should_stop, **kwargs

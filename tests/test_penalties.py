@@ -199,16 +199,25 @@ def test_penalised_joint_distribution_matches_target(small_pairs, drafter, case)
     assert chi_square_p(penalised_samples(pair, sp, kw, 1500), joint) > 0.001
 
 
+CONTROLS = {  # the penalties each wrong rule shows up under
+    "p-ignores-block-drafts": {"presence_penalty": 2.5, "frequency_penalty": 1.0},
+    # the raw q puts half its mass on token 4, which the penalised q never draws
+    "q-unpenalised": {"logit_bias": {4: -5.0}, "frequency_penalty": 0.3},
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("bug", ["p-ignores-block-drafts", "q-unpenalised"])
-def test_a_wrong_penalty_rule_is_detected(small_pairs, monkeypatch, bug):
+@pytest.mark.parametrize("wrong", [False, True], ids=["right", "wrong"])
+@pytest.mark.parametrize("bug", list(CONTROLS))
+def test_a_wrong_penalty_rule_is_detected(small_pairs, monkeypatch, bug, wrong):
     """Teeth: penalising the target without the block's earlier drafts, or reporting a q that
-    is not the penalised one the drafts were drawn from, both fail the same check."""
-    kw = {"presence_penalty": 2.5, "frequency_penalty": 1.0}
+    is not the penalised one the drafts were drawn from, fail the check the engine passes
+    under the same penalties."""
+    kw = CONTROLS[bug]
     pair, sp = small_pairs["dflash"], SamplingParams(temperature=1.0)
     joint = exact_penalised_joint(pair, sp, kw)
     real_apply, real_propose = PenaltyContext.apply, engine.propose
-    if bug == "p-ignores-block-drafts":
+    if wrong and bug == "p-ignores-block-drafts":
 
         def apply(self, logits, drafts, first=0):
             if logits.shape[0] > 1:  # the verify pass: forget the drafts
@@ -216,7 +225,7 @@ def test_a_wrong_penalty_rule_is_detected(small_pairs, monkeypatch, bug):
             return real_apply(self, logits, drafts, first)
 
         monkeypatch.setattr(PenaltyContext, "apply", apply)
-    else:
+    elif wrong:
 
         def propose(pair, block, cache, sp, key, penalty=None):
             drafts, _ = real_propose(pair, block, cache, sp, key, penalty)
@@ -224,5 +233,5 @@ def test_a_wrong_penalty_rule_is_detected(small_pairs, monkeypatch, bug):
             return drafts, q
 
         monkeypatch.setattr(engine, "propose", propose)
-    samples = penalised_samples(pair, sp, kw, 800)
-    assert chi_square_p(samples, joint) < 1e-6
+    p = chi_square_p(penalised_samples(pair, sp, kw, 800), joint)
+    assert p < 1e-6 if wrong else p > 0.001
