@@ -235,3 +235,31 @@ def test_a_wrong_penalty_rule_is_detected(small_pairs, monkeypatch, bug, wrong):
         monkeypatch.setattr(engine, "propose", propose)
     p = chi_square_p(penalised_samples(pair, sp, kw, 800), joint)
     assert p < 1e-6 if wrong else p > 0.001
+
+
+@pytest.mark.parametrize("drafter", ["dflash", "dflash2"])
+def test_penalised_propose_and_verify_are_lazy(tiny_pair, d2_pair, monkeypatch, drafter):
+    """No eval while drafting from the penalised q or penalising the verify logits: the cycle
+    keeps its one host sync."""
+    pair = tiny_pair if drafter == "dflash" else d2_pair
+    from dflash_mac.capture import FeatureCapture
+
+    cache = pair.drafter.make_cache()
+    ids = pair.tokenizer.encode(PROMPTS[0])
+    with FeatureCapture(pair.target, pair.layer_ids) as cap:
+        mx.eval(pair.target(mx.array([ids])))
+        pair.drafter.extend_context(cap.features(), cache)
+    mx.eval([c.state for c in cache])
+    ctx = Penalties.make(**PEN, **BIAS).bind(ids)
+    block = mx.array([ids[-1]] + [pair.drafter.config.mask_token_id] * 4)
+    calls = []
+    for name in ("eval", "async_eval"):
+        monkeypatch.setattr(mx, name, lambda *a, **k: calls.append(a))
+    sp = SamplingParams(temperature=0.9, top_k=20)
+    drafts, q = engine.propose(pair, block, cache, sp, mx.random.key(0), ctx)
+    logits = ctx.apply(mx.zeros((5, q.shape[-1])), drafts)
+    monkeypatch.undo()
+    assert calls == []
+    assert drafts.shape == (4,) and q.shape[0] == 4 and logits.shape[0] == 5
+    picked = mx.take_along_axis(q, drafts[:, None].astype(mx.int32), axis=-1)
+    assert (picked > 0).all().item()  # each draft was drawn from its own q row
