@@ -12,6 +12,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
 from .capture import FeatureCapture
+from .models.penalties import Penalties, PenaltyContext, draft_sequential
 from .pair import Pair
 from .rollback import TargetRollback, trim_caches
 from .sampling import SamplingParams, accept_greedy, accept_sampled, probabilities, sample
@@ -30,6 +31,7 @@ class GenerationConfig:
     stop: list[str] = field(default_factory=list)
     use_eos: bool = True
     prefill_step_size: int = 2048
+    penalties: Penalties | None = None  # None: no penalties, no cost
 
 
 @dataclass
@@ -77,13 +79,23 @@ def prefill(pair: Pair, state: DecodeState, ids: list[int], cap: FeatureCapture,
     return logits[0, -1]
 
 
-def propose(pair: Pair, block: mx.array, cache: list, sp: SamplingParams, key: mx.array):
+def propose(
+    pair: Pair,
+    block: mx.array,
+    cache: list,
+    sp: SamplingParams,
+    key: mx.array,
+    penalty: PenaltyContext | None = None,
+):
     """Draft tokens for block positions 1..bs-1 and q (None when greedy), lazily.
 
-    A drafter with its own `propose` (DFlash 2: the selector walk) drafts itself."""
+    A drafter with its own `propose` (DFlash 2: the selector walk) drafts itself. With
+    penalties each position is drawn from its penalised q given the drafts before it."""
     if (own := getattr(pair.drafter, "propose", None)) is not None:
-        return own(block, cache, sp, key)
+        return own(block, cache, sp, key, penalty) if penalty else own(block, cache, sp, key)
     logits = pair.drafter(block[None], cache)[0]  # [bs-1, V]
+    if penalty is not None:
+        return draft_sequential(logits, penalty, sp, key)
     if sp.greedy:
         return mx.argmax(logits, axis=-1), None
     q = probabilities(logits, sp)
@@ -105,6 +117,7 @@ def speculative_stream(
     stats = DecodeStats(bs_max, prompt_tokens=len(prompt_ids), cached_tokens=len(state.ids))
     out = TextStream(pair.tokenizer, cfg.stop, pair.eos_ids if cfg.use_eos else set())
     mask_id = pair.drafter.config.mask_token_id
+    pen, ctx = cfg.penalties, None
 
     rb = state.rollback
     with (
@@ -114,6 +127,8 @@ def speculative_stream(
     ):
         t0 = time.perf_counter()
         logits = prefill(pair, state, prompt_ids, cap, cfg.prefill_step_size)
+        if pen:
+            logits = pen.bind(prompt_ids).apply(logits[None], mx.zeros((0,), mx.int32))[0]
         if sp.greedy:
             anchor = mx.argmax(logits).item()
         else:
@@ -133,14 +148,18 @@ def speculative_stream(
             bs = min(bs_max, cfg.max_tokens - out.count)
             key, k_draft, k_verify = mx.random.split(key, 3)
             block = mx.array([anchor] + [mask_id] * (bs - 1))
+            if pen:
+                ctx = pen.bind(state.ids[-pen.context_size :] + [anchor])
             if bs > 1:
-                drafts, q = propose(pair, block, state.draft_cache, sp, k_draft)
+                drafts, q = propose(pair, block, state.draft_cache, sp, k_draft, ctx)
             else:  # one token left: a plain target step
                 drafts, q = mx.zeros((0,), mx.int32), mx.zeros((0, 1))
             rb.before_verify()
             logits = pair.target(
                 mx.concatenate([block[:1], drafts])[None], cache=state.target_cache
             )[0]  # [bs, V]
+            if ctx is not None:
+                logits = ctx.apply(logits, drafts)
             if sp.greedy:
                 acc, bonus = accept_greedy(drafts, logits)
             else:

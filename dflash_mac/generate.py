@@ -8,6 +8,7 @@ from typing import Any
 
 from .decode import DecodeState, GenerationConfig, GenerationEvent, speculative_stream
 from .errors import PromptError  # noqa: F401  (re-exported)
+from .models.penalties import Penalties
 from .pair import Pair
 from .sampling import SamplingParams
 from .stats import DecodeStats
@@ -77,7 +78,12 @@ def make_config(
     seed: int | None = None,
     stop: list[str] | None = None,
     use_eos: bool = True,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    repetition_penalty: float | None = None,
+    logit_bias: dict[int, float] | None = None,
 ) -> GenerationConfig:
+    """Validated per-request settings (PromptError with one sentence on bad input)."""
     if max_tokens < 1:
         raise PromptError(f"--max-tokens must be at least 1 (got {max_tokens}).")
     if block_size is not None and block_size < 1:
@@ -86,9 +92,12 @@ def make_config(
         raise PromptError(f"--seed must be between 0 and 2**64 - 1 (got {seed}).")
     try:
         sp = SamplingParams(temp, top_p, top_k, min_p).validate()
+        pen = Penalties.make(presence_penalty, frequency_penalty, repetition_penalty, logit_bias)
     except ValueError as e:
         raise PromptError(str(e))
-    return GenerationConfig(max_tokens, block_size, sp, seed, list(stop or []), use_eos)
+    cfg = GenerationConfig(max_tokens, block_size, sp, seed, list(stop or []), use_eos)
+    cfg.penalties = pen
+    return cfg
 
 
 @dataclass(frozen=True)
@@ -134,6 +143,11 @@ def stream_generate(
     else:
         ids = prompt_ids(pair.tokenizer, prompt, **tkw)
     cfg = make_config(**kwargs)
+    if cfg.penalties is not None:
+        try:
+            cfg.penalties.validate(pair.drafter.config.vocab_size)
+        except ValueError as e:
+            raise PromptError(str(e))
     cfg.max_tokens = check_context(pair, ids, cfg.max_tokens)
     yield from speculative_stream(pair, ids, cfg, state=state, should_stop=should_stop)
 

@@ -1,4 +1,7 @@
-"""Multi-turn sessions with prefix reuse: only the uncached suffix of a new prompt is prefilled."""
+"""Multi-turn sessions with prefix reuse: only the uncached suffix of a new prompt is prefilled.
+
+A session keeps an LRU of decode states (`prompt_cache.PromptCache`), one per conversation
+by default one, so several conversations can each keep their own prefix."""
 
 from __future__ import annotations
 
@@ -6,44 +9,35 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .decode import DecodeState, GenerationEvent
-from .generate import prompt_ids, stream_generate
+from .generate import PromptError, prompt_ids, stream_generate
 from .pair import Pair
-from .rollback import RollbackError
+from .prompt_cache import PromptCache, common_prefix
 
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+__all__ = ["Session", "common_prefix"]
 
 
 class Session:
-    """Keeps the target cache, the drafter context cache and the ids they hold between turns.
+    """Keeps target caches, drafter context caches and the ids they hold between turns.
 
-    A prompt that extends the cached ids prefills only its new suffix; an edit, regenerate or
+    A prompt that extends cached ids prefills only its new suffix; an edit, regenerate or
     system-prompt change falls back to the longest common prefix (trim) or a fresh prefill.
+    `cache_size` / `cache_bytes` bound how many states (conversations) are kept.
     Not thread-safe: serve one request at a time."""
 
-    def __init__(self, pair: Pair):
+    def __init__(self, pair: Pair, cache_size: int = 1, cache_bytes: int | None = None):
         self.pair = pair
-        self.state = DecodeState(pair)
+        self.cache = PromptCache(pair, cache_size, cache_bytes)
+        self.state = DecodeState(pair)  # the state of the latest request
 
     def reset(self) -> None:
+        """Drop every cached state (after a failure, or to free memory)."""
+        self.cache.clear()
         self.state = DecodeState(self.pair)
 
     def reuse(self, ids: list[int]) -> int:
-        """Trim the caches to the longest common prefix with `ids` (at least one token is left
-        to prefill); returns the number of reused tokens."""
-        keep = common_prefix(self.state.ids, ids)
-        keep = min(keep, len(ids) - 1)
-        if keep < len(self.state.ids):
-            try:
-                self.state.trim_to(keep)
-            except RollbackError:  # caches that cannot be cut: start over
-                self.reset()
-                keep = 0
+        """Take the cached state sharing the longest prefix with `ids` as `self.state` (cut back
+        to that prefix, or a fresh one); returns the number of reused tokens."""
+        self.state, keep = self.cache.take(ids)
         return keep
 
     def tokenize(self, prompt: str | list[dict] | list[int], **template: Any) -> list[int]:
@@ -61,6 +55,13 @@ class Session:
         keys = ("system", "ignore_chat_template", "reasoning", "chat_template_args")
         ids = self.tokenize(prompt, **{k: kwargs.pop(k) for k in keys if k in kwargs})
         self.reuse(ids)
-        yield from stream_generate(
-            self.pair, ids, state=self.state, should_stop=should_stop, **kwargs
-        )
+        state = self.state
+        try:
+            yield from stream_generate(
+                self.pair, ids, state=state, should_stop=should_stop, **kwargs
+            )
+        except (GeneratorExit, PromptError):  # between cycles / before any: caches match ids
+            self.cache.put(state)
+            raise
+        # any other failure (mid-cycle) leaves the state out of the cache
+        self.cache.put(state)

@@ -18,6 +18,7 @@ from mlx_lm.models.cache import KVCache
 from .config import DraftConfig
 from .dflash import DFlashDraftModel, DraftAttention, DraftMLP, block_mask
 from .distribution import SamplingParams, probabilities, scatter_candidates
+from .penalties import PenaltyContext
 
 CODEBOOKS = ("predecessor_codebook", "successor_codebook")
 NEG = -1e9  # unary score of candidates the request's filters exclude (finite for the kernels)
@@ -145,18 +146,26 @@ class DFlash2DraftModel(DFlashDraftModel):
         self.candidate_selector = CandidateSelector(cfg)
 
     def propose(
-        self, block: mx.array, cache: list[KVCache], sp: SamplingParams, key: mx.array
+        self,
+        block: mx.array,
+        cache: list[KVCache],
+        sp: SamplingParams,
+        key: mx.array,
+        penalty: PenaltyContext | None = None,
     ) -> tuple[mx.array, mx.array | None]:
         """Drafts for block positions 1..bs-1 by the selector walk: ``(drafts [bs-1], q)``.
 
         Greedy: the greedy walk, q None. Sampling: the walk at the request temperature; the
         request's top-k/top-p/min-p, applied to the drafter's own logits, drop candidates (as
         DFlash 1 filters q); q is the walk's distribution scattered onto the vocabulary
-        ``[bs-1, V]`` (lossless for any q since drafts are drawn from it, docs/design.md §7)."""
+        ``[bs-1, V]`` (lossless for any q since drafts are drawn from it, docs/design.md §7).
+        With penalties the walk goes one position at a time on penalised logits."""
         hidden = self.hidden(block[None], cache)[:, 1:]  # [1, P, H]
         logits = self.logits(hidden)  # [1, P, V]
         anchor = block[:1]
         sel = self.candidate_selector
+        if penalty is not None:
+            return self._penalised_walk(hidden, logits, anchor, sp, key, penalty)
         if sp.greedy:
             path, _, _ = sel.walk(hidden, logits, anchor)
             return path[0], None
@@ -167,6 +176,35 @@ class DFlash2DraftModel(DFlashDraftModel):
         u = mx.random.uniform(shape=(1, P), key=key)
         path, cand, q = sel.walk(hidden, logits, anchor, sp.temperature, u, keep)
         return path[0], scatter_candidates(cand[0], q[0], logits.shape[-1])
+
+    def _penalised_walk(
+        self,
+        hidden: mx.array,
+        logits: mx.array,
+        anchor: mx.array,
+        sp: SamplingParams,
+        key: mx.array,
+        penalty: PenaltyContext,
+    ) -> tuple[mx.array, mx.array | None]:
+        """The walk one position at a time: position t's candidates, unary scores and filters
+        come from its logits penalised given the drafts before it (lazy, no host sync)."""
+        sel = self.candidate_selector
+        P, V = logits.shape[1], logits.shape[-1]
+        u = mx.random.uniform(shape=(1, P), key=key)
+        filters = sp.top_k > 0 or sp.top_p < 1.0 or sp.min_p > 0.0
+        drafts, prev, qs = mx.zeros((0,), dtype=mx.int32), anchor, []
+        for t in range(P):
+            row = penalty.apply(logits[0, t : t + 1], drafts, first=t)[None]  # [1, 1, V]
+            h = hidden[:, t : t + 1]
+            if sp.greedy:
+                path, _, _ = sel.walk(h, row, prev)
+            else:
+                keep = probabilities(row, sp) > 0 if filters else None
+                path, cand, q = sel.walk(h, row, prev, sp.temperature, u[:, t : t + 1], keep)
+                qs.append(scatter_candidates(cand[0], q[0], V))
+            prev = path[0].astype(mx.int32)
+            drafts = mx.concatenate([drafts, prev])
+        return drafts, (mx.concatenate(qs) if qs else None)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Codebooks are stored without `.weight`; map them onto the embedding tables."""

@@ -186,6 +186,38 @@ def test_help_shows_flags_without_bool_placeholders():
         assert "<bool>" not in res.output and "BOOLEAN" not in res.output, name
 
 
+def test_generate_penalty_flags():
+    """--logit-bias -100 bans tokens; penalties change the output; bad values are one sentence."""
+    one_error(
+        run("generate", "hi", "--logit-bias", "{1: 2}"),
+        "--logit-bias is not valid JSON (Expecting property name enclosed in double quotes).",
+    )
+    one_error(
+        run("generate", "hi", "--repetition-penalty", "-1"),
+        "--repetition-penalty must be >= 0 (got -1.0).",
+    )
+    plain = json.loads(run("generate", "def add(a, b):", "-n", "12", "--json").stdout)["tokens"]
+    banned = json.dumps({str(t): -100 for t in plain[:4]})
+    res = run(
+        "generate",
+        "def add(a, b):",
+        "-n",
+        "12",
+        "--json",
+        "--logit-bias",
+        banned,
+        "--presence-penalty",
+        "0.5",
+        "--frequency-penalty",
+        "0.3",
+        "--repetition-penalty",
+        "1.2",
+    )
+    assert res.returncode == 0, res.stderr
+    tokens = json.loads(res.stdout)["tokens"]
+    assert len(tokens) == 12 and not set(tokens) & set(plain[:4])
+
+
 def test_generate_prints_a_summary_line_and_json_names_the_pair():
     res = run("generate", "def add(a, b):", "-n", "6")
     assert res.returncode == 0, res.stderr

@@ -140,8 +140,9 @@ def test_trim_within_last_verify_and_refusal(pair, cases):
     with pytest.raises(RollbackError, match="prefilled again"):
         state.trim_to(len(ids))
     session = Session(oracle)  # sessions fall back to a fresh prefill
-    session.state = state
+    session.cache.put(state)
     assert session.reuse(ids + [1, 2]) == 0 and session.state is not state
+    assert len(session.cache) == 0  # the state that could not be cut is dropped
 
 
 def test_hooks_are_per_instance_and_removed(pair, cases):

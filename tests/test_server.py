@@ -300,7 +300,8 @@ BAD = [
     ({"messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "stop": 5}, "stop"),
-    ({"messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5}, "presence_penalty"),
+    ({"messages": [{"role": "user", "content": "x"}], "presence_penalty": 3}, "presence_penalty"),
+    ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"x": 1}}, "logit_bias"),
     ({"messages": [{"role": "function", "content": "x", "name": "f"}]}, "messages[0]"),
     (
         {
@@ -320,6 +321,49 @@ def test_bad_chat_requests(server, body, param):
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["message"]
     assert err["param"] == param
+
+
+def test_penalties_and_logit_bias(server, client):
+    """Penalised greedy output equals `generate` with the same penalties; a token out of the
+    vocabulary in logit_bias is a 400."""
+    pair, prompt = server["pair"], "Count: one two one two one two"
+    kw = dict(presence_penalty=0.8, frequency_penalty=0.5)
+    ref = generate(pair, prompt, max_tokens=16, **kw)
+    r = chat(client, prompt, max_tokens=16, temperature=0, **kw)
+    assert r.choices[0].message.content == ref.text
+    banned = {t: -100.0 for t in ref.tokens[:3]}
+    ref_b = generate(pair, prompt, max_tokens=16, logit_bias=banned)
+    assert not set(ref_b.tokens) & set(banned)
+    r = chat(
+        client, prompt, max_tokens=16, temperature=0, logit_bias={str(t): -100 for t in banned}
+    )
+    assert r.choices[0].message.content == ref_b.text
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, prompt, max_tokens=4, logit_bias={"99999999": 1})
+    assert "is not in the vocabulary" in e.value.message
+
+
+def test_two_conversations_each_reuse_their_prefix(server, client):
+    """Alternating two chats: each second turn reports its own first turn as cached."""
+
+    def ask(messages):
+        r = client.chat.completions.create(
+            model="dflash", messages=messages, max_tokens=8, temperature=0
+        )
+        return r.choices[0].message.content, r.usage
+
+    a = [{"role": "user", "content": "Write a function that reverses a list."}]
+    b = [{"role": "user", "content": "Name three colours of the rainbow, please."}]
+    text_a, usage_a = ask(a)
+    text_b, usage_b = ask(b)
+    _, usage_a2 = ask(
+        a + [{"role": "assistant", "content": text_a}, {"role": "user", "content": "Shorter."}]
+    )
+    _, usage_b2 = ask(
+        b + [{"role": "assistant", "content": text_b}, {"role": "user", "content": "More."}]
+    )
+    assert usage_a2.prompt_tokens_details.cached_tokens >= usage_a.prompt_tokens - 1
+    assert usage_b2.prompt_tokens_details.cached_tokens >= usage_b.prompt_tokens - 1
 
 
 def test_prompt_over_context(server, client):

@@ -46,6 +46,10 @@ def test_chat_fields_map_to_engine_options():
         "seed": 2**32 - 1,
         "stop": ["END"],
         "use_eos": True,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "repetition_penalty": None,
+        "logit_bias": None,
     }
     assert req.template == {"reasoning": "high", "chat_template_args": {"enable_thinking": False}}
 
@@ -83,7 +87,7 @@ def test_defaults_and_harmless_zero_values():
         {"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}]},
         {"messages": MSG, "reasoning_effort": "max"},
         {"messages": [{"role": "bot", "content": ""}]},
-        {"messages": MSG, "logit_bias": {"1": 5}},
+        {"messages": MSG, "logit_bias": {"1": 500}},
         {"messages": MSG, "stop": ["a"] * 17},
     ],
 )
@@ -91,6 +95,38 @@ def test_refused(body):
     with pytest.raises(APIError) as e:
         parse_chat(body, 16, 16)
     assert e.value.status == 400 and e.value.body()["error"]["message"]
+
+
+def test_penalties_are_accepted_and_checked():
+    req = parse_chat(
+        {
+            "messages": MSG,
+            "presence_penalty": 0.5,
+            "frequency_penalty": -1,
+            "repetition_penalty": 1.1,
+            "logit_bias": {"42": -100, "7": 2.5},
+        },
+        16,
+        16,
+    )
+    s = req.sampling
+    assert (s["presence_penalty"], s["frequency_penalty"], s["repetition_penalty"]) == (
+        0.5,
+        -1.0,
+        1.1,
+    )
+    assert s["logit_bias"] == {42: -100.0, 7: 2.5}
+    for body, message in [
+        ({"presence_penalty": 2.5}, "'presence_penalty' must be >= -2.0 and <= 2.0 (got 2.5)."),
+        ({"frequency_penalty": "x"}, "'frequency_penalty' must be a number."),
+        ({"repetition_penalty": 0}, "'repetition_penalty' must be > 0.0 and <= 10.0 (got 0)."),
+        ({"logit_bias": [1]}, "'logit_bias' must be an object mapping token ids to numbers."),
+        ({"logit_bias": {"a": 1}}, "'logit_bias' keys must be token ids (got 'a')."),
+        ({"logit_bias": {"1": 101}}, "'logit_bias' must be >= -100.0 and <= 100.0 (got 101)."),
+    ]:
+        with pytest.raises(APIError) as e:
+            parse_chat({"messages": MSG, **body}, 16, 16)
+        assert e.value.status == 400 and e.value.body()["error"]["message"] == message
 
 
 def test_completion_prompts():

@@ -177,6 +177,22 @@ def parse_template_args(text: str | None) -> dict:
     return value
 
 
+def parse_logit_bias(text: str | None) -> dict[int, float]:
+    """`--logit-bias '{"123": -100}'` as {token id: bias}."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise prompt_error(f"--logit-bias is not valid JSON ({e.msg}).")
+    if not isinstance(value, dict):
+        raise prompt_error('--logit-bias must be a JSON object like {"123": -100}.')
+    try:
+        return {int(k): float(v) for k, v in value.items()}
+    except (TypeError, ValueError):
+        raise prompt_error("--logit-bias maps token ids (integers) to numbers.")
+
+
 @app.command(cls=Command)
 def generate(
     prompt: str = typer.Argument(..., help="The prompt, or - to read it from stdin."),
@@ -189,6 +205,18 @@ def generate(
     top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = all)."),
     min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min_p * max prob."),
     seed: int | None = typer.Option(None, "--seed", help="Random seed (sampling)."),
+    presence_penalty: float = typer.Option(
+        0.0, "--presence-penalty", help="Subtract this from tokens seen in the last 20."
+    ),
+    frequency_penalty: float = typer.Option(
+        0.0, "--frequency-penalty", help="Subtract this per occurrence in the last 20 tokens."
+    ),
+    repetition_penalty: float | None = typer.Option(
+        None, "--repetition-penalty", help="Scale down tokens seen in the last 20 (e.g. 1.1)."
+    ),
+    logit_bias: str | None = typer.Option(
+        None, "--logit-bias", help='Add to token logits, JSON like {"123": -100}.'
+    ),
     system: str | None = typer.Option(None, "--system", help="System prompt."),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     reasoning: str | None = typer.Option(
@@ -208,12 +236,19 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
 ) -> None:
     """Generate text for PROMPT with DFlash speculative decoding."""
-    from dflash_mac.generate import fit_max_tokens, prompt_ids
+    from dflash_mac.generate import fit_max_tokens, make_config, prompt_ids
 
     from .terminal import load_pair, print_stats, stream_to_terminal, warn_line
 
     text = read_prompt(prompt)
     template_args = parse_template_args(chat_template_args)
+    penalties = dict(
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        repetition_penalty=repetition_penalty,
+        logit_bias=parse_logit_bias(logit_bias),
+    )
+    make_config(**penalties)  # bad values fail before the slow load
     pair = load_pair(
         model, draft, block_size=block_size, draft_bits=draft_bits, reasoning=reasoning
     )
@@ -243,6 +278,7 @@ def generate(
         min_p=min_p,
         seed=seed,
         stop=stop,
+        **penalties,
     )
     if as_json:
         typer.echo(

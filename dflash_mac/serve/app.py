@@ -48,10 +48,16 @@ def create_app(
     block_size: int | None = None,
     default_temp: float = 0.0,
     max_queue: int = 8,
+    prompt_cache_size: int = 4,
+    prompt_cache_bytes: int | None = None,
 ) -> Starlette:
-    """The ASGI app (see `routes.Settings` for the settings; `max_queue` requests may wait
-    behind the running one, more get a 429)."""
-    session = pair_or_session if isinstance(pair_or_session, Session) else Session(pair_or_session)
+    """The ASGI app (see `routes.Settings` for the settings). `max_queue` requests may wait
+    behind the running one, more get a 429; a pair gets a session whose prompt cache keeps
+    `prompt_cache_size` conversations (`prompt_cache_bytes` at most)."""
+    if isinstance(pair_or_session, Session):
+        session = pair_or_session
+    else:
+        session = Session(pair_or_session, prompt_cache_size, prompt_cache_bytes)
     worker = Worker(session, block_size, max_queue)
     name = model_name(session.pair)
     routes = Routes(session, worker, name, Settings(api_key, max_tokens, block_size, default_temp))

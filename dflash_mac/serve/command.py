@@ -168,12 +168,22 @@ def serve(
     log_file: Path | None = typer.Option(
         None, "--log-file", help="Log file (default: serve-PORT.log in the data directory)."
     ),
+    prompt_cache_size: int = typer.Option(
+        4, "--prompt-cache-size", help="Conversations whose cached prefix is kept (LRU)."
+    ),
+    prompt_cache_bytes: int | None = typer.Option(
+        None, "--prompt-cache-bytes", help="Memory cap of the prompt cache in bytes (LRU)."
+    ),
 ) -> None:
     """Serve the pair as an OpenAI-compatible API (for Continue, Cline, Aider, Zed, ...)."""
     from dflash_mac.cli.terminal import load_pair
 
     from .app import create_app
 
+    if prompt_cache_size < 1:
+        raise ServeError(f"--prompt-cache-size must be at least 1 (got {prompt_cache_size}).")
+    if prompt_cache_bytes is not None and prompt_cache_bytes < 0:
+        raise ServeError(f"--prompt-cache-bytes must be >= 0 (got {prompt_cache_bytes}).")
     home = data_dir()
     log_path = log_file or home / log_name(port)
     check_free(host, port)
@@ -192,6 +202,8 @@ def serve(
             max_tokens=max_tokens,
             default_temp=temp,
             max_queue=max_queue,
+            prompt_cache_size=prompt_cache_size,
+            prompt_cache_bytes=prompt_cache_bytes,
         )
         logging.getLogger("dflash_mac.serve").info(
             "serving %s + %s at %s (block %d, pid %d)",

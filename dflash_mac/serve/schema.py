@@ -65,7 +65,7 @@ class GenRequest:
     include_usage: bool = False
     max_tokens: int = 0
     model: str | None = None
-    sampling: dict = field(default_factory=dict)  # temp, top_p, top_k, min_p, seed, stop, use_eos
+    sampling: dict = field(default_factory=dict)  # temp .. use_eos, penalties, logit_bias
     template: dict = field(default_factory=dict)  # reasoning, chat_template_args, ...
     tools: list[dict] | None = None  # function tools the template was given (chat)
     tool_choice: str | dict | None = None
@@ -149,19 +149,42 @@ def unsupported(body: dict) -> None:
         refuse(
             "response_format", "only plain text output; json_object / json_schema are not enforced"
         )
-    for name in ("frequency_penalty", "presence_penalty"):
-        value = body.get(name)
-        if value not in (None, 0, 0.0):
-            refuse(name, "penalties would change the target distribution; leave it at 0")
-    if body.get("repetition_penalty") not in (None, 1, 1.0):
-        refuse("repetition_penalty", "leave it at 1")
-    if body.get("logit_bias"):
-        refuse("logit_bias", "logits are not biased")
     if body.get("modalities") not in (None, ["text"]):
         refuse("modalities", "text only")
     for name in ("audio", "prediction", "web_search_options"):
         if body.get(name):
             refuse(name, "not implemented")
+
+
+def logit_bias(body: dict) -> dict[int, float] | None:
+    """OpenAI's `logit_bias`: {token id (as a string): bias in [-100, 100]}."""
+    value = body.get("logit_bias")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad("logit_bias", "'logit_bias' must be an object mapping token ids to numbers.")
+    out = {}
+    for k, v in value.items():
+        try:
+            tok = int(k)
+        except (TypeError, ValueError):
+            raise bad("logit_bias", f"'logit_bias' keys must be token ids (got {k!r}).")
+        out[tok] = number({"logit_bias": v}, "logit_bias", 0.0, -100.0, 100.0)
+    return out
+
+
+def penalties(body: dict) -> dict:
+    """Presence, frequency and repetition penalties and logit bias (lossless: the engine
+    applies them to the target and the drafter alike)."""
+    rep = body.get("repetition_penalty")
+    return {
+        "presence_penalty": number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        "frequency_penalty": number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        "repetition_penalty": None
+        if rep is None
+        else number(body, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True),
+        "logit_bias": logit_bias(body),
+    }
 
 
 def common(
@@ -189,6 +212,7 @@ def common(
         "seed": integer(body, "seed", None),
         "stop": stop_strings(body),
         "use_eos": not flag(body, "ignore_eos"),
+        **penalties(body),
     }
     if sampling["seed"] is not None:
         sampling["seed"] %= 2**32
