@@ -24,7 +24,7 @@ class ChatOptions:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
-    block_size: int | None = None
+    block_size: int | str | None = None
     max_tokens: int = 1024
     reasoning: str | None = None
     draft_bits: int | None = None
@@ -54,6 +54,15 @@ class EngineInfo:
     reasoning: bool  # the chat template has an on/off thinking switch
 
 
+def block_label(stats: Any) -> str:
+    """The panel's block row: the fixed size, or auto with the last choice and why."""
+    if not getattr(stats, "auto", False):
+        return str(stats.block_size)
+    sizes = getattr(stats, "block_sizes", ())
+    last = f": {sizes[-1]} ({stats.block_reason})" if sizes else ""
+    return f"auto ≤{stats.block_size}{last}"
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """An immutable copy of the running statistics after one event (the engine mutates its
@@ -68,6 +77,7 @@ class Snapshot:
     block_size: int
     memory_gb: float
     finish_reason: str | None = None
+    block_label: str = ""  # "8", or "auto ≤8: 5 (why)" when the controller chose
 
     @classmethod
     def of(cls, stats: Any, finish_reason: str | None = None) -> Snapshot:
@@ -81,6 +91,7 @@ class Snapshot:
             stats.block_size,
             float(getattr(stats, "peak_memory_gb", 0.0)),
             finish_reason,
+            block_label(stats),
         )
 
     def turn_stats(self, plain_tps: float) -> dict:

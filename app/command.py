@@ -18,8 +18,8 @@ def chat(
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass."),
     top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = all)."),
     min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min_p * max prob."),
-    block_size: int | None = typer.Option(
-        None, "--block-size", "-b", help="Block size (default: the drafter's; ≤5 if quantized)."
+    block_size: str | None = typer.Option(
+        None, "--block-size", "-b", help="Block size, or auto (default: chosen each cycle)."
     ),
     max_tokens: int = typer.Option(1024, "--max-tokens", "-n", help="Tokens per answer at most."),
     reasoning: str | None = typer.Option(

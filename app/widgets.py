@@ -262,7 +262,7 @@ class HistogramPanel(Widget):
                 "prefill",
                 f"{s.prompt_tokens - s.cached_tokens} new + {s.cached_tokens} cached" if s else "–",
             ),
-            ("block", str(bs or "–")),
+            ("block", (s.block_label if s and s.block_label else str(bs or "–"))),
             ("drafter", info.kind if info else "–"),
             ("kernels", info.kernels if info else "–"),
             ("memory", memory(s.memory_gb) if s else "–"),

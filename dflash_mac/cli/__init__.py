@@ -143,9 +143,9 @@ DRAFT_HELP = (
     "for --model; see `dflash-mac models`)."
 )
 BLOCK_HELP = (
-    "Block size (draft tokens + 1 per cycle). Default: the drafter's block size, or "
-    "min(5, drafter block) when the target or drafter is quantized (quantized matmuls lose "
-    "efficiency at wide verify widths)."
+    "Block size (draft tokens + 1 per cycle), or auto (the default): each cycle's size is "
+    "chosen from measured costs and acceptance, 1 (plain decoding) when drafting does not pay, "
+    "up to the drafter's block (min(5, drafter block) when quantized). A number means exactly it."
 )
 
 
@@ -200,7 +200,7 @@ def generate(
     prompt: str = typer.Argument(..., help="The prompt, or - to read it from stdin."),
     model: str | None = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     draft: str | None = typer.Option(None, "--draft", "-d", help=DRAFT_HELP),
-    block_size: int | None = typer.Option(None, "--block-size", "-b", help=BLOCK_HELP),
+    block_size: str | None = typer.Option(None, "--block-size", "-b", help=BLOCK_HELP),
     max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Tokens to generate at most."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass."),

@@ -143,13 +143,12 @@ def serve(
     max_tokens: int = typer.Option(
         4096, "--max-tokens", "-n", help="Default and upper limit of a request's max_tokens."
     ),
-    block_size: int | None = typer.Option(
+    block_size: str | None = typer.Option(
         None,
         "--block-size",
         "-b",
-        help="Block size (draft "
-        "tokens + 1 per cycle); default: the drafter's, or "
-        "min(5, drafter's) when quantized.",
+        help="Block size (draft tokens + 1 per cycle), or auto (the default: chosen each "
+        "cycle, up to the drafter's block, min(5, it) when quantized).",
     ),
     draft_bits: int | None = typer.Option(
         None, "--draft-bits", help="Quantize the drafter to 4 or 8 bits."
