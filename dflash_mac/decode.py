@@ -123,7 +123,8 @@ class DraftContext:
 
 @dataclass
 class Cycle:
-    """One cycle's block, drafts (queued with `mx.async_eval`) and verify key."""
+    """One cycle: its block, drafts and, when queued ahead, the verify verdict (lazy arrays
+    evaluated in the background with `mx.async_eval`)."""
 
     bs: int
     block: mx.array
@@ -131,19 +132,25 @@ class Cycle:
     q: mx.array | None
     key: mx.array
     appended: int  # context positions the drafter pass appended first
+    verdict: tuple[mx.array, mx.array] | None = None  # (accepted drafts, bonus token)
 
 
-def queue_cycle(pair: Pair, ctx: DraftContext, bs: int, anchor: int, sp, key) -> Cycle:
-    """Start a cycle: the drafter pass for `[anchor, MASK...]` (none at block 1), evaluated in
-    the background while the host works."""
+def queue_cycle(pair: Pair, state: DecodeState, ctx: DraftContext, bs: int, anchor: int, sp, key):
+    """Start a cycle: the drafter pass for `[anchor, MASK...]` (none at block 1) and, unless
+    the target is a hybrid (whose rollback must watch its verify), the verify pass behind it,
+    all queued on the device while the host works. Needs the previous cycle rolled back."""
     k_draft, k_verify = mx.random.split(key)
     block = mx.array([anchor] + [pair.drafter.config.mask_token_id] * (bs - 1))
     if bs == 1:  # a plain target step
-        return Cycle(1, block, mx.zeros((0,), mx.int32), None, k_verify, 0)
-    appended = ctx.flush()
-    drafts, q = propose(pair, block, ctx.cache, sp, k_draft)
-    mx.async_eval(drafts, *([] if q is None else [q]))
-    return Cycle(bs, block, drafts, q, k_verify, appended)
+        c = Cycle(1, block, mx.zeros((0,), mx.int32), None, k_verify, 0)
+    else:
+        appended = ctx.flush()
+        drafts, q = propose(pair, block, ctx.cache, sp, k_draft)
+        c = Cycle(bs, block, drafts, q, k_verify, appended)
+    if not state.rollback.hybrid:
+        c.verdict = verify(pair, state, c, sp)
+    mx.async_eval(c.drafts, *(c.verdict or ()))
+    return c
 
 
 def verify(pair: Pair, state: DecodeState, c: Cycle, sp: SamplingParams):
@@ -182,11 +189,16 @@ def speculative_stream(
     out = TextStream(pair.tokenizer, cfg.stop, pair.eos_ids if cfg.use_eos else set())
     ctx = DraftContext(pair.drafter, state.draft_cache)
 
+    queue_time = 0.0  # spent queueing device work (blocks where MLX throttles, as on CPU)
+
     def next_cycle(anchor: int, room: int) -> Cycle:
-        nonlocal key
+        nonlocal key, queue_time
+        t = time.perf_counter()
         key, sub = mx.random.split(key)
         bs = plan.choose().size if plan else bs_max
-        return queue_cycle(pair, ctx, max(1, min(bs, room)), anchor, sp, sub)
+        c = queue_cycle(pair, state, ctx, max(1, min(bs, room)), anchor, sp, sub)
+        queue_time += time.perf_counter() - t
+        return c
 
     with (
         FeatureCapture(pair.target, pair.layer_ids) as cap,
@@ -213,12 +225,13 @@ def speculative_stream(
         cycle = None  # the next cycle, queued right after the previous sync
         while out.finish_reason is None and not (should_stop and should_stop()):
             c = cycle or next_cycle(anchor, cfg.max_tokens - out.count)
-            acc, bonus = verify(pair, state, c, sp)
+            acc, bonus = c.verdict or verify(pair, state, c, sp)
             t_host = time.perf_counter()
             a, bonus, *drafted = mx.concatenate([acc[None], bonus.reshape(1), c.drafts]).tolist()
             committed = drafted[:a] + [bonus]  # the one host sync of the cycle, above
             t_now = time.perf_counter()
-            host, seconds, t_sync = t_host - t_sync, t_now - t_sync, t_now
+            host, seconds, t_sync = t_host - t_sync - queue_time, t_now - t_sync, t_now
+            queue_time = 0.0
             state.rollback.rollback(c.bs - a - 1, a)
             ctx.add(cap.features()[:, : a + 1])
             state.ids += [anchor] + committed[:-1]
@@ -241,6 +254,8 @@ def speculative_stream(
             )
             yield GenerationEvent(text, out.tokens[before:], a + 1, stats, out.finish_reason)
 
+        if cycle is not None and cycle.verdict is not None:  # queued, never used
+            state.rollback.trim(cycle.bs)
         if out.finish_reason is None:
             out.finish_reason = "cancelled"
             yield GenerationEvent(out.flush(), [], 0, stats, "cancelled")

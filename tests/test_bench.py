@@ -427,7 +427,7 @@ def test_lossy_drafter_path_fails_strict(tiny_dirs, monkeypatch):
 @pytest.mark.parametrize(
     "args,msg",
     [
-        (["--block-size", "2,x"], "--block-size must be an integer"),
+        (["--block-size", "2,x"], "--block-size must be auto, an integer"),
         (["-f", "yaml"], "--format must be one of"),
         (["--prompts", "/nonexistent/p.jsonl"], "does not exist"),
         (["--suite", "poetry"], "--suite must be one of"),

@@ -11,6 +11,7 @@ import typer
 from dflash_mac.pair import Pair
 
 from .run import (
+    AUTO_BS,
     BenchConfig,
     BenchError,
     BenchPrompt,
@@ -128,7 +129,11 @@ def bench_command(
         128, "--max-tokens", "-n", help="Tokens per generation at most."
     ),
     block_size: str | None = typer.Option(
-        None, "--block-size", "-b", help="Block size, or a comma-separated sweep such as 2,3,4,5,8."
+        None,
+        "--block-size",
+        "-b",
+        help="Block size, auto, or a comma-separated sweep such as auto,2,5,8 "
+        "(default: auto and the pair's default size side by side).",
     ),
     temp: float = typer.Option(
         0.0, "--temp", help="Sampling temperature (0 = greedy, lossless-checked)."
@@ -187,11 +192,10 @@ def bench_command(
     prompts = read_prompts(prompts_file) if prompts_file else suite_prompts(suite, warn)
     prompts = limit_per_suite(prompts, limit)
     pair = load_pair(model, draft, draft_bits=draft_bits, reasoning=reasoning)
-    sizes = list(
-        dict.fromkeys(
-            block_size_policy(pair, s, warn=err.print) for s in sizes or [pair.block_size]
-        )
-    )
+    fixed = [s for s in sizes or [] if s != AUTO_BS]
+    fixed = [block_size_policy(pair, s, warn=err.print) for s in fixed]
+    auto = [AUTO_BS] if sizes is None or AUTO_BS in sizes else []
+    sizes = list(dict.fromkeys(auto + (fixed if sizes else [pair.block_size])))
     ids = [prompt_ids(pair.tokenizer, p.prompt, reasoning=reasoning) for p in prompts]
     for i in ids:
         check_context(pair, i, max_tokens)
