@@ -204,3 +204,22 @@ def test_auto_runs_on_a_worker_thread(tiny_pair, refs):
     t.start()
     t.join(60)
     assert out["tokens"] == ref
+
+
+def test_cost_curve_is_measured_saved_and_used_by_auto(tiny_pair, tmp_path, monkeypatch):
+    from dflash_mac.bench.costcurve import measure, render, save
+    from dflash_mac.policy import auto_controller, cost_curve_path
+
+    monkeypatch.setenv("DFLASH_MAC_HOME", str(tmp_path))
+    pair = with_drafter(tiny_pair, tiny_pair.drafter)
+    pair.__dict__.pop("_dflash_cost_model", None)
+    curve = measure(pair, max_bs=3, context=16, reps=1)
+    assert set(curve["ratios"]) == {"1", "2", "3"} and curve["ratios"]["1"] == 1.0
+    assert all(curve["seconds"][b] > 0 for b in curve["seconds"])
+    assert "break-even" in render(curve)
+    assert not auto_controller(pair, 3).cost.prior.measured  # nothing saved yet: the guess
+    pair.__dict__.pop("_dflash_cost_model", None)
+    path = save(curve, cost_curve_path(pair))
+    assert path.is_relative_to(tmp_path)
+    prior = auto_controller(pair, 3).cost.prior
+    assert prior.measured and prior.ratio(3) == pytest.approx(curve["ratios"]["3"])

@@ -108,6 +108,22 @@ def limit_per_suite(prompts: list[BenchPrompt], limit: int | None) -> list[Bench
     return out
 
 
+def cost_curve_command(model: str | None, draft: str | None, draft_bits, err) -> None:
+    """`bench --cost-curve`: measure, print, save where `auto` finds it."""
+    from dflash_mac.cli.terminal import load_pair
+    from dflash_mac.policy import cost_curve_path
+
+    from .costcurve import measure, render, save
+
+    pair = load_pair(model, draft, draft_bits=draft_bits)
+    with err.status("Timing cycles at block size 1..16…", spinner="dots"):
+        curve = measure(pair)
+    curve |= {"header": header(pair) | {"load_avg": [load_average()]}}
+    typer.echo(render(curve), nl=False)
+    path = save(curve, cost_curve_path(pair))
+    err.print(f"saved to {path} (the prior of --block-size auto for this pair)", highlight=False)
+
+
 def bench_command(
     model: str | None = typer.Option(
         None, "--model", "-m", help="Target model (default: the bundled pair)."
@@ -167,6 +183,12 @@ def bench_command(
         "--strict",
         help="Exit non-zero if any greedy DFlash output differs from the baseline.",
     ),
+    cost_curve: bool = typer.Option(
+        False,
+        "--cost-curve",
+        help="Measure the cost of a cycle at block size 1..16 against a plain step on this "
+        "machine, print it and save it as the prior of --block-size auto.",
+    ),
     live: bool | None = typer.Option(
         None, "--live/--no-live", help="Live view (default: when stderr is a terminal)."
     ),
@@ -181,6 +203,8 @@ def bench_command(
     from .view import BenchView, print_acceptance
 
     err = Console(stderr=True)
+    if cost_curve:
+        return cost_curve_command(model, draft, draft_bits, err)
     check_format(fmt)
     sizes = parse_block_sizes(block_size)
     if trials < 1:
