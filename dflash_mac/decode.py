@@ -248,6 +248,7 @@ def speculative_stream(
                 block_sizes=(*stats.block_sizes, c.bs),
                 block_reason=plan.last.reason if plan else "",
                 host_time=stats.host_time + host,
+                draft_context=getattr(ctx.cache[0], "rows", 0) if ctx.cache else 0,
                 generation_tokens=out.count,
                 decode_time=time.perf_counter() - t_decode,
                 peak_memory_bytes=mx.get_peak_memory(),

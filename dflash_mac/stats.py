@@ -57,6 +57,7 @@ class DecodeStats:
     block_sizes: tuple[int, ...] = ()  # per cycle (1: a plain target step)
     block_reason: str = ""  # why the controller chose the last size
     host_time: float = 0.0  # host bookkeeping between syncs (rollback, text, stats, yield)
+    draft_context: int = 0  # positions held by the drafter's (bounded) context cache
 
     @property
     def tau(self) -> float:
@@ -137,4 +138,5 @@ class DecodeStats:
             "block_sizes": list(self.block_sizes),
             "block_reason": self.block_reason,
             "host_ms_per_cycle": self.host_ms_per_cycle,
+            "draft_context": self.draft_context,
         }

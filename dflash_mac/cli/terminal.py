@@ -125,6 +125,7 @@ def print_stats(pair: Pair, result: GenerationResult, console: Console = err) ->
     )
     console.print(
         f"[dim]blocks[/] {s.block_mix} (size×cycles) · host {s.host_ms_per_cycle:.2f} ms/cycle"
+        f" · drafter context {s.draft_context} positions"
         + (f" · auto: {s.block_reason}" if s.auto else "")
     )
     console.print(
