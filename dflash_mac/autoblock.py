@@ -63,6 +63,9 @@ class CostModel:
     """Seconds per cycle at each block size: measured averages where there are some, else the
     prior curve times the estimated one-token step."""
 
+    SPIKE = 2.0  # one observation moves at most this factor from the average
+    TRUST = 1.25  # measured ratios stay within this factor of a measured prior
+
     def __init__(self, prior: CostCurve, alpha: float = 0.2):
         self.prior, self.alpha = prior, alpha
         self.seconds: dict[int, float] = {}
@@ -72,6 +75,8 @@ class CostModel:
     def observe(self, bs: int, seconds: float) -> None:
         if seconds <= 0:
             return
+        if (old := self.seconds.get(bs)) is not None:  # a hiccup of a shared machine: damp it
+            seconds = min(max(seconds, old / self.SPIKE), old * self.SPIKE)
         ema = lambda old, new: new if old is None else old + self.alpha * (new - old)  # noqa: E731
         self.seconds[bs] = ema(self.seconds.get(bs), seconds)
         self.counts[bs] = self.counts.get(bs, 0) + 1
@@ -81,10 +86,15 @@ class CostModel:
             self.unit = ema(self.unit, seconds / self.prior.ratio(bs))
 
     def cost(self, bs: int) -> float:
-        """Relative cost of a cycle at `bs` (1.0 for a one-token step)."""
-        if self.unit is None:
-            return self.prior.ratio(bs)
-        return self.seconds.get(bs, self.unit * self.prior.ratio(bs)) / self.unit
+        """Relative cost of a cycle at `bs` (1.0 for a one-token step), within a factor
+        `TRUST` (measured prior) or `2 * TRUST` (the guess) of the prior: timings taken at
+        different moments on a loaded machine must not turn a paying size into a losing one."""
+        prior = self.prior.ratio(bs)
+        if self.unit is None or bs == 1:
+            return prior
+        r = self.seconds.get(bs, self.unit * prior) / self.unit
+        trust = self.TRUST if self.prior.measured else 2 * self.TRUST
+        return min(max(r, prior / trust), prior * trust)
 
     @property
     def calibrated(self) -> bool:
