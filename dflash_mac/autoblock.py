@@ -167,6 +167,7 @@ class BlockController:
         hysteresis: float = 0.05,
         probe_every: int = 8,
         probe_max: int = 64,
+        timed: bool = True,
     ):
         self.bs_max, self.cost = bs_max, cost
         self.acc = acceptance or Acceptance(bs_max)
@@ -175,7 +176,8 @@ class BlockController:
         self.fallback = False
         self.interval, self.countdown = probe_every, probe_every
         self.cycles = 0
-        self.calibrate_at = 3 if not cost.calibrated else -1
+        self.timed = timed  # False: decide from the prior costs only (reproducible choices)
+        self.calibrate_at = 3 if timed and not cost.calibrated else -1
         self.last = Decision(bs_max, "start")
 
     def rates(self) -> dict[int, float]:
@@ -218,7 +220,7 @@ class BlockController:
     def update(self, bs: int, accepted: int, seconds: float | None) -> None:
         """Feed back a finished cycle: `accepted` drafts of bs-1, its time (None: not timed)."""
         self.cycles += 1
-        if seconds is not None:
+        if seconds is not None and self.timed:
             self.cost.observe(bs, seconds)
         if bs < 2:
             return

@@ -180,8 +180,9 @@ def speculative_stream(
     state = state or DecodeState(pair)
     auto = controller is not None or cfg.block_size in (None, AUTO)
     bs_max = pair.block_size if auto else cfg.block_size
-    plan = controller or (auto_controller(pair, bs_max) if auto else None)
     sp = cfg.sampling
+    seeded = cfg.seed is not None and not sp.greedy  # same seed, same text: timing-free sizes
+    plan = controller or (auto_controller(pair, bs_max, timed=not seeded) if auto else None)
     key = mx.random.key(cfg.seed if cfg.seed is not None else random.getrandbits(32))
     stats = DecodeStats(
         bs_max, prompt_tokens=len(prompt_ids), cached_tokens=len(state.ids), auto=auto

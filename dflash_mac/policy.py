@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .autoblock import BlockController, CostCurve, cost_model_for
+from .autoblock import BlockController, CostCurve, CostModel, cost_model_for
 from .errors import PromptError
 from .pair import Pair
 from .registry import PairEntry, pair_for
@@ -103,14 +103,17 @@ def cost_curve_path(pair: Pair, machine: str | None = None) -> Path:
     return data_dir() / "cost-curves" / slug(machine) / name
 
 
-def auto_controller(pair: Pair, bs_max: int) -> BlockController:
+def auto_controller(pair: Pair, bs_max: int, timed: bool = True) -> BlockController:
     """The `auto` controller of one request, up to `bs_max`: the pair's saved cost curve as its
-    prior (else a generic guess), refined by what earlier requests measured."""
+    prior (else a generic guess), refined by what earlier requests measured. `timed=False`
+    (seeded sampling): the prior alone, so the sizes, and with them the random draws, depend
+    only on the seed and the text."""
     model = getattr(pair, "_dflash_cost_model", None)
-    if model is None:
+    if model is None or not timed:
         try:
             prior = CostCurve.load(cost_curve_path(pair))
         except OSError:
             prior = None
-        model = cost_model_for(pair, prior or CostCurve.generic(bs_max))
-    return BlockController(bs_max, model)
+        prior = prior or CostCurve.generic(bs_max)
+        model = cost_model_for(pair, prior) if timed else CostModel(prior)
+    return BlockController(bs_max, model, timed=timed)

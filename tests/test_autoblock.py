@@ -13,6 +13,7 @@ from mlx_lm.generate import generate_step
 from dflash_mac.autoblock import Acceptance, BlockController, CostCurve, CostModel, Decision
 from dflash_mac.decode import DecodeState, DraftContext, GenerationConfig, speculative_stream
 from dflash_mac.policy import BlockChoice, block_size_for, parse_block_size
+from dflash_mac.sampling import SamplingParams
 from dflash_mac.testing.oracle import OracleDrafter, with_drafter
 
 BS = 8
@@ -239,3 +240,12 @@ def test_cost_curve_is_measured_saved_and_used_by_auto(tiny_pair, tmp_path, monk
     assert path.is_relative_to(tmp_path)
     prior = auto_controller(pair, 3).cost.prior
     assert prior.measured and prior.ratio(3) == pytest.approx(curve["ratios"]["3"])
+
+
+def test_seeded_sampling_with_auto_is_reproducible(tiny_pair):
+    """Seeded sampling: auto decides from the prior alone, so timing cannot change the draws."""
+    ids = tiny_pair.tokenizer.encode("hello world")
+    cfg = lambda: GenerationConfig(32, sampling=SamplingParams(1.0), seed=7, use_eos=False)  # noqa: E731
+    runs = [tokens_of(tiny_pair, ids, cfg()) for _ in range(2)]
+    assert runs[0][0] == runs[1][0]
+    assert runs[0][1].block_sizes == runs[1][1].block_sizes
