@@ -93,13 +93,20 @@ def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "x"
 
 
+def model_key(name: str) -> str:
+    """A model id for file names: a Hub id as is, a local folder by its last two parts (so the
+    bundled pair has one key wherever the package lives)."""
+    path = Path(name)
+    return "/".join(path.parts[-2:]) if path.is_absolute() else name
+
+
 def cost_curve_path(pair: Pair, machine: str | None = None) -> Path:
     """Where `bench --cost-curve` saves the pair's curve for this machine (and `auto` reads it):
     <data dir>/cost-curves/<machine>/<target>--<drafter>.json."""
     from .platform import cpu_name, data_dir, device_name
 
     machine = machine or f"{device_name()}-{cpu_name()}"
-    name = f"{slug(pair.model_id)}--{slug(pair.draft_id)}.json"
+    name = f"{slug(model_key(pair.model_id))}--{slug(model_key(pair.draft_id))}.json"
     return data_dir() / "cost-curves" / slug(machine) / name
 
 

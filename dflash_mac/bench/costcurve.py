@@ -4,9 +4,9 @@ to a plain one-token step, on this machine and pair (docs/bench.md).
 A cycle at block size bs is the drafter pass for `[anchor, MASK × bs-1]` plus the target's
 verify of bs tokens and the one host sync, exactly as the decode loop runs it
 (`decode.queue_cycle` / `decode.verify`); bs = 1 is a plain target step. Each size is timed
-`reps` times after a warm-up on a prompt of `context` tokens, the target cache trimmed back
-after every cycle, and the median kept. The ratios are saved where `--block-size auto` reads
-its prior (`policy.cost_curve_path`)."""
+`reps` times, round robin over the sizes, after a warm-up on a prompt of `context` tokens, the
+target cache trimmed back after every cycle, and the median kept. The ratios are saved where
+`--block-size auto` reads its prior (`policy.cost_curve_path`)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def measure(pair: Pair, max_bs: int = 16, context: int = 128, reps: int = 12) ->
     state = DecodeState(pair)
     sp = SamplingParams()
     key = mx.random.key(0)
-    seconds: dict[int, float] = {}
+    times: dict[int, list[float]] = {bs: [] for bs in range(1, max_bs + 1)}
     with (
         FeatureCapture(pair.target, pair.layer_ids) as cap,
         state.rollback.hooks(),
@@ -40,16 +40,15 @@ def measure(pair: Pair, max_bs: int = 16, context: int = 128, reps: int = 12) ->
     ):
         prefill(pair, state, ids, cap, 2048)
         ctx = DraftContext(pair.drafter, state.draft_cache)
-        for bs in range(1, max_bs + 1):
-            times = []
-            for _ in range(reps + 2):  # two warm-up cycles
+        for _ in range(reps + 2):  # round robin over the sizes: load drifts hit all alike
+            for bs in times:
                 t = time.perf_counter()
                 c = queue_cycle(pair, state, ctx, bs, ids[-1], sp, key)
                 acc, bonus = c.verdict or verify(pair, state, c, sp)
                 mx.eval(acc, bonus)
-                times.append(time.perf_counter() - t)
+                times[bs].append(time.perf_counter() - t)
                 state.rollback.trim(bs)  # back to the prompt
-            seconds[bs] = statistics.median(times[2:])
+    seconds = {bs: statistics.median(ts[2:]) for bs, ts in times.items()}  # two warm-ups
     unit = seconds[1]
     return {
         "seconds": {str(b): s for b, s in seconds.items()},
