@@ -182,7 +182,8 @@ def speculative_stream(
     bs_max = pair.block_size if auto else cfg.block_size
     sp = cfg.sampling
     seeded = cfg.seed is not None and not sp.greedy  # same seed, same text: timing-free sizes
-    plan = controller or (auto_controller(pair, bs_max, timed=not seeded) if auto else None)
+    setting = (sp.temperature, sp.top_p, sp.top_k, sp.min_p)
+    plan = controller or (auto_controller(pair, bs_max, not seeded, setting) if auto else None)
     key = mx.random.key(cfg.seed if cfg.seed is not None else random.getrandbits(32))
     stats = DecodeStats(
         bs_max, prompt_tokens=len(prompt_ids), cached_tokens=len(state.ids), auto=auto

@@ -110,11 +110,18 @@ def cost_curve_path(pair: Pair, machine: str | None = None) -> Path:
     return data_dir() / "cost-curves" / slug(machine) / name
 
 
-def auto_controller(pair: Pair, bs_max: int, timed: bool = True) -> BlockController:
-    """The `auto` controller of one request, up to `bs_max`: the pair's saved cost curve as its
-    prior (else a generic guess), refined by what earlier requests measured. `timed=False`
-    (seeded sampling): the prior alone, so the sizes, and with them the random draws, depend
-    only on the seed and the text."""
+def auto_controller(
+    pair: Pair, bs_max: int, timed: bool = True, setting: tuple = ()
+) -> BlockController:
+    """The `auto` controller of a request, up to `bs_max`: the pair's saved cost curve as its
+    prior (else a generic guess), refined by what earlier requests measured. Requests with the
+    same sampling `setting` continue one controller (its acceptance and fallback state carry
+    over: a chat at T = 0.7 does not relearn each turn that drafting does not pay).
+    `timed=False` (seeded sampling): a fresh controller on the prior alone, so the sizes, and
+    with them the random draws, depend only on the seed and the text."""
+    kept = getattr(pair, "_dflash_controllers", None)
+    if timed and kept is not None and (bs_max, setting) in kept:
+        return kept[bs_max, setting]
     model = getattr(pair, "_dflash_cost_model", None)
     if model is None or not timed:
         try:
@@ -123,4 +130,13 @@ def auto_controller(pair: Pair, bs_max: int, timed: bool = True) -> BlockControl
             prior = None
         prior = prior or CostCurve.generic(bs_max)
         model = cost_model_for(pair, prior) if timed else CostModel(prior)
-    return BlockController(bs_max, model, timed=timed)
+    controller = BlockController(bs_max, model, timed=timed)
+    if timed:
+        try:
+            if kept is None:
+                kept = {}
+                object.__setattr__(pair, "_dflash_controllers", kept)
+            kept[bs_max, setting] = controller
+        except (AttributeError, TypeError):  # a pair that takes no attributes
+            pass
+    return controller

@@ -229,13 +229,18 @@ def test_cost_curve_is_measured_saved_and_used_by_auto(tiny_pair, tmp_path, monk
 
     monkeypatch.setenv("DFLASH_MAC_HOME", str(tmp_path))
     pair = with_drafter(tiny_pair, tiny_pair.drafter)
-    pair.__dict__.pop("_dflash_cost_model", None)
+
+    def forget():
+        for k in ("_dflash_cost_model", "_dflash_controllers"):
+            pair.__dict__.pop(k, None)
+
+    forget()
     curve = measure(pair, max_bs=3, context=16, reps=1)
     assert set(curve["ratios"]) == {"1", "2", "3"} and curve["ratios"]["1"] == 1.0
     assert all(curve["seconds"][b] > 0 for b in curve["seconds"])
     assert "break-even" in render(curve)
     assert not auto_controller(pair, 3).cost.prior.measured  # nothing saved yet: the guess
-    pair.__dict__.pop("_dflash_cost_model", None)
+    forget()
     path = save(curve, cost_curve_path(pair))
     assert path.is_relative_to(tmp_path)
     prior = auto_controller(pair, 3).cost.prior
@@ -249,3 +254,12 @@ def test_seeded_sampling_with_auto_is_reproducible(tiny_pair):
     runs = [tokens_of(tiny_pair, ids, cfg()) for _ in range(2)]
     assert runs[0][0] == runs[1][0]
     assert runs[0][1].block_sizes == runs[1][1].block_sizes
+
+
+def test_requests_with_the_same_setting_continue_one_controller(tiny_pair):
+    from dflash_mac.policy import auto_controller
+
+    a = auto_controller(tiny_pair, 4, setting=(0.7, 1.0, 0, 0.0))
+    assert auto_controller(tiny_pair, 4, setting=(0.7, 1.0, 0, 0.0)) is a
+    assert auto_controller(tiny_pair, 4, setting=(0.0, 1.0, 0, 0.0)) is not a
+    assert auto_controller(tiny_pair, 4, timed=False, setting=(0.7, 1.0, 0, 0.0)) is not a
