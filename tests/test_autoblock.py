@@ -263,3 +263,14 @@ def test_requests_with_the_same_setting_continue_one_controller(tiny_pair):
     assert auto_controller(tiny_pair, 4, setting=(0.7, 1.0, 0, 0.0)) is a
     assert auto_controller(tiny_pair, 4, setting=(0.0, 1.0, 0, 0.0)) is not a
     assert auto_controller(tiny_pair, 4, timed=False, setting=(0.7, 1.0, 0, 0.0)) is not a
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "4bit"])
+def test_cost_curve_on_a_random_shape(dtype):
+    from dflash_mac.bench.costcurve import measure
+    from dflash_mac.bench.shapes import random_pair
+
+    pair = random_pair("tiny", dtype)
+    assert pair.quantized == (dtype == "4bit")
+    curve = measure(pair, max_bs=3, context=8, reps=1)
+    assert curve["ratios"]["1"] == 1.0 and len(curve["ratios"]) == 3

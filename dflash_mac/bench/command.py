@@ -108,14 +108,21 @@ def limit_per_suite(prompts: list[BenchPrompt], limit: int | None) -> list[Bench
     return out
 
 
-def cost_curve_command(model: str | None, draft: str | None, draft_bits, err) -> None:
+def cost_curve_command(
+    model: str | None, draft: str | None, draft_bits, err, shape=None, shape_dtype="bf16"
+) -> None:
     """`bench --cost-curve`: measure, print, save where `auto` finds it."""
     from dflash_mac.cli.terminal import load_pair
     from dflash_mac.policy import cost_curve_path
 
     from .costcurve import measure, render, save
+    from .shapes import random_pair
 
-    pair = load_pair(model, draft, draft_bits=draft_bits)
+    if shape:
+        with err.status(f"Building a random {shape} ({shape_dtype})…", spinner="dots"):
+            pair = random_pair(shape, shape_dtype)
+    else:
+        pair = load_pair(model, draft, draft_bits=draft_bits)
     with err.status("Timing cycles at block size 1..16…", spinner="dots"):
         curve = measure(pair)
     curve |= {"header": header(pair) | {"load_avg": [load_average()]}}
@@ -189,6 +196,13 @@ def bench_command(
         help="Measure the cost of a cycle at block size 1..16 against a plain step on this "
         "machine, print it and save it as the prior of --block-size auto.",
     ),
+    shape: str | None = typer.Option(
+        None,
+        "--shape",
+        help="With --cost-curve: a model shape with random weights instead of a model "
+        "(qwen3-4b, qwen3-8b; no download).",
+    ),
+    shape_dtype: str = typer.Option("bf16", "--shape-dtype", help="bf16 or 4bit (--shape)."),
     live: bool | None = typer.Option(
         None, "--live/--no-live", help="Live view (default: when stderr is a terminal)."
     ),
@@ -203,8 +217,10 @@ def bench_command(
     from .view import BenchView, print_acceptance
 
     err = Console(stderr=True)
+    if shape and not cost_curve:
+        raise BenchError("--shape works with --cost-curve only.")
     if cost_curve:
-        return cost_curve_command(model, draft, draft_bits, err)
+        return cost_curve_command(model, draft, draft_bits, err, shape, shape_dtype)
     check_format(fmt)
     sizes = parse_block_sizes(block_size)
     if trials < 1:
