@@ -178,7 +178,10 @@ def serve(
             )
         with PidFile(home, url):  # during loading too: a launcher sees "starting"
             pair = load_pair(model, draft, block_size=block_size, draft_bits=draft_bits)
-            app = create_app(pair, api_key=api_key, max_tokens=max_tokens, default_temp=temp)
+            fixed = pair.block_size if block_size not in (None, "auto") else None  # else auto
+            app = create_app(
+                pair, api_key=api_key, max_tokens=max_tokens, default_temp=temp, block_size=fixed
+            )
             logging.getLogger("dflash_mac.serve").info(
                 "serving %s + %s at %s (block %d, pid %d)",
                 pair.model_id,
