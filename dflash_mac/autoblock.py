@@ -86,15 +86,17 @@ class CostModel:
             self.unit = ema(self.unit, seconds / self.prior.ratio(bs))
 
     def cost(self, bs: int) -> float:
-        """Relative cost of a cycle at `bs` (1.0 for a one-token step), within a factor
-        `TRUST` (measured prior) or `2 * TRUST` (the guess) of the prior: timings taken at
-        different moments on a loaded machine must not turn a paying size into a losing one."""
+        """Relative cost of a cycle at `bs` (1.0 for a one-token step); its overhead over a
+        plain step stays within a factor `TRUST` (measured prior) or `2 * TRUST` (the guess) of
+        the prior's: timings taken at different moments on a loaded machine must not turn a
+        paying size into a losing one, or a losing one into a paying one."""
         prior = self.prior.ratio(bs)
         if self.unit is None or bs == 1:
             return prior
         r = self.seconds.get(bs, self.unit * prior) / self.unit
         trust = self.TRUST if self.prior.measured else 2 * self.TRUST
-        return min(max(r, prior / trust), prior * trust)
+        low = 1.0 + (prior - 1.0) / trust  # a drafting cycle's overhead shrinks by `trust` at most
+        return min(max(r, low), prior * trust)
 
     @property
     def calibrated(self) -> bool:

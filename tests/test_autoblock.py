@@ -274,3 +274,11 @@ def test_cost_curve_on_a_random_shape(dtype):
     assert pair.quantized == (dtype == "4bit")
     curve = measure(pair, max_bs=3, context=8, reps=1)
     assert curve["ratios"]["1"] == 1.0 and len(curve["ratios"]) == 3
+
+
+def test_a_slow_plain_step_does_not_make_drafting_look_cheap():
+    model = CostModel(CostCurve.generic(8))
+    model.observe(3, 0.016)
+    for _ in range(10):
+        model.observe(1, 0.050)  # plain steps hit by other work
+    assert model.cost(3) >= 1.0 + (CostCurve.generic(8).ratio(3) - 1.0) / (2 * CostModel.TRUST)
