@@ -25,7 +25,7 @@ class ChatOptions:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
-    block_size: int | None = None
+    block_size: int | str | None = None
     max_tokens: int = 1024
     reasoning: str | None = None
     draft_bits: int | None = None
@@ -66,6 +66,15 @@ def turn_stats(stats: DecodeStats, finish: str | None, plain_tps: float) -> dict
         "cached": stats.cached_tokens,
         "finish": finish,
     }
+
+
+def block_label(stats: Any) -> str:
+    """The panel's block row: the fixed size, or auto with the last choice and why."""
+    if not getattr(stats, "auto", False):
+        return str(stats.block_size)
+    sizes = getattr(stats, "block_sizes", ())
+    last = f": {sizes[-1]} ({stats.block_reason})" if sizes else ""
+    return f"auto ≤{stats.block_size}{last}"
 
 
 @dataclass(frozen=True)

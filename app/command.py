@@ -16,7 +16,7 @@ def chat(
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass."),
     top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = all)."),
     min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min_p * max prob."),
-    block_size: int | None = options.BLOCK_SIZE,
+    block_size: str | None = options.BLOCK_SIZE,
     max_tokens: int = typer.Option(1024, "--max-tokens", "-n", help="Tokens per answer at most."),
     reasoning: str | None = typer.Option(
         None, "--reasoning", help=f"Thinking mode: {', '.join(REASONING_CHOICES)} (ctrl+t toggles)."

@@ -14,7 +14,7 @@ from textual.widgets.markdown import MarkdownFence
 from dflash_mac.stats import DecodeStats
 from dflash_mac.think import ThinkSplitter, split_think
 
-from .backend import EngineInfo
+from .backend import EngineInfo, block_label
 from .text import printable, repair_markdown
 
 EIGHTHS = " ▏▎▍▌▋▊▉█"
@@ -269,7 +269,7 @@ class HistogramPanel(Widget):
                 "prefill",
                 f"{s.prompt_tokens - s.cached_tokens} new + {s.cached_tokens} cached" if s else "–",
             ),
-            ("block", str(bs or "–")),
+            ("block", block_label(s) if s else str(bs or "–")),
             ("drafter", info.kind if info else "–"),
             ("kernels", info.kernels if info else "–"),
             ("memory", memory(s.peak_memory_gb) if s else "–"),

@@ -11,9 +11,11 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
+from .autoblock import BlockController
 from .capture import FeatureCapture
 from .models.penalties import Penalties, PenaltyContext, draft_sequential
 from .pair import Pair
+from .policy import AUTO, auto_controller
 from .rollback import TargetRollback, trim_caches
 from .sampling import SamplingParams, accept_greedy, accept_sampled, probabilities, sample
 from .stats import DecodeStats
@@ -25,12 +27,13 @@ class GenerationConfig:
     """Per-request settings."""
 
     max_tokens: int = 256
-    block_size: int | None = None  # None: the pair's default
+    block_size: int | str | None = None  # None or "auto": the controller; N: exactly N
     sampling: SamplingParams = field(default_factory=SamplingParams)
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     use_eos: bool = True
     prefill_step_size: int = 2048
+    pipeline: bool = True  # queue the next drafter pass before the host bookkeeping
     penalties: Penalties | None = None  # None: no penalties, no cost
 
 
@@ -102,27 +105,132 @@ def propose(
     return sample(q, key=key), q
 
 
+class DraftContext:
+    """Committed target features on their way into the drafter's context cache. Drafting
+    cycles append them with the next drafter pass; plain steps (block 1) leave them waiting, so
+    a run of plain steps costs no drafter work, and drafting resumes with one batched append."""
+
+    FLUSH_AT = 256  # waiting positions appended (and evaluated) at the latest
+
+    def __init__(self, drafter, cache: list):
+        self.drafter, self.cache = drafter, cache
+        self.pending: list[mx.array] = []
+        self.waiting = 0
+
+    def add(self, features: mx.array) -> None:
+        self.pending.append(features)
+        self.waiting += features.shape[1]
+        if self.waiting >= self.FLUSH_AT:
+            self.flush()
+            mx.async_eval([c.state for c in self.cache])
+
+    def flush(self) -> int:
+        """Append what waits to the cache (lazily); returns how many positions."""
+        n, feats = self.waiting, self.pending
+        if feats:
+            self.drafter.extend_context(mx.concatenate(feats, axis=1), self.cache)
+            self.pending, self.waiting = [], 0
+        return n
+
+
+@dataclass
+class Cycle:
+    """One cycle: its block, drafts and, when queued ahead, the verify verdict (lazy arrays
+    evaluated in the background with `mx.async_eval`)."""
+
+    bs: int
+    block: mx.array
+    drafts: mx.array
+    q: mx.array | None
+    key: mx.array
+    appended: int  # context positions the drafter pass appended first
+    penalty: PenaltyContext | None = None  # penalties given the committed prefix
+    verdict: tuple[mx.array, mx.array] | None = None  # (accepted drafts, bonus token)
+
+
+def queue_cycle(
+    pair: Pair,
+    state: DecodeState,
+    ctx: DraftContext,
+    bs: int,
+    anchor: int,
+    sp: SamplingParams,
+    key: mx.array,
+    pen: Penalties | None = None,
+):
+    """Start a cycle: the drafter pass for `[anchor, MASK...]` (none at block 1) and, unless
+    the target is a hybrid (whose rollback must watch its verify), the verify pass behind it,
+    all queued on the device while the host works. Needs the previous cycle rolled back."""
+    k_draft, k_verify = mx.random.split(key)
+    block = mx.array([anchor] + [pair.drafter.config.mask_token_id] * (bs - 1))
+    penalty = pen.bind(state.ids[-pen.context_size :] + [anchor]) if pen else None
+    if bs == 1:  # a plain target step
+        c = Cycle(1, block, mx.zeros((0,), mx.int32), None, k_verify, 0, penalty)
+    else:
+        appended = ctx.flush()
+        drafts, q = propose(pair, block, ctx.cache, sp, k_draft, penalty)
+        c = Cycle(bs, block, drafts, q, k_verify, appended, penalty)
+    if not state.rollback.hybrid:
+        c.verdict = verify(pair, state, c, sp)
+    mx.async_eval(c.drafts, *(c.verdict or ()))
+    return c
+
+
+def verify(pair: Pair, state: DecodeState, c: Cycle, sp: SamplingParams):
+    """One target pass over [anchor, drafts]; (accepted drafts, bonus token), lazily."""
+    state.rollback.before_verify()
+    logits = pair.target(mx.concatenate([c.block[:1], c.drafts])[None], cache=state.target_cache)
+    logits = logits[0]  # [bs, V]
+    if c.penalty is not None:  # p gets the same penalties as q, position by position
+        logits = c.penalty.apply(logits, c.drafts)
+    if sp.greedy:
+        return accept_greedy(c.drafts, logits)
+    if c.bs == 1:
+        return mx.array(0), sample(probabilities(logits, sp), key=c.key)
+    return accept_sampled(c.drafts, c.q, probabilities(logits, sp), c.key)
+
+
 def speculative_stream(
     pair: Pair,
     prompt_ids: list[int],
     cfg: GenerationConfig,
     state: DecodeState | None = None,
     should_stop: Callable[[], bool] | None = None,
+    controller: BlockController | None = None,
 ) -> Iterator[GenerationEvent]:
-    """Generate with DFlash: draft a block, verify it in one target pass, commit, roll back."""
-    state = state or DecodeState(pair)
-    bs_max = cfg.block_size or pair.block_size
-    sp = cfg.sampling
-    key = mx.random.key(cfg.seed if cfg.seed is not None else random.getrandbits(32))
-    stats = DecodeStats(bs_max, prompt_tokens=len(prompt_ids), cached_tokens=len(state.ids))
-    out = TextStream(pair.tokenizer, cfg.stop, pair.eos_ids if cfg.use_eos else set())
-    mask_id = pair.drafter.config.mask_token_id
-    pen, ctx = cfg.penalties, None
+    """Generate with DFlash: draft a block, verify it in one target pass, commit, roll back.
 
-    rb = state.rollback
+    Block sizes: a fixed `cfg.block_size` runs every cycle at that size; None or "auto" asks
+    the controller (`policy.auto_controller`, or `controller`) each cycle, up to the pair's."""
+    state = state or DecodeState(pair)
+    auto = controller is not None or cfg.block_size in (None, AUTO)
+    bs_max = pair.block_size if auto else cfg.block_size
+    sp = cfg.sampling
+    seeded = cfg.seed is not None and not sp.greedy  # same seed, same text: timing-free sizes
+    setting = (sp.temperature, sp.top_p, sp.top_k, sp.min_p)
+    plan = controller or (auto_controller(pair, bs_max, not seeded, setting) if auto else None)
+    key = mx.random.key(cfg.seed if cfg.seed is not None else random.getrandbits(32))
+    stats = DecodeStats(
+        bs_max, prompt_tokens=len(prompt_ids), cached_tokens=len(state.ids), auto=auto
+    )
+    out = TextStream(pair.tokenizer, cfg.stop, pair.eos_ids if cfg.use_eos else set())
+    ctx = DraftContext(pair.drafter, state.draft_cache)
+    pen = cfg.penalties
+
+    queue_time = 0.0  # spent queueing device work (blocks where MLX throttles, as on CPU)
+
+    def next_cycle(anchor: int, room: int) -> Cycle:
+        nonlocal key, queue_time
+        t = time.perf_counter()
+        key, sub = mx.random.split(key)
+        bs = plan.choose().size if plan else bs_max
+        c = queue_cycle(pair, state, ctx, max(1, min(bs, room)), anchor, sp, sub, pen)
+        queue_time += time.perf_counter() - t
+        return c
+
     with (
         FeatureCapture(pair.target, pair.layer_ids) as cap,
-        rb.hooks(),
+        state.rollback.hooks(),
         mx.stream(generation_stream),
     ):
         t0 = time.perf_counter()
@@ -134,7 +242,7 @@ def speculative_stream(
         else:
             key, sub = mx.random.split(key)
             anchor = sample(probabilities(logits, sp), key=sub).item()
-        t_decode = time.perf_counter()
+        t_decode = t_sync = time.perf_counter()
         stats = replace(
             stats,
             prefill_time=t_decode - t0,
@@ -144,46 +252,45 @@ def speculative_stream(
         text = out.push([anchor], cfg.max_tokens)
         yield GenerationEvent(text, out.tokens[:], 0, stats, out.finish_reason)
 
+        cycle = None  # the next cycle, queued right after the previous sync
         while out.finish_reason is None and not (should_stop and should_stop()):
-            bs = min(bs_max, cfg.max_tokens - out.count)
-            key, k_draft, k_verify = mx.random.split(key, 3)
-            block = mx.array([anchor] + [mask_id] * (bs - 1))
-            if pen:
-                ctx = pen.bind(state.ids[-pen.context_size :] + [anchor])
-            if bs > 1:
-                drafts, q = propose(pair, block, state.draft_cache, sp, k_draft, ctx)
-            else:  # one token left: a plain target step
-                drafts, q = mx.zeros((0,), mx.int32), mx.zeros((0, 1))
-            rb.before_verify()
-            logits = pair.target(
-                mx.concatenate([block[:1], drafts])[None], cache=state.target_cache
-            )[0]  # [bs, V]
-            if ctx is not None:
-                logits = ctx.apply(logits, drafts)
-            if sp.greedy:
-                acc, bonus = accept_greedy(drafts, logits)
-            else:
-                acc, bonus = accept_sampled(drafts, q, probabilities(logits, sp), k_verify)
-            a, bonus, *drafted = mx.concatenate([acc[None], bonus.reshape(1), drafts]).tolist()
+            c = cycle or next_cycle(anchor, cfg.max_tokens - out.count)
+            acc, bonus = c.verdict or verify(pair, state, c, sp)
+            t_host = time.perf_counter()
+            a, bonus, *drafted = mx.concatenate([acc[None], bonus.reshape(1), c.drafts]).tolist()
             committed = drafted[:a] + [bonus]  # the one host sync of the cycle, above
-            rb.rollback(bs - a - 1, a)
-            pair.drafter.extend_context(cap.features()[:, : a + 1], state.draft_cache)
+            t_now = time.perf_counter()
+            host, seconds, t_sync = t_host - t_sync - queue_time, t_now - t_sync, t_now
+            queue_time = 0.0
+            state.rollback.rollback(c.bs - a - 1, a)
+            ctx.add(cap.features()[:, : a + 1])
             state.ids += [anchor] + committed[:-1]
             anchor = committed[-1]
+            if plan:
+                plan.update(c.bs, a, seconds if c.appended <= c.bs else None)
+            room = cfg.max_tokens - out.count - len(committed)
+            cycle = next_cycle(anchor, room) if cfg.pipeline and room > 0 else None
             before = out.count
             text = out.push(committed, cfg.max_tokens)
             stats = replace(
                 stats,
                 acceptance_lengths=(*stats.acceptance_lengths, a + 1),
+                block_sizes=(*stats.block_sizes, c.bs),
+                block_reason=plan.last.reason if plan else "",
+                host_time=stats.host_time + host,
+                draft_context=getattr(ctx.cache[0], "rows", 0) if ctx.cache else 0,
                 generation_tokens=out.count,
                 decode_time=time.perf_counter() - t_decode,
                 peak_memory_bytes=mx.get_peak_memory(),
             )
             yield GenerationEvent(text, out.tokens[before:], a + 1, stats, out.finish_reason)
 
+        if cycle is not None and cycle.verdict is not None:  # queued, never used
+            state.rollback.trim(cycle.bs)
         if out.finish_reason is None:
             out.finish_reason = "cancelled"
             yield GenerationEvent(out.flush(), [], 0, stats, "cancelled")
+        ctx.flush()
     # Caches hold exactly a prefix of prompt + kept output (the last token may be pending).
     state.trim_to(len(prompt_ids) + out.count)
     mx.eval([c.state for c in state.target_cache + state.draft_cache if not c.empty()])

@@ -10,6 +10,7 @@ from .decode import DecodeState, GenerationConfig, GenerationEvent, speculative_
 from .errors import PromptError  # noqa: F401  (re-exported)
 from .models.penalties import Penalties
 from .pair import Pair
+from .policy import parse_block_size
 from .sampling import SamplingParams
 from .stats import DecodeStats
 from .think import REASONING_CHOICES
@@ -70,7 +71,7 @@ def prompt_ids(
 
 def make_config(
     max_tokens: int = 256,
-    block_size: int | None = None,
+    block_size: int | str | None = None,
     temp: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
@@ -86,8 +87,7 @@ def make_config(
     """Validated per-request settings (PromptError with one sentence on bad input)."""
     if max_tokens < 1:
         raise PromptError(f"--max-tokens must be at least 1 (got {max_tokens}).")
-    if block_size is not None and block_size < 1:
-        raise PromptError(f"--block-size must be at least 1 (got {block_size}).")
+    block_size = parse_block_size(block_size)
     if seed is not None and not 0 <= seed < 2**64:
         raise PromptError(f"--seed must be between 0 and 2**64 - 1 (got {seed}).")
     try:

@@ -6,25 +6,47 @@
 - An explicit size above the drafter's trained block is clamped to it (a drafter trained at 8
   cannot draft 16), with a warning.
 - An explicit size above the quantized default on a quantized pair runs, with a warning.
+- `auto` (what None means): the default above is the largest size the online controller
+  (dflash_mac/autoblock.py) may pick each cycle, from 1 (plain decoding) up; its cost prior is
+  the curve `bench --cost-curve` saved for the pair on this machine (`cost_curve_path`).
 
 Front ends show `BlockChoice.warning`; the engine prints nothing."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
+from .autoblock import BlockController, CostCurve, CostModel, cost_model_for
+from .errors import PromptError
 from .pair import Pair
 from .registry import PairEntry, pair_for
 
 QUANTIZED_MAX_BLOCK = 5  # for quantized pairs the registry does not list
+AUTO = "auto"
 
 
 @dataclass(frozen=True)
 class BlockChoice:
     """The block size to run and, when the request was changed or is unwise, why."""
 
-    size: int
+    size: int  # the fixed size, or with `auto` the largest the controller may pick
     warning: str | None = None
+    auto: bool = False
+
+
+def parse_block_size(value: int | str | None) -> int | str | None:
+    """A --block-size value: None (the default, auto), "auto" or an integer >= 1."""
+    if value is None or value == AUTO:
+        return value
+    try:
+        size = int(value)
+    except (TypeError, ValueError):
+        raise PromptError(f"--block-size must be auto or an integer (got {value!r}).")
+    if size < 1:
+        raise PromptError(f"--block-size must be at least 1 (got {size}).")
+    return size
 
 
 def quantized_default(trained: int, entry: PairEntry | None) -> int:
@@ -41,16 +63,18 @@ def registry_entry(pair: Pair) -> PairEntry | None:
 
 
 def block_size_for(
-    pair: Pair, requested: int | None, entry: PairEntry | None = None
+    pair: Pair, requested: int | str | None, entry: PairEntry | None = None
 ) -> BlockChoice:
-    """The block size for `pair` when the user asked for `requested` (None: the default).
-    `entry`: the pair's registry entry (looked up when None)."""
+    """The block size for `pair` when the user asked for `requested` (None or "auto": the
+    controller, up to the default size). `entry`: the pair's registry entry (looked up when
+    None)."""
     trained = pair.drafter.config.block_size
     if entry is None and pair.quantized:
         entry = registry_entry(pair)
     default = quantized_default(trained, entry) if pair.quantized else trained
-    if requested is None:
-        return BlockChoice(default)
+    requested = parse_block_size(requested)
+    if requested is None or requested == AUTO:
+        return BlockChoice(default, auto=True)
     if requested > trained:
         return BlockChoice(
             trained,
@@ -63,3 +87,56 @@ def block_size_for(
             f"quantized model (default {default}).",
         )
     return BlockChoice(requested)
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "x"
+
+
+def model_key(name: str) -> str:
+    """A model id for file names: a Hub id as is, a local folder by its last two parts (so the
+    bundled pair has one key wherever the package lives)."""
+    path = Path(name)
+    return "/".join(path.parts[-2:]) if path.is_absolute() else name
+
+
+def cost_curve_path(pair: Pair, machine: str | None = None) -> Path:
+    """Where `bench --cost-curve` saves the pair's curve for this machine (and `auto` reads it):
+    <data dir>/cost-curves/<machine>/<target>--<drafter>.json."""
+    from .platform import cpu_name, data_dir, device_name
+
+    machine = machine or f"{device_name()}-{cpu_name()}"
+    name = f"{slug(model_key(pair.model_id))}--{slug(model_key(pair.draft_id))}.json"
+    return data_dir() / "cost-curves" / slug(machine) / name
+
+
+def auto_controller(
+    pair: Pair, bs_max: int, timed: bool = True, setting: tuple = ()
+) -> BlockController:
+    """The `auto` controller of a request, up to `bs_max`: the pair's saved cost curve as its
+    prior (else a generic guess), refined by what earlier requests measured. Requests with the
+    same sampling `setting` continue one controller (its acceptance and fallback state carry
+    over: a chat at T = 0.7 does not relearn each turn that drafting does not pay).
+    `timed=False` (seeded sampling): a fresh controller on the prior alone, so the sizes, and
+    with them the random draws, depend only on the seed and the text."""
+    kept = getattr(pair, "_dflash_controllers", None)
+    if timed and kept is not None and (bs_max, setting) in kept:
+        return kept[bs_max, setting]
+    model = getattr(pair, "_dflash_cost_model", None)
+    if model is None or not timed:
+        try:
+            prior = CostCurve.load(cost_curve_path(pair))
+        except OSError:
+            prior = None
+        prior = prior or CostCurve.generic(bs_max)
+        model = cost_model_for(pair, prior) if timed else CostModel(prior)
+    controller = BlockController(bs_max, model, timed=timed)
+    if timed:
+        try:
+            if kept is None:
+                kept = {}
+                object.__setattr__(pair, "_dflash_controllers", kept)
+            kept[bs_max, setting] = controller
+        except (AttributeError, TypeError):  # a pair that takes no attributes
+            pass
+    return controller

@@ -53,6 +53,11 @@ class DecodeStats:
     prefill_time: float = 0.0
     decode_time: float = 0.0
     peak_memory_bytes: int = 0
+    auto: bool = False  # `--block-size auto`: the controller chose each cycle's size
+    block_sizes: tuple[int, ...] = ()  # per cycle (1: a plain target step)
+    block_reason: str = ""  # why the controller chose the last size
+    host_time: float = 0.0  # host bookkeeping between syncs (rollback, text, stats, yield)
+    draft_context: int = 0  # positions held by the drafter's (bounded) context cache
 
     @property
     def tau(self) -> float:
@@ -62,6 +67,27 @@ class DecodeStats:
     @property
     def cycles(self) -> int:
         return len(self.acceptance_lengths)
+
+    @property
+    def block_label(self) -> str:
+        """ "8", or "auto ≤8" when the controller chose."""
+        return f"auto ≤{self.block_size}" if self.auto else str(self.block_size)
+
+    @property
+    def draft_cycles(self) -> int:
+        return sum(b > 1 for b in self.block_sizes)
+
+    @property
+    def host_ms_per_cycle(self) -> float:
+        return 1000 * self.host_time / self.cycles if self.cycles else 0.0
+
+    @property
+    def block_mix(self) -> str:
+        """How often each block size ran, e.g. "1×12 5×3 8×20"."""
+        counts: dict[int, int] = {}
+        for b in self.block_sizes:
+            counts[b] = counts.get(b, 0) + 1
+        return " ".join(f"{b}×{n}" for b, n in sorted(counts.items()))
 
     @property
     def histogram(self) -> list[int]:
@@ -108,4 +134,9 @@ class DecodeStats:
             "decode_tps": self.decode_tps,
             "ttft_s": self.ttft,
             "peak_memory_gb": self.peak_memory_gb,
+            "auto": self.auto,
+            "block_sizes": list(self.block_sizes),
+            "block_reason": self.block_reason,
+            "host_ms_per_cycle": self.host_ms_per_cycle,
+            "draft_context": self.draft_context,
         }

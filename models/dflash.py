@@ -8,7 +8,6 @@ from typing import Any
 
 import mlx.core as mx
 from mlx import nn
-from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .config import DraftConfig
@@ -97,12 +96,85 @@ class TargetHead:
         self.logit_scale, self.softcap = logit_scale, softcap
 
 
-def block_mask(n_ctx: int, start: int, L: int, causal: bool, window: int | None) -> mx.array | None:
-    """Boolean [L, n_ctx + L] mask for block queries at start..start+L-1 (None = all visible)."""
+class ContextCache:
+    """The drafter's context K/V of one layer, bounded: it keeps the first `sink` positions and
+    the last `window` ones (None: everything). `offset` is the absolute position reached, so
+    RoPE and masks see true positions after older rows are dropped."""
+
+    def __init__(self, sink: int = 0, window: int | None = None):
+        self.sink, self.window = sink, window
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.offset = 0
+
+    @property
+    def rows(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        if self.keys is None:
+            self.keys, self.values = k, v
+        else:
+            self.keys = mx.concatenate([self.keys, k], axis=2)
+            self.values = mx.concatenate([self.values, v], axis=2)
+        self.offset += k.shape[2]
+        if self.window is not None and self.rows > self.sink + self.window:
+            s, w = self.sink, self.window
+            self.keys = mx.concatenate([self.keys[:, :, :s], self.keys[:, :, -w:]], axis=2)
+            self.values = mx.concatenate([self.values[:, :, :s], self.values[:, :, -w:]], axis=2)
+        return self.keys, self.values
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        return self.keys, self.values
+
+    def positions(self) -> mx.array | None:
+        """Absolute positions of the kept rows (None when nothing was dropped)."""
+        if self.rows == self.offset:
+            return None
+        sink = min(self.sink, self.rows)
+        tail = self.rows - sink
+        return mx.concatenate([mx.arange(sink), mx.arange(self.offset - tail, self.offset)])
+
+    def trim(self, n: int) -> int:
+        """Drop the last `n` positions (at most the rows after the sink that are kept)."""
+        dropped = self.rows < self.offset  # then only rows after the sink can go
+        n = min(n, self.rows - (min(self.sink, self.rows) if dropped else 0))
+        if n > 0:
+            self.keys, self.values = self.keys[:, :, :-n], self.values[:, :, :-n]
+            self.offset -= n
+        return n
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [] if self.keys is None else [self.keys, self.values]
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+def block_mask(
+    n_ctx: int,
+    start: int,
+    L: int,
+    causal: bool,
+    window: int | None,
+    ctx_pos: mx.array | None = None,
+) -> mx.array | None:
+    """Boolean [L, n_ctx + L] mask for block queries at start..start+L-1 (None = all visible).
+    `ctx_pos`: absolute positions of the context rows (default: the n_ctx before `start`)."""
     if not causal and window is None:
         return None
+    if ctx_pos is None:
+        ctx_pos = mx.arange(start - n_ctx, start)
     q_pos = mx.arange(start, start + L)[:, None]
-    k_pos = mx.concatenate([mx.arange(start - n_ctx, start), mx.arange(start, start + L)])[None]
+    k_pos = mx.concatenate([ctx_pos, mx.arange(start, start + L)])[None]
     mask = mx.ones((L, n_ctx + L), dtype=mx.bool_)
     if causal:
         mask = mask & (k_pos <= q_pos)
@@ -134,30 +206,46 @@ class DFlashDraftModel(nn.Module):
             )
         self.head = head
 
-    def make_cache(self) -> list[KVCache]:
-        """Context-only K/V per layer; block K/V are never stored."""
-        return [KVCache() for _ in self.layers]
+    # Bound of the context cache when the drafter has full-attention layers (instance
+    # attributes override; context_window None = unbounded). Sliding-window drafters keep
+    # their largest window instead (docs/architecture.md).
+    context_sink = 64
+    context_window: int | None = 1024
+
+    def context_bound(self) -> tuple[int, int | None]:
+        """(sink, window) of the context cache."""
+        windows = self.config.layer_window
+        if windows and all(w is not None for w in windows):
+            return 0, max(windows)
+        return self.context_sink, self.context_window
+
+    def make_cache(self) -> list[ContextCache]:
+        """Context-only K/V per layer, bounded (`context_bound`); block K/V are never stored."""
+        sink, window = self.context_bound()
+        return [ContextCache(sink, window) for _ in self.layers]
 
     # -- forward ---------------------------------------------------------------------
     def project_context(self, features: mx.array) -> mx.array:
         return self.hidden_norm(self.fc(features))  # [B, n, H]
 
-    def extend_context(self, features: mx.array, cache: list[KVCache]) -> None:
+    def extend_context(self, features: mx.array, cache: list[ContextCache]) -> None:
         """Append committed target features (absolute positions continue the cache)."""
         ctx = self.project_context(features)
         for layer, c in zip(self.layers, cache):
             k, v = layer.self_attn.keys_values(ctx, c.offset)
             c.update_and_fetch(k, v)
 
-    def hidden(self, block_ids: mx.array, cache: list[KVCache]) -> mx.array:
+    def hidden(self, block_ids: mx.array, cache: list[ContextCache]) -> mx.array:
         """Final-normed hidden states of the block, [B, bs, H]."""
         B, L = block_ids.shape
         start = cache[0].offset
         h = self.head.embed(block_ids) * self.config.input_embedding_scale
         for i, (layer, c) in enumerate(zip(self.layers, cache)):
             ctx_k, ctx_v = c.keys_and_values()
+            pos = c.positions() if isinstance(c, ContextCache) else None
+            n_ctx = start if pos is None else pos.shape[0]
             mask = block_mask(
-                start, start, L, self.config.layer_causal[i], self.config.layer_window[i]
+                n_ctx, start, L, self.config.layer_causal[i], self.config.layer_window[i], pos
             )
             h = layer(h, ctx_k, ctx_v, start, mask)
         return self.norm(h)
@@ -171,7 +259,7 @@ class DFlashDraftModel(nn.Module):
             out = mx.tanh(out / head.softcap) * head.softcap
         return out
 
-    def __call__(self, block_ids: mx.array, cache: list[KVCache]) -> mx.array:
+    def __call__(self, block_ids: mx.array, cache: list[ContextCache]) -> mx.array:
         """Logits for block positions 1..bs-1 (the anchor proposes nothing): [B, bs-1, V]."""
         return self.logits(self.hidden(block_ids, cache)[:, 1:])
 

@@ -427,7 +427,7 @@ def test_lossy_drafter_path_fails_strict(tiny_dirs, monkeypatch):
 @pytest.mark.parametrize(
     "args,msg",
     [
-        (["--block-size", "2,x"], "--block-size must be an integer"),
+        (["--block-size", "2,x"], "--block-size must be auto, an integer"),
         (["-f", "yaml"], "--format must be one of"),
         (["--prompts", "/nonexistent/p.jsonl"], "does not exist"),
         (["--suite", "poetry"], "--suite must be one of"),
@@ -487,5 +487,6 @@ def test_bundled_pair_default_bench_json():
     assert bench_report.validate(doc) == []
     assert doc["header"]["target"] == "bundled/target"
     assert doc["config"]["suite"] == "code" and doc["rows"][0]["suite"] == "code"
-    assert doc["lossless"]["equal"] == doc["lossless"]["checked"] == 2
-    assert doc["rows"][0]["tau"][0] > 1.0
+    assert [r["block_size"] for r in doc["rows"]] == [0, 8]  # auto and the pair's size
+    assert doc["lossless"]["equal"] == doc["lossless"]["checked"] == 4
+    assert doc["rows"][1]["tau"][0] > 1.0 and doc["rows"][0]["tau"][0] >= 1.0

@@ -222,7 +222,7 @@ def test_generate_prints_a_summary_line_and_json_names_the_pair():
     res = run("generate", "def add(a, b):", "-n", "6")
     assert res.returncode == 0, res.stderr
     assert re.fullmatch(
-        r"6 tokens · [\d.]+ tok/s · τ [\d.]+ · block \d+ · TTFT \d+ ms "
+        r"6 tokens · [\d.]+ tok/s · τ [\d.]+ · block auto ≤\d+ · TTFT \d+ ms "
         r"\(-v for details\)",
         res.stderr.splitlines()[-1],
     ), res.stderr

@@ -29,7 +29,7 @@ def fake_pair(trained: int, quantized: bool, model_id: str = "org/Unknown", draf
     ],
 )
 def test_defaults_for_pairs_the_registry_does_not_know(trained, quantized, expected):
-    assert block_size_for(fake_pair(trained, quantized), None) == BlockChoice(expected)
+    assert block_size_for(fake_pair(trained, quantized), None) == BlockChoice(expected, auto=True)
 
 
 def test_the_registry_figure_is_used_for_quantized_pairs():

@@ -12,6 +12,7 @@ from dflash_mac.cli import options
 from dflash_mac.pair import Pair
 
 from .run import (
+    AUTO_BS,
     BenchConfig,
     BenchError,
     BenchPrompt,
@@ -108,6 +109,29 @@ def limit_per_suite(prompts: list[BenchPrompt], limit: int | None) -> list[Bench
     return out
 
 
+def cost_curve_command(
+    model: str | None, draft: str | None, draft_bits, err, shape=None, shape_dtype="bf16"
+) -> None:
+    """`bench --cost-curve`: measure, print, save where `auto` finds it."""
+    from dflash_mac.cli.terminal import load_pair
+    from dflash_mac.policy import cost_curve_path
+
+    from .costcurve import measure, render, save
+    from .shapes import random_pair
+
+    if shape:
+        with err.status(f"Building a random {shape} ({shape_dtype})…", spinner="dots"):
+            pair = random_pair(shape, shape_dtype)
+    else:
+        pair = load_pair(model, draft, draft_bits=draft_bits)
+    with err.status("Timing cycles at block size 1..16…", spinner="dots"):
+        curve = measure(pair)
+    curve |= {"header": header(pair) | {"load_avg": [load_average()]}}
+    typer.echo(render(curve), nl=False)
+    path = save(curve, cost_curve_path(pair))
+    err.print(f"saved to {path} (the prior of --block-size auto for this pair)", highlight=False)
+
+
 def bench_command(
     model: str | None = options.MODEL,
     draft: str | None = options.DRAFT,
@@ -125,7 +149,11 @@ def bench_command(
         128, "--max-tokens", "-n", help="Tokens per generation at most."
     ),
     block_size: str | None = typer.Option(
-        None, "--block-size", "-b", help="Block size, or a comma-separated sweep such as 2,3,4,5,8."
+        None,
+        "--block-size",
+        "-b",
+        help="Block size, auto, or a comma-separated sweep such as auto,2,5,8 "
+        "(default: auto and the pair's default size side by side).",
     ),
     temp: float = typer.Option(
         0.0, "--temp", help="Sampling temperature (0 = greedy, lossless-checked)."
@@ -157,6 +185,19 @@ def bench_command(
         "--strict",
         help="Exit non-zero if any greedy DFlash output differs from the baseline.",
     ),
+    cost_curve: bool = typer.Option(
+        False,
+        "--cost-curve",
+        help="Measure the cost of a cycle at block size 1..16 against a plain step on this "
+        "machine, print it and save it as the prior of --block-size auto.",
+    ),
+    shape: str | None = typer.Option(
+        None,
+        "--shape",
+        help="With --cost-curve: a model shape with random weights instead of a model "
+        "(qwen3-4b, qwen3-8b; no download).",
+    ),
+    shape_dtype: str = typer.Option("bf16", "--shape-dtype", help="bf16 or 4bit (--shape)."),
     live: bool | None = typer.Option(
         None, "--live/--no-live", help="Live view (default: when stderr is a terminal)."
     ),
@@ -171,6 +212,10 @@ def bench_command(
     from .view import BenchView, print_acceptance
 
     err = Console(stderr=True)
+    if shape and not cost_curve:
+        raise BenchError("--shape works with --cost-curve only.")
+    if cost_curve:
+        return cost_curve_command(model, draft, draft_bits, err, shape, shape_dtype)
     check_format(fmt)
     sizes = parse_block_sizes(block_size)
     if trials < 1:
@@ -182,11 +227,10 @@ def bench_command(
     prompts = read_prompts(prompts_file) if prompts_file else suite_prompts(suite, warn)
     prompts = limit_per_suite(prompts, limit)
     pair = load_pair(model, draft, draft_bits=draft_bits, reasoning=reasoning)
-    sizes = list(
-        dict.fromkeys(
-            block_size_policy(pair, s, warn=err.print) for s in sizes or [pair.block_size]
-        )
-    )
+    fixed = [s for s in sizes or [] if s != AUTO_BS]
+    fixed = [block_size_policy(pair, s, warn=err.print) for s in fixed]
+    auto = [AUTO_BS] if sizes is None or AUTO_BS in sizes else []
+    sizes = list(dict.fromkeys(auto + (fixed if sizes else [pair.block_size])))
     ids = [prompt_ids(pair.tokenizer, p.prompt, reasoning=reasoning) for p in prompts]
     for i in ids:
         check_context(pair, i, max_tokens)

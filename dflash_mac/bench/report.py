@@ -11,6 +11,8 @@ from typing import Any
 
 from dflash_mac.cli.terminal import bars
 
+from .run import size_label
+
 SCHEMA_ID = "dflash-mac-bench/1"
 
 DEFINITIONS = {
@@ -310,7 +312,7 @@ def table_cells(row: dict, drafter_bytes: int) -> dict[str, str]:
     """Markdown/terminal cells of one summary row."""
     base_peak = max(row["baseline_peak_bytes"] - drafter_bytes, 0)
     return {
-        "bs": str(row["block_size"]),
+        "bs": size_label(row["block_size"]),
         "suite": row["suite"],
         "prompts": str(row["prompts"]),
         "baseline t/s": _pm(row["baseline_tps"], row["trials"]),
@@ -323,6 +325,8 @@ def table_cells(row: dict, drafter_bytes: int) -> dict[str, str]:
         "TTFT ms (base / DFlash)": f"{row['baseline_ttft_ms']:.1f} / {row['dflash_ttft_ms']:.1f}",
         "peak mem (base / DFlash)": f"{_gb(base_peak)} / {_gb(row['dflash_peak_bytes'])}",
         "lossless": lossless_cell(row),
+        "blocks (size×cycles)": " ".join(f"{b}×{n}" for b, n in row.get("block_mix", {}).items()),
+        "host ms/cycle": f"{row.get('host_ms_per_cycle', 0.0):.2f}",
     }
 
 
@@ -372,7 +376,7 @@ def to_markdown(doc: dict) -> str:
     if len(doc["config"]["block_sizes"]) > 1 and doc["best_block_size"] is not None:
         lines += [
             "",
-            f"Best block size on this machine: **{doc['best_block_size']}** "
+            f"Best block size on this machine: **{size_label(doc['best_block_size'])}** "
             "(highest DFlash decode tok/s).",
         ]
     lossless = doc["lossless"]
@@ -395,7 +399,7 @@ def to_markdown(doc: dict) -> str:
             continue
         lines += [
             "",
-            f"### Acceptance, block size {row['block_size']} "
+            f"### Acceptance, block size {size_label(row['block_size'])} "
             f"({row['cycles']} cycles, τ {row['tau'][0]:.2f})",
             "",
             "```",
@@ -404,7 +408,8 @@ def to_markdown(doc: dict) -> str:
         lines += bars(row["histogram"])
         lines += ["", "k  P(A ≥ k)  P(pos k accepted | 1..k-1)"]
         for k, s in enumerate(row["survival"], 1):
-            pa = row["position_acceptance"][k - 1] if k < row["block_size"] else None
+            pos = row["position_acceptance"]
+            pa = pos[k - 1] if k <= len(pos) else None
             lines.append(f"{k:<2} {s:8.3f}  {'' if pa is None else f'{pa:8.3f}'}".rstrip())
         lines.append("```")
     return "\n".join(lines) + "\n"

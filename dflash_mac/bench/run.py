@@ -32,6 +32,11 @@ from dflash_mac.stats import histogram
 SUITES = ("code", "math", "chat")
 SUITE_DIR = Path(__file__).resolve().parent.parent / "data" / "suites"
 FORMATS = ("md", "json", "jsonl", "csv")
+AUTO_BS = 0  # `--block-size auto` in the bench's int-keyed tables ("auto" when shown)
+
+
+def size_label(bs: int | None) -> str:
+    return "auto" if bs == AUTO_BS else str(bs)
 
 
 class BenchError(PromptError):
@@ -85,17 +90,19 @@ def suite_prompts(name: str, warn: Callable[[str], Any] = print) -> list[BenchPr
 
 
 def parse_block_sizes(text: str | None) -> list[int] | None:
-    """`"5"` or `"2,3,4,5,8"` → sorted unique ints ≥ 1; None when not given."""
+    """`"5"`, `"auto"` or `"auto,2,5,8"` → sorted unique ints (auto = AUTO_BS, first);
+    None when not given."""
     if text is None or not str(text).strip():
         return None
     try:
-        sizes = [int(p) for p in str(text).split(",")]
+        parts = [p.strip() for p in str(text).split(",")]
+        sizes = [AUTO_BS if p == "auto" else int(p) for p in parts]
     except ValueError:
         raise BenchError(
-            f"--block-size must be an integer or a comma-separated list such as "
-            f"2,3,4,5,8 (got {text!r})."
+            f"--block-size must be auto, an integer or a comma-separated list such as "
+            f"auto,2,5,8 (got {text!r})."
         )
-    if any(s < 1 for s in sizes):
+    if any(s < 1 and p != "auto" for s, p in zip(sizes, parts)):
         raise BenchError(f"every --block-size must be at least 1 (got {text!r}).")
     return sorted(set(sizes))
 
@@ -142,6 +149,8 @@ class Run:
     finish_reason: str
     block_size: int | None = None
     acceptance_lengths: list[int] = field(default_factory=list)
+    block_sizes: list[int] = field(default_factory=list)  # per cycle (what auto chose)
+    host_time: float = 0.0  # host time between syncs (DecodeStats.host_time)
 
     @property
     def decode_tokens(self) -> int:
@@ -155,6 +164,11 @@ class Run:
     @property
     def prefill_tps(self) -> float:
         return self.prompt_tokens / self.ttft if self.ttft > 0 else 0.0
+
+    @property
+    def host_ms_per_cycle(self) -> float:
+        n = len(self.acceptance_lengths)
+        return 1000 * self.host_time / n if n else 0.0
 
     @property
     def tau(self) -> float:
@@ -174,13 +188,15 @@ class Run:
             "tokens": list(self.tokens),
         }
         if self.block_size is not None:
-            bs = self.block_size
+            bs = self.block_size or max(self.block_sizes, default=1)
             d.update(
-                block_size=bs,
+                block_size=self.block_size,
                 tau=self.tau,
                 cycles=len(self.acceptance_lengths),
                 acceptance_lengths=list(self.acceptance_lengths),
                 histogram=histogram(self.acceptance_lengths, bs),
+                block_sizes=list(self.block_sizes),
+                host_ms_per_cycle=self.host_ms_per_cycle,
             )
         return d
 
@@ -266,7 +282,7 @@ def run_dflash(
         pair,
         ids,
         max_tokens=max_tokens or cfg.max_tokens,
-        block_size=block_size,
+        block_size="auto" if block_size == AUTO_BS else block_size,
         temp=cfg.temp,
         top_p=cfg.top_p,
         top_k=cfg.top_k,
@@ -285,6 +301,8 @@ def run_dflash(
         last.finish_reason,
         block_size=block_size,
         acceptance_lengths=list(last.stats.acceptance_lengths),
+        block_sizes=list(last.stats.block_sizes),
+        host_time=last.stats.host_time,
     )
 
 

@@ -43,8 +43,13 @@ def summarize(records: list[dict], block_size: int, suite: str, greedy: bool) ->
     taus = [r.tau for r in dfl if r.acceptance_lengths]
     checks = [r["dflash"][block_size].tokens == r["baseline"].tokens for r in records]
     mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
+    sizes = [b for r in dfl for b in r.block_sizes]
+    width = block_size or max(sizes, default=1)  # auto: up to the largest size it chose
+    mix = {b: sizes.count(b) for b in sorted(set(sizes))}
     return {
         "block_size": block_size,
+        "block_mix": {str(b): n for b, n in mix.items()},
+        "host_ms_per_cycle": 1000 * sum(r.host_time for r in dfl) / max(len(lengths), 1),
         "suite": suite,
         "prompts": len({r["id"] for r in records}),
         "trials": len(trials),
@@ -54,9 +59,9 @@ def summarize(records: list[dict], block_size: int, suite: str, greedy: bool) ->
         "speedup": list(mean_std(speed_t)),
         "tau": list(mean_std(taus)),
         "cycles": len(lengths),
-        "histogram": histogram(lengths, block_size),
-        "survival": survival(lengths, block_size),
-        "position_acceptance": position_acceptance(lengths, block_size),
+        "histogram": histogram(lengths, width),
+        "survival": survival(lengths, width),
+        "position_acceptance": position_acceptance(lengths, width),
         "baseline_prefill_tps": mean([r.prefill_tps for r in base]),
         "dflash_prefill_tps": mean([r.prefill_tps for r in dfl]),
         "baseline_ttft_ms": 1000 * mean([r.ttft for r in base]),

@@ -12,7 +12,7 @@ from rich.text import Text
 from dflash_mac.cli.terminal import bars
 from dflash_mac.stats import histogram
 
-from .run import BenchPrompt, Observer, Run
+from .run import BenchPrompt, Observer, Run, size_label
 from .summary import trial_tps
 
 
@@ -53,7 +53,7 @@ class BenchView(Observer):
 
     # -- observer -------------------------------------------------------------------------
     def start(self, bp: BenchPrompt, trial: int, index: int, bs: int | None) -> None:
-        kind = "baseline" if bs is None else f"DFlash bs {bs}"
+        kind = "baseline" if bs is None else f"DFlash bs {size_label(bs)}"
         self.label = f"trial {trial + 1} · {bp.id} · {kind}"
         if bs is not None:
             self.bs = bs
@@ -78,7 +78,7 @@ class BenchView(Observer):
             ]
             for bs, run in sorted(record["dflash"].items()):
                 ok = "" if not greedy else (" ✓" if run.tokens == base.tokens else " ✗ MISMATCH")
-                parts.append(f"bs {bs} {run.decode_tps:.1f} tok/s τ {run.tau:.2f}{ok}")
+                parts.append(f"bs {size_label(bs)} {run.decode_tps:.1f} tok/s τ {run.tau:.2f}{ok}")
             self.console.print(" · ".join(parts), highlight=False, soft_wrap=True)
 
     # -- rendering ------------------------------------------------------------------------
@@ -100,9 +100,11 @@ class BenchView(Observer):
             dfl = trial_tps(self.runs[bs])
             speed = f"{dfl / base:.2f}×" if base > 0 and dfl > 0 else "–"
             mark = "▸" if bs == self.bs else " "
-            stats.add_row(f"{mark}{bs}", f"{self.tau(bs):.2f}", f"{dfl:.1f}", f"{base:.1f}", speed)
+            stats.add_row(
+                f"{mark}{size_label(bs)}", f"{self.tau(bs):.2f}", f"{dfl:.1f}", f"{base:.1f}", speed
+            )
         lossless = f"lossless {self.n_equal}/{self.n_checked}" if self.n_checked else ""
-        hist = histogram(self.lengths[self.bs], self.bs)
+        hist = histogram(self.lengths[self.bs], self.bs or max(self.lengths[self.bs], default=1))
         bar = Table.grid()  # a bare ProgressBar ends without a newline: the next row would
         bar.add_row(
             ProgressBar(total=max(self.total, 1), completed=self.done_prompts, width=60)
@@ -117,7 +119,10 @@ class BenchView(Observer):
                 ),
                 bar,
                 stats,
-                Text(f"acceptance histogram, block {self.bs} (tokens per cycle)", style="dim"),
+                Text(
+                    f"acceptance histogram, block {size_label(self.bs)} (tokens per cycle)",
+                    style="dim",
+                ),
                 Text("\n".join(bars(hist))),
             ),
             title="dflash-mac bench",
@@ -133,7 +138,7 @@ def print_acceptance(console: Console, doc: dict) -> None:
             continue
         bs = row["block_size"]
         console.print(
-            f"[bold]block size {bs}[/] · {row['suite']} · τ {row['tau'][0]:.2f} · "
+            f"[bold]block size {size_label(bs)}[/] · {row['suite']} · τ {row['tau'][0]:.2f} · "
             f"{row['cycles']} cycles · speedup {row['speedup'][0]:.2f}×",
             highlight=False,
         )

@@ -198,7 +198,7 @@ def generate(
     prompt: str = typer.Argument(..., help="The prompt, or - to read it from stdin."),
     model: str | None = options.MODEL,
     draft: str | None = options.DRAFT,
-    block_size: int | None = options.BLOCK_SIZE,
+    block_size: str | None = options.BLOCK_SIZE,
     max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Tokens to generate at most."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass."),

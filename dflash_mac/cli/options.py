@@ -14,9 +14,10 @@ DRAFT_HELP = (
     "for --model; see `dflash-mac models`)."
 )
 BLOCK_HELP = (
-    "Block size (draft tokens + 1 per cycle). Default: the drafter's block size, or the "
-    "pair's quantized block size (at most 5) when the target or drafter is quantized "
-    "(quantized matmuls lose efficiency at wide verify widths)."
+    "Block size (draft tokens + 1 per cycle), or auto (the default): each cycle's size is "
+    "chosen from measured costs and acceptance, 1 (plain decoding) when drafting does not pay, "
+    "up to the drafter's block (the pair's quantized block size, at most 5, when quantized). "
+    "A number means exactly it."
 )
 
 MODEL = typer.Option(None, "--model", "-m", help=MODEL_HELP)

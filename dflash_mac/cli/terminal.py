@@ -11,7 +11,7 @@ from dflash_mac.errors import LoadError
 from dflash_mac.generate import GenerationResult, stream_generate
 from dflash_mac.loading import load, quantize_drafter
 from dflash_mac.pair import Pair
-from dflash_mac.policy import block_size_for
+from dflash_mac.policy import AUTO, block_size_for
 
 err = Console(stderr=True, soft_wrap=True)
 
@@ -21,8 +21,9 @@ def warn_line(message: str) -> None:
     err.print(message, soft_wrap=True)
 
 
-def block_size_policy(pair: Pair, requested: int | None, warn=warn_line) -> int:
-    """`policy.block_size_for`, with its warning shown on one line."""
+def block_size_policy(pair: Pair, requested: int | str | None, warn=warn_line) -> int:
+    """`policy.block_size_for`, with its warning shown on one line: the fixed size, or with
+    auto the largest the controller may pick."""
     choice = block_size_for(pair, requested)
     if choice.warning:
         warn(f"[yellow]warning:[/] {choice.warning}")
@@ -33,7 +34,7 @@ def load_pair(
     model: str | None,
     draft: str | None,
     *,
-    block_size: int | None = None,
+    block_size: int | str | None = None,
     draft_bits: int | None = None,
     reasoning: str | None = None,
 ) -> Pair:
@@ -66,8 +67,10 @@ def warn_thinking_mismatch(pair: Pair, reasoning: str | None, warn=err.print) ->
 
 def stream_to_terminal(pair: Pair, prompt: Any, echo: bool = True, **kwargs) -> GenerationResult:
     """Stream committed text to stdout as it arrives; return the whole result. Runs at
-    `pair.block_size`, which `load_pair` chose from the requested one (`block_size_policy`)."""
-    kwargs["block_size"] = pair.block_size
+    `pair.block_size`, which `load_pair` chose from the requested one (`block_size_policy`),
+    or with auto (the default) up to it."""
+    auto = kwargs.get("block_size") in (None, AUTO)
+    kwargs["block_size"] = AUTO if auto else pair.block_size
     text, tokens, last = [], [], None
     for ev in stream_generate(pair, prompt, **kwargs):
         if echo and ev.text:
@@ -96,7 +99,7 @@ def summary_line(result: GenerationResult) -> str:
     s = result.stats
     return (
         f"[dim]{s.generation_tokens} tokens · {s.decode_tps:.1f} tok/s · τ {s.tau:.2f} · "
-        f"block {s.block_size} · TTFT {s.ttft * 1000:.0f} ms (-v for details)[/]"
+        f"block {s.block_label} · TTFT {s.ttft * 1000:.0f} ms (-v for details)[/]"
     )
 
 
@@ -117,8 +120,13 @@ def print_stats(pair: Pair, result: GenerationResult, console: Console = err) ->
     )
     console.print(
         f"[dim]generation[/] {s.generation_tokens} tok · {s.decode_tps:.1f} tok/s · "
-        f"τ {s.tau:.2f} over {s.cycles} cycles · block {s.block_size} · "
+        f"τ {s.tau:.2f} over {s.cycles} cycles · block {s.block_label} · "
         f"finish {result.finish_reason}"
+    )
+    console.print(
+        f"[dim]blocks[/] {s.block_mix} (size×cycles) · host {s.host_ms_per_cycle:.2f} ms/cycle"
+        f" · drafter context {s.draft_context} positions"
+        + (f" · auto: {s.block_reason}" if s.auto else "")
     )
     console.print(
         f"[dim]drafter[/] {pair.kind} · kernels {kernels} · {device_name()} · "

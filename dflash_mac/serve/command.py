@@ -154,7 +154,7 @@ def serve(
     max_tokens: int = typer.Option(
         4096, "--max-tokens", "-n", help="Default and upper limit of a request's max_tokens."
     ),
-    block_size: int | None = options.BLOCK_SIZE,
+    block_size: str | None = options.BLOCK_SIZE,
     draft_bits: int | None = options.DRAFT_BITS,
     temp: float = typer.Option(
         0.0, "--temp", help="Temperature for requests that do not set one (0 = greedy)."
@@ -196,8 +196,10 @@ def serve(
         )
     with PidFile(home, url, port):  # during loading too: a launcher sees "starting"
         pair = load_pair(model, draft, block_size=block_size, draft_bits=draft_bits)
+        fixed = pair.block_size if block_size not in (None, "auto") else None  # else auto
         app = create_app(
             pair,
+            block_size=fixed,
             api_key=api_key,
             max_tokens=max_tokens,
             default_temp=temp,

@@ -48,10 +48,13 @@ def test_bench_tiny_run(cli):
     )
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
-    (row,) = report["rows"]
-    assert row["prompts"] == 1 and row["trials"] == 1 and row["dflash_tokens"] > 0
-    assert 1 <= row["tau"][0] <= row["block_size"]
-    assert report["lossless"]["checked"] == report["lossless"]["equal"] == 1
+    auto, fixed = report["rows"]  # the default: auto (block size 0) and the pair's size
+    assert auto["block_size"] == 0 and fixed["block_size"] >= 2
+    for row in (auto, fixed):
+        assert row["prompts"] == 1 and row["trials"] == 1 and row["dflash_tokens"] > 0
+        assert 1 <= row["tau"][0] <= fixed["block_size"]
+    assert sum(auto["block_mix"].values()) == auto["cycles"]
+    assert report["lossless"]["checked"] == report["lossless"]["equal"] == 2
 
 
 def test_doctor_self_test_passes(cli):

@@ -1,0 +1,247 @@
+"""`--block-size auto`: an online controller that picks each cycle's block size.
+
+It maximises expected tokens per second, E[tokens | bs] / cost(bs), where
+- cost(bs) is the time of a cycle at block size bs relative to a one-token target step: a prior
+  curve (measured once per pair and machine by `dflash-mac bench --cost-curve`, else a generic
+  guess) scaled and refined online by the measured cycle times (exponential moving averages);
+- E[tokens | bs] = 1 + sum_j prod_{k<=j} alpha_k comes from the running acceptance curve:
+  per-position conditional acceptance alpha_k with exponentially decayed counts; a position not
+  yet observed inherits the estimate of the one before it.
+
+Block size 1 is plain target decoding (no drafter pass). When drafting does not pay the
+controller falls back to it and probes one drafting cycle now and then (twice as late after
+a probe that did not pay, twice as soon after one that did); it switches only past a
+hysteresis margin, so it does not flap. Pure Python (no MLX): unit-testable with synthetic
+inputs (docs/bench.md).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# A generic prior: a drafting cycle costs a one-token step, plus the drafter pass and the extra
+# verify width. Replaced by the measured curve when one is saved for the pair and machine.
+PRIOR_DRAFT_OVERHEAD = 0.5
+PRIOR_PER_TOKEN = 0.06
+
+
+@dataclass
+class CostCurve:
+    """Cost of a cycle at block size bs relative to a one-token step (ratio[1] == 1)."""
+
+    ratios: dict[int, float]
+    measured: bool = False  # from `bench --cost-curve` (else the generic guess)
+
+    @classmethod
+    def generic(cls, bs_max: int) -> CostCurve:
+        r = {b: 1.0 + PRIOR_DRAFT_OVERHEAD + PRIOR_PER_TOKEN * (b - 1) for b in range(2, 33)}
+        return cls({1: 1.0, **r})
+
+    def ratio(self, bs: int) -> float:
+        if bs in self.ratios:
+            return self.ratios[bs]
+        top = max(self.ratios)  # beyond the curve: extend its last slope
+        slope = self.ratios[top] - self.ratios.get(top - 1, self.ratios[top])
+        return self.ratios[top] + max(slope, 0.0) * (bs - top)
+
+    @classmethod
+    def load(cls, path: Path) -> CostCurve | None:
+        """A saved curve (bench/costcurve.py writes it); None when absent or unreadable."""
+        try:
+            data = json.loads(Path(path).read_text())
+            ratios = {int(k): float(v) for k, v in data["ratios"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+        if ratios.get(1) != 1.0 or any(v <= 0 for v in ratios.values()):
+            return None
+        return cls(ratios, measured=True)
+
+
+class CostModel:
+    """Seconds per cycle at each block size: measured averages where there are some, else the
+    prior curve times the estimated one-token step."""
+
+    SPIKE = 2.0  # one observation moves at most this factor from the average
+    TRUST = 1.25  # measured ratios stay within this factor of a measured prior
+
+    def __init__(self, prior: CostCurve, alpha: float = 0.2):
+        self.prior, self.alpha = prior, alpha
+        self.seconds: dict[int, float] = {}
+        self.counts: dict[int, int] = {}
+        self.unit: float | None = None  # estimated seconds of a one-token step
+
+    def observe(self, bs: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        if (old := self.seconds.get(bs)) is not None:  # a hiccup of a shared machine: damp it
+            seconds = min(max(seconds, old / self.SPIKE), old * self.SPIKE)
+        ema = lambda old, new: new if old is None else old + self.alpha * (new - old)  # noqa: E731
+        self.seconds[bs] = ema(self.seconds.get(bs), seconds)
+        self.counts[bs] = self.counts.get(bs, 0) + 1
+        if 1 in self.seconds:
+            self.unit = self.seconds[1]
+        else:
+            self.unit = ema(self.unit, seconds / self.prior.ratio(bs))
+
+    def cost(self, bs: int) -> float:
+        """Relative cost of a cycle at `bs` (1.0 for a one-token step); its overhead over a
+        plain step stays within a factor `TRUST` (measured prior) or `2 * TRUST` (the guess) of
+        the prior's: timings taken at different moments on a loaded machine must not turn a
+        paying size into a losing one, or a losing one into a paying one."""
+        prior = self.prior.ratio(bs)
+        if self.unit is None or bs == 1:
+            return prior
+        r = self.seconds.get(bs, self.unit * prior) / self.unit
+        trust = self.TRUST if self.prior.measured else 2 * self.TRUST
+        low = 1.0 + (prior - 1.0) / trust  # a drafting cycle's overhead shrinks by `trust` at most
+        return min(max(r, low), prior * trust)
+
+    @property
+    def calibrated(self) -> bool:
+        """True when a one-token step was measured or the prior curve is a measured one."""
+        return 1 in self.seconds or self.prior.measured
+
+
+class Acceptance:
+    """Running per-position acceptance with exponentially decayed counts."""
+
+    def __init__(self, n_max: int, decay: float = 0.9, prior: float = 0.7, weight: float = 1.0):
+        self.decay, self.prior, self.weight = decay, prior, weight
+        self.reached = [0.0] * max(n_max, 1)  # index k-1: draft position k
+        self.accepted = [0.0] * max(n_max, 1)
+
+    def observe(self, bs: int, a: int) -> None:
+        """A drafting cycle at `bs` accepted `a` of its bs-1 drafts."""
+        self.reached = [r * self.decay for r in self.reached]
+        self.accepted = [x * self.decay for x in self.accepted]
+        for k in range(1, min(bs - 1, len(self.reached)) + 1):
+            if k > a + 1:
+                break
+            self.reached[k - 1] += 1
+            self.accepted[k - 1] += k <= a
+
+    def alphas(self, n: int) -> list[float]:
+        """alpha_k = P(draft k accepted | 1..k-1 accepted) for k = 1..n."""
+        out, prev = [], self.prior
+        for k in range(n):
+            r = self.reached[k] if k < len(self.reached) else 0.0
+            x = self.accepted[k] if k < len(self.accepted) else 0.0
+            prev = (x + self.weight * prev) / (r + self.weight)
+            out.append(prev)
+        return out
+
+    def expected_tokens(self, bs: int) -> float:
+        """E[committed tokens | bs] = 1 + sum_j prod_{k<=j} alpha_k."""
+        total, surv = 1.0, 1.0
+        for a in self.alphas(bs - 1):
+            surv *= a
+            total += surv
+        return total
+
+    def survival(self, n: int) -> list[float]:
+        """P(committed >= k), k = 1..n."""
+        out, surv = [1.0], 1.0
+        for a in self.alphas(n - 1):
+            surv *= a
+            out.append(surv)
+        return out
+
+
+@dataclass
+class Decision:
+    """One cycle's choice and why (shown by --verbose, bench and the chat panel)."""
+
+    size: int
+    reason: str
+    rates: dict[int, float] = field(default_factory=dict)  # tokens per one-token-step time
+
+
+class BlockController:
+    """Chooses each cycle's block size (1..bs_max); see the module docstring."""
+
+    def __init__(
+        self,
+        bs_max: int,
+        cost: CostModel,
+        acceptance: Acceptance | None = None,
+        hysteresis: float = 0.05,
+        probe_every: int = 8,
+        probe_max: int = 64,
+        timed: bool = True,
+    ):
+        self.bs_max, self.cost = bs_max, cost
+        self.acc = acceptance or Acceptance(bs_max)
+        self.hysteresis, self.probe_base, self.probe_max = hysteresis, probe_every, probe_max
+        self.current = bs_max  # the drafting size in use
+        self.fallback = False
+        self.interval, self.countdown = probe_every, probe_every
+        self.cycles = 0
+        self.timed = timed  # False: decide from the prior costs only (reproducible choices)
+        self.calibrate_at = 3 if timed and not cost.calibrated else -1
+        self.last = Decision(bs_max, "start")
+
+    def rates(self) -> dict[int, float]:
+        return {
+            b: self.acc.expected_tokens(b) / self.cost.cost(b) for b in range(1, self.bs_max + 1)
+        }
+
+    def choose(self) -> Decision:
+        """The block size of the next cycle."""
+        rates = self.rates()
+        drafting = {b: r for b, r in rates.items() if b >= 2}
+        if not drafting:
+            self.last = Decision(1, "block 1 only", rates)
+            return self.last
+        best = max(drafting, key=drafting.get)
+        if rates[best] > rates[self.current] * (1 + self.hysteresis / 2):
+            self.current = best
+        cur = self.current
+        if self.cycles == self.calibrate_at:
+            self.last = Decision(1, "measuring a one-token step", rates)
+        elif self.fallback:
+            if rates[cur] > rates[1] * (1 + self.hysteresis):
+                self.fallback = False
+                self.interval = self.probe_base
+                self.last = Decision(cur, f"drafting pays again ({rates[cur]:.2f}×)", rates)
+            else:
+                self.countdown -= 1
+                if self.countdown <= 0:
+                    self.last = Decision(cur, f"probing block {cur}", rates)
+                else:
+                    self.last = Decision(1, f"drafting does not pay ({rates[cur]:.2f}×)", rates)
+        elif rates[cur] < rates[1] * (1 - self.hysteresis):
+            self.fallback = True
+            self.interval = self.countdown = self.probe_base
+            self.last = Decision(1, f"drafting does not pay ({rates[cur]:.2f}×)", rates)
+        else:
+            self.last = Decision(cur, f"expected {rates[cur]:.2f}× a plain step", rates)
+        return self.last
+
+    def update(self, bs: int, accepted: int, seconds: float | None) -> None:
+        """Feed back a finished cycle: `accepted` drafts of bs-1, its time (None: not timed)."""
+        self.cycles += 1
+        if seconds is not None and self.timed:
+            self.cost.observe(bs, seconds)
+        if bs < 2:
+            return
+        self.acc.observe(bs, accepted)
+        if self.fallback:  # a probe: sooner next time if it paid, else later
+            paid = (accepted + 1) / self.cost.cost(bs) >= 1.0
+            grown = self.interval // 2 if paid else 2 * self.interval
+            self.interval = min(max(grown, self.probe_base), self.probe_max)
+            self.countdown = self.interval
+
+
+def cost_model_for(pair: object, prior: CostCurve) -> CostModel:
+    """The pair's cost model, kept on the loaded pair instance (measurements carry over
+    between requests)."""
+    model = getattr(pair, "_dflash_cost_model", None)
+    if model is None:
+        model = CostModel(prior)
+        try:
+            object.__setattr__(pair, "_dflash_cost_model", model)
+        except (AttributeError, TypeError):  # a pair that takes no attributes: a fresh one
+            pass
+    return model

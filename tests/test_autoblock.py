@@ -1,0 +1,284 @@
+"""`--block-size auto` (dflash_mac/autoblock.py) and the pipelined cycle: the controller's
+choices on synthetic inputs, and exact greedy output whatever sizes it picks."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+from dflash_mac.autoblock import Acceptance, BlockController, CostCurve, CostModel, Decision
+from dflash_mac.decode import DecodeState, DraftContext, GenerationConfig, speculative_stream
+from dflash_mac.policy import BlockChoice, block_size_for, parse_block_size
+from dflash_mac.sampling import SamplingParams
+from dflash_mac.testing.oracle import OracleDrafter, with_drafter
+
+BS = 8
+CURVE = CostCurve({1: 1.0, **{b: 1.5 + 0.07 * (b - 1) for b in range(2, 17)}}, measured=True)
+
+
+def controller(**kw) -> BlockController:
+    return BlockController(BS, CostModel(CURVE), **kw)
+
+
+def drive(ctl: BlockController, accept, cycles: int) -> list[int]:
+    """Run `cycles` synthetic cycles; `accept(bs)` returns accepted drafts; one step = 10 ms."""
+    sizes = []
+    for _ in range(cycles):
+        bs = ctl.choose().size
+        sizes.append(bs)
+        ctl.update(bs, accept(bs) if bs > 1 else 0, 0.010 * CURVE.ratio(bs))
+    return sizes
+
+
+def geometric(alpha: float, rng: random.Random):
+    def accept(bs: int) -> int:
+        a = 0
+        while a < bs - 1 and rng.random() < alpha:
+            a += 1
+        return a
+
+    return accept
+
+
+def switches(sizes: list[int]) -> int:
+    return sum((a == 1) != (b == 1) for a, b in zip(sizes, sizes[1:]))
+
+
+def test_falls_back_when_acceptance_is_poor_and_returns_when_it_recovers():
+    ctl = controller()
+    rng = random.Random(0)
+    poor = drive(ctl, geometric(0.1, rng), 200)
+    assert poor[-100:].count(1) >= 90  # plain decoding, with rare probes
+    assert "does not pay" in ctl.last.reason or "probing" in ctl.last.reason
+    good = drive(ctl, geometric(0.9, rng), 200)
+    assert 1 not in good[-100:]  # back to drafting, and it stays there
+    assert max(good[-100:]) >= 6  # wide blocks pay at 90 % acceptance
+
+
+def test_picks_the_size_with_the_best_expected_rate():
+    ctl = controller()
+    drive(ctl, geometric(0.6, random.Random(1)), 300)
+    rates = ctl.rates()
+    best = max((b for b in rates if b > 1), key=rates.get)
+    assert ctl.choose().size in (best, ctl.current)
+    assert rates[ctl.current] >= rates[best] / 1.05  # within the hysteresis of the best
+
+
+def test_does_not_flap_near_break_even():
+    # at alpha 0.45 E[tokens | 2] / cost(2) = 1.45 / 1.57 < 1 but wider blocks are close to 1
+    sizes = drive(controller(), geometric(0.45, random.Random(2)), 600)
+    assert switches(sizes) <= 60  # probes at most every 8 plain steps, backing off
+    steady = sizes[200:]
+    assert switches(steady) <= 2 * len(steady) // 16
+
+
+def test_measures_a_plain_step_without_a_measured_curve():
+    ctl = BlockController(BS, CostModel(CostCurve.generic(BS)))
+    sizes = drive(ctl, geometric(0.9, random.Random(3)), 10)
+    assert sizes.count(1) == 1 and ctl.cost.calibrated
+
+
+def test_cost_model_follows_measured_times_within_reason():
+    model = CostModel(CURVE)
+    for _ in range(30):
+        model.observe(1, 0.010)
+        model.observe(8, 0.022)  # a bit dearer than the prior's 1.99
+    assert model.cost(8) == pytest.approx(2.2, rel=0.01)
+    assert model.cost(5) == pytest.approx(CURVE.ratio(5), rel=0.01)  # unmeasured: the prior
+    for _ in range(30):
+        model.observe(8, 0.200)  # a loaded moment: bounded by the measured prior
+    assert model.cost(8) == pytest.approx(CURVE.ratio(8) * CostModel.TRUST)
+
+
+def test_a_load_spike_does_not_stop_paying_drafting():
+    ctl = controller()
+    rng = random.Random(4)
+    accept = geometric(0.8, rng)
+    sizes = []
+    for i in range(300):
+        bs = ctl.choose().size
+        sizes.append(bs)
+        slow = 8.0 if 100 <= i < 160 and bs > 1 else 1.0  # drafting cycles hit by other work
+        ctl.update(bs, accept(bs) if bs > 1 else 0, 0.010 * CURVE.ratio(bs) * slow)
+    assert sizes[100:].count(1) <= 3
+
+
+def test_acceptance_extrapolates_and_decays():
+    acc = Acceptance(8, decay=0.9)
+    for _ in range(40):
+        acc.observe(3, 2)  # both drafts accepted every time
+    assert acc.alphas(7)[0] > 0.95 and acc.alphas(7)[6] > 0.95  # unseen positions inherit
+    for _ in range(40):
+        acc.observe(3, 0)
+    assert acc.alphas(1)[0] < 0.1
+    assert acc.expected_tokens(1) == 1.0
+
+
+def test_cost_curve_files(tmp_path):
+    p = tmp_path / "c.json"
+    p.write_text('{"ratios": {"1": 1.0, "2": 1.4, "3": 1.5}}')
+    curve = CostCurve.load(p)
+    assert curve.measured and curve.ratio(3) == 1.5 and curve.ratio(5) == pytest.approx(1.7)
+    p.write_text("not json")
+    assert CostCurve.load(p) is None
+    assert CostCurve.load(tmp_path / "missing.json") is None
+
+
+def test_policy_auto_is_the_default_and_a_number_is_exact(tiny_pair):
+    trained = tiny_pair.drafter.config.block_size
+    assert block_size_for(tiny_pair, None) == BlockChoice(trained, auto=True)
+    assert block_size_for(tiny_pair, "auto") == BlockChoice(trained, auto=True)
+    assert block_size_for(tiny_pair, 3) == BlockChoice(3)
+    assert parse_block_size("4") == 4
+    with pytest.raises(Exception, match="--block-size must be auto or an integer"):
+        parse_block_size("wide")
+
+
+# -- exact greedy output ----------------------------------------------------------------
+
+
+class Scripted:
+    """A controller replaying fixed sizes (to force plain steps and returns to drafting)."""
+
+    def __init__(self, sizes: list[int]):
+        self.sizes, self.i = sizes, 0
+        self.last = Decision(1, "scripted")
+
+    def choose(self) -> Decision:
+        self.last = Decision(self.sizes[self.i % len(self.sizes)], "scripted")
+        self.i += 1
+        return self.last
+
+    def update(self, bs, accepted, seconds) -> None:
+        pass
+
+
+def baseline(pair, ids, n):
+    return [t for t, _ in generate_step(mx.array(ids), pair.target, max_tokens=n)]
+
+
+def tokens_of(pair, ids, cfg, **kw):
+    events = list(speculative_stream(pair, ids, cfg, **kw))
+    return [t for e in events for t in e.tokens], events[-1].stats
+
+
+PROMPTS = ["def add(a, b):", "The quick brown fox", "for i in range(10):"]
+
+
+@pytest.fixture(scope="module")
+def refs(tiny_pair):
+    return [(ids, baseline(tiny_pair, ids, 48)) for ids in map(tiny_pair.tokenizer.encode, PROMPTS)]
+
+
+def test_auto_greedy_matches_the_target(tiny_pair, refs):
+    for ids, ref in refs:
+        tokens, stats = tokens_of(tiny_pair, ids, GenerationConfig(48, use_eos=False))
+        assert tokens == ref
+        assert stats.auto and len(stats.block_sizes) == stats.cycles
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_any_block_sizes_and_pipelining_keep_greedy_exact(tiny_pair, refs, pipeline, monkeypatch):
+    monkeypatch.setattr(DraftContext, "FLUSH_AT", 5)  # also append during runs of plain steps
+    sizes = [1, 1, 3, 1, 8, 2, 1, 1, 1, 1, 1, 1, 1, 5, 8, 4]
+    for i, (ids, ref) in enumerate(refs):
+        oracle = OracleDrafter(tiny_pair.drafter, ids + ref, 320, 0.3, i)
+        for pair in (tiny_pair, with_drafter(tiny_pair, oracle)):
+            state = DecodeState(pair)
+            cfg = GenerationConfig(48, use_eos=False, pipeline=pipeline)
+            tokens, stats = tokens_of(pair, ids, cfg, state=state, controller=Scripted(sizes))
+            assert tokens == ref
+            assert 1 in stats.block_sizes and 8 in stats.block_sizes
+            assert state.draft_cache[0].offset == len(state.ids)  # deferred context appended
+
+
+def test_deferred_context_equals_the_drafted_one(tiny_pair, refs):
+    """Plain steps defer the drafter's context; once appended it holds the same K/V as when
+    every cycle drafted."""
+    ids, ref = refs[0]
+    caches = []
+    for ctl in (Scripted([1, 1, 1, 4]), Scripted([4])):
+        state = DecodeState(tiny_pair)
+        tokens_of(tiny_pair, ids, GenerationConfig(40, use_eos=False), state=state, controller=ctl)
+        c = state.draft_cache[0]
+        caches.append(c.keys[..., : c.offset, :])
+    assert caches[0].shape == caches[1].shape
+    assert mx.allclose(caches[0], caches[1], atol=1e-4).item()
+
+
+def test_auto_runs_on_a_worker_thread(tiny_pair, refs):
+    ids, ref = refs[1]
+    out = {}
+
+    def work():
+        out["tokens"] = tokens_of(tiny_pair, ids, GenerationConfig(48, use_eos=False))[0]
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join(60)
+    assert out["tokens"] == ref
+
+
+def test_cost_curve_is_measured_saved_and_used_by_auto(tiny_pair, tmp_path, monkeypatch):
+    from dflash_mac.bench.costcurve import measure, render, save
+    from dflash_mac.policy import auto_controller, cost_curve_path
+
+    monkeypatch.setenv("DFLASH_MAC_HOME", str(tmp_path))
+    pair = with_drafter(tiny_pair, tiny_pair.drafter)
+
+    def forget():
+        for k in ("_dflash_cost_model", "_dflash_controllers"):
+            pair.__dict__.pop(k, None)
+
+    forget()
+    curve = measure(pair, max_bs=3, context=16, reps=1)
+    assert set(curve["ratios"]) == {"1", "2", "3"} and curve["ratios"]["1"] == 1.0
+    assert all(curve["seconds"][b] > 0 for b in curve["seconds"])
+    assert "break-even" in render(curve)
+    assert not auto_controller(pair, 3).cost.prior.measured  # nothing saved yet: the guess
+    forget()
+    path = save(curve, cost_curve_path(pair))
+    assert path.is_relative_to(tmp_path)
+    prior = auto_controller(pair, 3).cost.prior
+    assert prior.measured and prior.ratio(3) == pytest.approx(curve["ratios"]["3"])
+
+
+def test_seeded_sampling_with_auto_is_reproducible(tiny_pair):
+    """Seeded sampling: auto decides from the prior alone, so timing cannot change the draws."""
+    ids = tiny_pair.tokenizer.encode("hello world")
+    cfg = lambda: GenerationConfig(32, sampling=SamplingParams(1.0), seed=7, use_eos=False)  # noqa: E731
+    runs = [tokens_of(tiny_pair, ids, cfg()) for _ in range(2)]
+    assert runs[0][0] == runs[1][0]
+    assert runs[0][1].block_sizes == runs[1][1].block_sizes
+
+
+def test_requests_with_the_same_setting_continue_one_controller(tiny_pair):
+    from dflash_mac.policy import auto_controller
+
+    a = auto_controller(tiny_pair, 4, setting=(0.7, 1.0, 0, 0.0))
+    assert auto_controller(tiny_pair, 4, setting=(0.7, 1.0, 0, 0.0)) is a
+    assert auto_controller(tiny_pair, 4, setting=(0.0, 1.0, 0, 0.0)) is not a
+    assert auto_controller(tiny_pair, 4, timed=False, setting=(0.7, 1.0, 0, 0.0)) is not a
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "4bit"])
+def test_cost_curve_on_a_random_shape(dtype):
+    from dflash_mac.bench.costcurve import measure
+    from dflash_mac.bench.shapes import random_pair
+
+    pair = random_pair("tiny", dtype)
+    assert pair.quantized == (dtype == "4bit")
+    curve = measure(pair, max_bs=3, context=8, reps=1)
+    assert curve["ratios"]["1"] == 1.0 and len(curve["ratios"]) == 3
+
+
+def test_a_slow_plain_step_does_not_make_drafting_look_cheap():
+    model = CostModel(CostCurve.generic(8))
+    model.observe(3, 0.016)
+    for _ in range(10):
+        model.observe(1, 0.050)  # plain steps hit by other work
+    assert model.cost(3) >= 1.0 + (CostCurve.generic(8).ratio(3) - 1.0) / (2 * CostModel.TRUST)
