@@ -7,6 +7,7 @@ to abort some exits: "terminate called without an active exception", status 134)
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
@@ -116,7 +117,8 @@ def terminal(tmp_path):
     opened: list[Terminal] = []
 
     def start(max_tokens: int) -> Terminal:
-        term = Terminal(tmp_path, f"dflash-chat-e2e-{tmp_path.name}-{len(opened)}", max_tokens)
+        name = f"dflash-chat-e2e-{os.getpid()}-{tmp_path.name}-{len(opened)}"  # unique per run
+        term = Terminal(tmp_path, name, max_tokens)
         opened.append(term)
         term.wait(lambda s: "Ready ·" in s, "the model to load", timeout=60)
         return term
