@@ -190,6 +190,7 @@ print(check.status, check.message)
 """
 
 
+@pytest.mark.slow
 def test_selftest_fails_when_weights_are_lazy_on_the_loading_thread():
     # A fresh interpreter: MLX aborts at exit after a thread hit the missing-stream error.
     r = subprocess.run(

@@ -94,8 +94,12 @@ def d2_pair(tiny_pair):
     return with_drafter(tiny_pair, d)
 
 
-@pytest.mark.parametrize("kw", [PEN, {"logit_bias": {11: 3.0, 13: -2.0}}], ids=["pen", "bias"])
-@pytest.mark.parametrize("drafter", ["dflash", "dflash2"])
+@pytest.mark.parametrize(
+    "kw",
+    [PEN, pytest.param({"logit_bias": {11: 3.0, 13: -2.0}}, marks=pytest.mark.slow)],
+    ids=["pen", "bias"],
+)
+@pytest.mark.parametrize("drafter", ["dflash", pytest.param("dflash2", marks=pytest.mark.slow)])
 def test_greedy_with_penalties_matches_mlx_lm(tiny_pair, d2_pair, kw, drafter):
     pair = tiny_pair if drafter == "dflash" else d2_pair
     for p in PROMPTS[:4]:
@@ -107,6 +111,7 @@ def test_greedy_with_penalties_matches_mlx_lm(tiny_pair, d2_pair, kw, drafter):
     assert plain.tokens != out.tokens  # the penalties changed the output
 
 
+@pytest.mark.slow
 def test_banned_token_never_appears(tiny_pair):
     """logit_bias -100 on the tokens a plain run produces most: none of them appears."""
     ids = tiny_pair.tokenizer.encode(PROMPTS[0])

@@ -73,6 +73,7 @@ def test_4bit_pair_matches_4bit_target(q4):
             assert run(oracle, ids, max_tokens=100, block_size=bs) == ref
 
 
+@pytest.mark.slow
 def test_4bit_hybrid_target_matches(hybrid_dirs):
     t, d, t4 = hybrid_dirs
     pair = load(t4, d)

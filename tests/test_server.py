@@ -176,6 +176,7 @@ def test_stop_sequence(server, client):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
 
 
+@pytest.mark.slow
 def test_seed_reproducible(server, client):
     kw = {
         "max_tokens": 12,
