@@ -7,7 +7,6 @@ streamed as NDJSON. See docs/editors.md."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import time
@@ -19,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .responses import Responder, next_item
+from .responses import Responder, next_item, start_job
 from .routes import Routes, body_of
 from .schema import APIError, GenRequest, bad, parse_chat, parse_completion
 from .worker import Job
@@ -309,15 +308,7 @@ class OllamaRoutes:
 
     async def run(self, request: Request, req: GenRequest, field: str) -> Response:
         began = time.perf_counter()
-        job = Job(req, asyncio.get_running_loop())
-        self.routes.worker.submit(job)
-        try:
-            kind, payload = await next_item(job, request)
-        except BaseException:
-            job.cancel()
-            raise
-        if kind != "ready":
-            raise payload if kind == "error" else APIError(503, "the server is shutting down.")
+        job, payload = await start_job(self.routes.worker, req, request)
         out = Responder(req, self.routes.name, payload, self.routes.tool_support.format)
         model = req.model or self.tag
         answer = Answer(out, model, field, began)

@@ -14,9 +14,9 @@ from starlette.requests import Request
 from dflash_mac import __version__
 from dflash_mac.think import ThinkSplitter
 
-from .schema import GenRequest
+from .schema import APIError, GenRequest
 from .tools import ToolFormat, ToolStream, openai_call
-from .worker import Job, Ready
+from .worker import Job, Ready, Worker
 
 FINGERPRINT = f"dflash-mac-{__version__}"
 
@@ -119,6 +119,21 @@ class Responder:
             "usage": result["usage"],
             "dflash": result["dflash"],
         }
+
+
+async def start_job(worker: Worker, req: GenRequest, request: Request) -> tuple[Job, Ready]:
+    """Queue `req` on the worker and wait until it runs: the job and its `Ready` facts. A
+    request that fails before it starts raises its `APIError`; a stopped worker, a 503."""
+    job = Job(req, asyncio.get_running_loop())
+    worker.submit(job)
+    try:
+        kind, payload = await next_item(job, request)
+    except BaseException:
+        job.cancel()
+        raise
+    if kind != "ready":
+        raise payload if kind == "error" else APIError(503, "the server is shutting down.")
+    return job, payload
 
 
 async def next_item(job: Job, request: Request | None) -> tuple[str, Any]:

@@ -4,7 +4,6 @@ Handlers only validate, queue and stream; generation runs on the worker thread."
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 from collections.abc import Awaitable, Callable
@@ -17,10 +16,10 @@ from starlette.routing import Route
 from dflash_mac.session import Session
 
 from .metrics import prometheus
-from .responses import Responder, next_item, stream_events
+from .responses import Responder, next_item, start_job, stream_events
 from .schema import APIError, GenRequest, parse_chat, parse_completion
 from .tools import ToolSupport
-from .worker import Job, Worker
+from .worker import Worker
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 Handler = Callable[[Request], Awaitable[Response]]
@@ -109,15 +108,7 @@ class Routes:
         return await self.generate(request, req)
 
     async def generate(self, request: Request, req: GenRequest) -> Response:
-        job = Job(req, asyncio.get_running_loop())
-        self.worker.submit(job)
-        try:
-            kind, payload = await next_item(job, request)
-        except BaseException:
-            job.cancel()
-            raise
-        if kind != "ready":
-            raise payload if kind == "error" else APIError(503, "the server is shutting down.")
+        job, payload = await start_job(self.worker, req, request)
         out = Responder(req, self.name, payload, self.tool_support.format)
         if req.stream:
             return StreamingResponse(
