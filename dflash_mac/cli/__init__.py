@@ -165,28 +165,26 @@ def check_reasoning(value: str | None) -> str | None:
     return value
 
 
-def parse_template_args(text: str | None) -> dict:
+def json_object(text: str | None, flag: str, example: str = "") -> dict:
+    """A flag's JSON object value ({} when absent); one sentence when it is not one."""
     if not text:
         return {}
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise prompt_error(f"--chat-template-args is not valid JSON ({e.msg}).")
+        raise prompt_error(f"{flag} is not valid JSON ({e.msg}).")
     if not isinstance(value, dict):
-        raise prompt_error("--chat-template-args must be a JSON object.")
+        raise prompt_error(f"{flag} must be a JSON object{example}.")
     return value
+
+
+def parse_template_args(text: str | None) -> dict:
+    return json_object(text, "--chat-template-args")
 
 
 def parse_logit_bias(text: str | None) -> dict[int, float]:
     """`--logit-bias '{"123": -100}'` as {token id: bias}."""
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise prompt_error(f"--logit-bias is not valid JSON ({e.msg}).")
-    if not isinstance(value, dict):
-        raise prompt_error('--logit-bias must be a JSON object like {"123": -100}.')
+    value = json_object(text, "--logit-bias", ' like {"123": -100}')
     try:
         return {int(k): float(v) for k, v in value.items()}
     except (TypeError, ValueError):
