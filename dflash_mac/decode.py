@@ -142,7 +142,7 @@ class DraftContext:
 
 @dataclass
 class Cycle:
-    """One cycle: its block, drafts and, when queued ahead, the verify verdict (lazy arrays
+    """One cycle: its block, drafts and, once queued, the verify verdict (lazy arrays
     evaluated in the background with `mx.async_eval`)."""
 
     bs: int
@@ -153,6 +153,9 @@ class Cycle:
     appended: int  # context positions the drafter pass appended first
     penalty: PenaltyContext | None = None  # penalties given the committed prefix
     verdict: tuple[mx.array, mx.array] | None = None  # (accepted drafts, bonus token)
+    # [accepted, bonus, drafts...]: what the host reads, computed with the queued work (a
+    # new op at read time would wait behind whatever was queued after this cycle)
+    outcome: mx.array | None = None
 
 
 def queue_cycle(
@@ -180,16 +183,25 @@ def queue_cycle(
         appended = ctx.flush()
         drafts, q = propose(pair, block, ctx.cache, sp, k_draft, penalty)
         c = Cycle(bs, block, drafts, q, k_verify, appended, penalty)
-    if not state.rollback.hybrid:
-        c.verdict = verify(pair, state, c, sp)
-    mx.async_eval(c.drafts, *(c.verdict or ()))
+    if state.rollback.hybrid:
+        mx.async_eval(c.drafts)
+    else:
+        queue_verify(pair, state, c, sp)
     return c
+
+
+def queue_verify(pair: Pair, state: DecodeState, c: Cycle, sp: SamplingParams) -> None:
+    """Queue the cycle's verify pass and its outcome (`mx.async_eval`)."""
+    c.verdict = acc, bonus = verify(pair, state, c, sp)
+    c.outcome = mx.concatenate([acc.reshape(1), bonus.reshape(1), c.drafts])
+    mx.async_eval(c.outcome)
 
 
 def verify(pair: Pair, state: DecodeState, c: Cycle, sp: SamplingParams):
     """One target pass over [anchor, drafts]; (accepted drafts, bonus token), lazily."""
     state.rollback.before_verify()
-    logits = pair.target(mx.concatenate([c.block[:1], c.drafts])[None], cache=state.target_cache)
+    tokens = c.block if c.bs == 1 else mx.concatenate([c.block[:1], c.drafts])
+    logits = pair.target(tokens[None], cache=state.target_cache)
     logits = logits[0]  # [bs, V]
     if c.penalty is not None:  # p gets the same penalties as q, position by position
         logits = c.penalty.apply(logits, c.drafts)
@@ -275,7 +287,9 @@ def speculative_stream(
         cycle = None  # the next cycle, queued right after the previous sync
         while out.finish_reason is None and not (should_stop and should_stop()):
             c = cycle or next_cycle(anchor, cfg.max_tokens - out.count)
-            acc, bonus = c.verdict or verify(pair, state, c, sp)
+            if c.verdict is None:  # a hybrid's verify: queued once the last rollback is done
+                queue_verify(pair, state, c, sp)
+            bonus = c.verdict[1]
             # A plain step keeps its one position whatever it samples: settle it and queue the
             # next cycle on the still-lazy token, before the sync (as mlx-lm's generate_step).
             ahead = lookahead and c.bs == 1 and cfg.max_tokens - out.count > 1
@@ -283,7 +297,7 @@ def speculative_stream(
                 settle(c, [anchor])
                 cycle = next_cycle(bonus, cfg.max_tokens - out.count - 1)
             t_host = time.perf_counter()
-            a, bonus, *drafted = mx.concatenate([acc[None], bonus.reshape(1), c.drafts]).tolist()
+            a, bonus, *drafted = c.outcome.tolist()
             committed = drafted[:a] + [bonus]  # the one host sync of the cycle, above
             t_now = time.perf_counter()
             host, seconds, t_sync = t_host - t_sync - queue_time, t_now - t_sync, t_now
