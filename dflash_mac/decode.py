@@ -13,6 +13,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from .autoblock import BlockController
 from .capture import FeatureCapture
+from .distributed.leader import facts, settle
 from .models.penalties import Penalties, PenaltyContext, draft_sequential
 from .pair import Pair
 from .policy import AUTO, auto_controller
@@ -211,7 +212,11 @@ def speculative_stream(
     plan = controller or (auto_controller(pair, bs_max, not seeded, setting) if auto else None)
     key = mx.random.key(cfg.seed if cfg.seed is not None else random.getrandbits(32))
     stats = DecodeStats(
-        bs_max, prompt_tokens=len(prompt_ids), cached_tokens=len(state.ids), auto=auto
+        bs_max,
+        prompt_tokens=len(prompt_ids),
+        cached_tokens=len(state.ids),
+        auto=auto,
+        **facts(pair.target),
     )
     out = TextStream(pair.tokenizer, cfg.stop, pair.eos_ids if cfg.use_eos else set())
     ctx = DraftContext(pair.drafter, state.draft_cache)
@@ -294,3 +299,4 @@ def speculative_stream(
     # Caches hold exactly a prefix of prompt + kept output (the last token may be pending).
     state.trim_to(len(prompt_ids) + out.count)
     mx.eval([c.state for c in state.target_cache + state.draft_cache if not c.empty()])
+    settle(pair.target, state.target_cache)  # a distributed target: every rank's cache alike
