@@ -57,6 +57,11 @@ LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
         "doctor_command",
         "Check this machine: platform, MLX, Metal, kernels, BLAS, memory, cache, self-test.",
     ),
+    "launch": (
+        "dflash_mac.cli.launch",
+        "launch",
+        "Run generate, serve or bench over several ranks (MLX distributed, sharded target).",
+    ),
     "serve": (
         "dflash_mac.serve.command",
         "serve",
@@ -290,7 +295,7 @@ def generate(
         err.print(summary_line(result), highlight=False)
 
 
-NO_MATH_COMMANDS = ("models", "pull")
+NO_MATH_COMMANDS = ("models", "pull", "launch")
 
 
 def needs_blas(argv: list[str]) -> bool:

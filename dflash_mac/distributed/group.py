@@ -16,6 +16,7 @@ import mlx.core as mx
 
 PARALLEL_ENV = "DFLASH_MAC_PARALLEL"  # tensor | pipeline (launch sets it; default: what fits)
 PARALLEL_MODES = ("tensor", "pipeline")
+READY_ENV = "DFLASH_MAC_READY_DIR"  # launch: each rank touches <dir>/<rank> once loaded
 
 HEADER = 8  # cmd, slot, trim, n, armed, free, reserved x2
 CAPACITY = 64  # tokens that ride in the packet itself; longer inputs follow in a second all_sum
@@ -60,6 +61,13 @@ def world() -> mx.distributed.Group | None:
         return None
     group = mx.distributed.init()
     return group if group.size() > 1 else None
+
+
+def mark_ready(rank: int) -> None:
+    """Tell `dflash-mac launch` (when it started us) that this rank has loaded."""
+    if folder := os.environ.get(READY_ENV):
+        with open(os.path.join(folder, str(rank)), "w"):
+            pass
 
 
 def parallel_mode() -> str | None:

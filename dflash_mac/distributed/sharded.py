@@ -14,7 +14,7 @@ from mlx import nn
 from ..capture import decoder_layers, target_head
 from ..errors import LoadError
 from ..loading import LoadedPair, PairSpec, cast_floats, default_dtype, load_drafter, materialize
-from .group import PARALLEL_MODES, parallel_mode
+from .group import PARALLEL_MODES, mark_ready, parallel_mode
 from .leader import Leader, register
 from .worker import Worker
 
@@ -134,8 +134,10 @@ def load(
             raise failure
         raise LoadError("rank 0 could not load the drafter; see its message.")
     if rank != 0:
+        mark_ready(rank)
         return Ranked(rank, worker=Worker(group, target, hidden))
     lead = Leader(group, target, mode).attach()
     register(lead)
     lead.probe(pair.block_size, hidden)
+    mark_ready(rank)
     return Ranked(0, pair=pair)
