@@ -63,8 +63,9 @@ class Facts:
 class Leader:
     """The hook state on rank 0's target: slots of the caches the workers mirror."""
 
-    def __init__(self, group: mx.distributed.Group, model: nn.Module, parallel: str):
+    def __init__(self, group: mx.distributed.Group, model: nn.Module, parallel: str, stages=None):
         self.group, self.model, self.parallel = group, model, parallel
+        self.stages = stages  # pipeline: the features gathered across stages (stages.py)
         self._slots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._held: dict[int, int] = {}  # slot -> positions the workers' cache holds
         self._freed: list[int] = []
@@ -76,6 +77,8 @@ class Leader:
     # -- the hook ------------------------------------------------------------------------
     def attach(self) -> Leader:
         object.__setattr__(self.model, "_dflash_leader", self)
+        if self.stages is not None:
+            self.stages.attach(self.model)
         self.model.__class__ = _leading_class(type(self.model))
         return self
 
@@ -99,6 +102,8 @@ class Leader:
         head = Header(Cmd.FORWARD, slot, trim, n, int(armed(model, cache)), self._next_free())
         tokens = inputs.reshape(-1)
         pkt = mx.distributed.all_sum(packet(head, tokens), group=self.group)
+        if self.stages is not None:  # rank 0's first stage op, a recv, reads no input: send now
+            mx.eval(pkt)
         if n <= CAPACITY:
             tokens = pkt[HEADER : HEADER + n]
         else:  # a long prefill chunk: the tokens follow the header, after it on every rank
@@ -106,7 +111,8 @@ class Leader:
             tokens = mx.distributed.all_sum(tokens, group=self.group)
         self._held[slot] = now + n
         self.packets += 1
-        return call(model, tokens.reshape(inputs.shape), cache=cache, **kwargs)
+        logits = call(model, tokens.reshape(inputs.shape), cache=cache, **kwargs)
+        return self.stages.gather(logits) if self.stages is not None else logits
 
     def _next_free(self) -> int:
         while self._freed:
@@ -145,7 +151,7 @@ class Leader:
 
         cache = make_prompt_cache(self.model)
         logits = self.model(mx.zeros((1, block), mx.int32), cache=cache)
-        count = count_collectives(logits)
+        count = count_collectives(logits) + (self.stages is not None)  # + the eager packet
         mx.eval(logits)
         del cache, logits
         self.send(Cmd.PROBE, n=repeats, status=block)

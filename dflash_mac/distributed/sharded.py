@@ -16,6 +16,7 @@ from ..errors import LoadError
 from ..loading import LoadedPair, PairSpec, cast_floats, default_dtype, load_drafter, materialize
 from .group import PARALLEL_MODES, mark_ready, parallel_mode
 from .leader import Leader, register
+from .stages import StageCapture
 from .worker import Worker
 
 
@@ -133,10 +134,13 @@ def load(
         if failure is not None:
             raise failure
         raise LoadError("rank 0 could not load the drafter; see its message.")
+    stages = None
+    if mode == "pipeline":
+        stages = StageCapture(target, spec.draft_config.target_layer_ids, group, hidden)
     if rank != 0:
         mark_ready(rank)
-        return Ranked(rank, worker=Worker(group, target, hidden))
-    lead = Leader(group, target, mode).attach()
+        return Ranked(rank, worker=Worker(group, target, hidden, stages))
+    lead = Leader(group, target, mode, stages).attach()
     register(lead)
     lead.probe(pair.block_size, hidden)
     mark_ready(rank)

@@ -49,6 +49,7 @@ class Worker:
     group: mx.distributed.Group
     model: nn.Module
     hidden: int
+    stages: Any = None  # pipeline: the stage capture (stages.py)
     slots: dict[int, WorkerCache] = field(default_factory=dict)
     forwards: int = 0
     wait_time: float = 0.0  # seconds blocked waiting for packets
@@ -92,6 +93,8 @@ class Worker:
             wc.rollback.before_verify()
             wc.recorded = n
         logits = self.model(tokens[None], cache=wc.cache)
+        if self.stages is not None:
+            logits = self.stages.gather(logits)
         mx.eval(logits, [c.state for c in wc.cache])
         self.forwards += 1
 
@@ -105,7 +108,3 @@ class Worker:
                         wc.close()
                     return head.status
                 self.step(head, pkt)
-
-
-def follow(group: mx.distributed.Group, model: nn.Module, hidden: int) -> Any:
-    return Worker(group, model, hidden).run()
