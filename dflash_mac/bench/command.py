@@ -205,8 +205,10 @@ def bench_command(
     """Benchmark DFlash against plain decoding of the same target, in one process."""
     from rich.console import Console
 
-    from dflash_mac.cli.terminal import block_size_policy, load_pair
+    from dflash_mac.cli.terminal import block_size_policy, follow_if_worker, load_pair
     from dflash_mac.generate import check_context, make_config, prompt_ids
+
+    follow_if_worker(model, draft)  # a distributed job's other ranks follow rank 0
 
     from .report import append_jsonl, build_report, render
     from .view import BenchView, print_acceptance

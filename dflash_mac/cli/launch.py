@@ -171,16 +171,18 @@ def describe(rank: Rank) -> str:
 
 
 def stop(ranks: list[Rank]) -> None:
-    """SIGTERM, then SIGKILL, to every rank still running (by its process group)."""
-    for sig, wait in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 2.0)):
-        alive = [r for r in ranks if r.proc.poll() is None]
+    """SIGTERM to rank 0 (it releases the workers), then to every rank still running, then
+    SIGKILL (by process group)."""
+    steps = ((ranks[:1], signal.SIGTERM, 5.0), (ranks, signal.SIGTERM, 2.0))
+    for group, sig, wait in (*steps, (ranks, signal.SIGKILL, 2.0)):
+        alive = [r for r in group if r.proc.poll() is None]
         for r in alive:
             try:
                 os.killpg(r.proc.pid, sig)
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + wait
-        while any(r.proc.poll() is None for r in alive) and time.monotonic() < deadline:
+        while any(r.proc.poll() is None for r in ranks) and time.monotonic() < deadline:
             time.sleep(0.05)
 
 
@@ -216,6 +218,10 @@ def supervise(ranks: list[Rank], ready: Path, timeout: float) -> tuple[int, str 
     first = failed or bad[0]
     code = ranks[0].proc.returncode if ranks[0].proc.returncode not in (0, None) else 1
     return (code if code > 0 else 1), f"{describe(first)}."
+
+
+def terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def launch(
@@ -257,11 +263,11 @@ def launch(
         env.append(f"{PARALLEL_ENV}={parallel}")
     with tempfile.TemporaryDirectory(prefix="dflash-launch-") as tmp:
         ranks = start(host_list, ring, command, env, python, Path(tmp), verbose)
+        signal.signal(signal.SIGTERM, terminated)
         try:
             code, why = supervise(ranks, Path(tmp), timeout)
-        except KeyboardInterrupt:
+        finally:  # Ctrl-C, SIGTERM: the ranks go too
             stop(ranks)
-            raise
     if why:
         err.print(f"[bold red]error:[/] {why}", highlight=False)
     raise typer.Exit(code)

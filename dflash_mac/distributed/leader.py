@@ -112,7 +112,14 @@ class Leader:
         self._held[slot] = now + n
         self.packets += 1
         logits = call(model, tokens.reshape(inputs.shape), cache=cache, **kwargs)
-        return self.stages.gather(logits) if self.stages is not None else logits
+        if self.stages is not None:
+            logits = self.stages.gather(logits)
+        # A caller that evaluates only the caches (mlx-lm's prefill does) must still run the
+        # last layer's collectives, as the workers do: tie the last cache to the logits.
+        last = cache[-1]
+        if isinstance(getattr(last, "keys", None), mx.array):
+            last.keys = mx.depends(last.keys, logits)
+        return logits
 
     def _next_free(self) -> int:
         while self._freed:
