@@ -261,7 +261,7 @@ def launch(
     ring = ring_file(host_list, starting_port)
     if parallel:
         env.append(f"{PARALLEL_ENV}={parallel}")
-    with tempfile.TemporaryDirectory(prefix="dflash-launch-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"dflash-launch-{os.getpid()}-") as tmp:
         ranks = start(host_list, ring, command, env, python, Path(tmp), verbose)
         signal.signal(signal.SIGTERM, terminated)
         try:
