@@ -220,8 +220,11 @@ def supervise(ranks: list[Rank], ready: Path, timeout: float) -> tuple[int, str 
     return (code if code > 0 else 1), f"{describe(first)}."
 
 
-def terminated(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
+def forward_term(ranks: list[Rank]) -> None:
+    """SIGTERM to the launcher: rank 0 stops as it would alone (serve finishes cleanly) and
+    releases the workers; the job's status is theirs."""
+    if ranks[0].proc.poll() is None:
+        os.killpg(ranks[0].proc.pid, signal.SIGTERM)
 
 
 def launch(
@@ -263,7 +266,7 @@ def launch(
         env.append(f"{PARALLEL_ENV}={parallel}")
     with tempfile.TemporaryDirectory(prefix=f"dflash-launch-{os.getpid()}-") as tmp:
         ranks = start(host_list, ring, command, env, python, Path(tmp), verbose)
-        signal.signal(signal.SIGTERM, terminated)
+        signal.signal(signal.SIGTERM, lambda *_: forward_term(ranks))
         try:
             code, why = supervise(ranks, Path(tmp), timeout)
         finally:  # Ctrl-C, SIGTERM: the ranks go too
