@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
@@ -13,7 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from .autoblock import BlockController
 from .capture import FeatureCapture
-from .distributed.leader import facts, settle
+from .distributed.leader import facts, idle, settle
 from .models.penalties import Penalties, PenaltyContext, draft_sequential
 from .pair import Pair
 from .policy import AUTO, auto_controller
@@ -191,6 +192,15 @@ def verify(pair: Pair, state: DecodeState, c: Cycle, sp: SamplingParams):
     return accept_sampled(c.drafts, c.q, probabilities(logits, sp), c.key)
 
 
+@contextmanager
+def closing(target, done: Callable):
+    """Call `done(target)` however the block ends (an error, a stream closed early)."""
+    try:
+        yield
+    finally:
+        done(target)
+
+
 def speculative_stream(
     pair: Pair,
     prompt_ids: list[int],
@@ -237,6 +247,7 @@ def speculative_stream(
         FeatureCapture(pair.target, pair.layer_ids) as cap,
         state.rollback.hooks(),
         mx.stream(generation_stream),
+        closing(pair.target, idle),
     ):
         t0 = time.perf_counter()
         logits = prefill(pair, state, prompt_ids, cap, cfg.prefill_step_size)

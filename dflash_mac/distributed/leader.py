@@ -20,6 +20,7 @@ import mlx.core as mx
 from mlx import nn
 
 from .group import CAPACITY, HEADER, Cmd, Header, count_collectives, packet
+from .watchdog import Watchdog
 
 _LEADING: dict[type, type] = {}
 
@@ -73,6 +74,7 @@ class Leader:
         self.facts = Facts(group.size(), parallel, 0, 0.0)
         self.packets = 0
         self.stopped = False
+        self.watchdog = Watchdog(group.rank())
 
     # -- the hook ------------------------------------------------------------------------
     def attach(self) -> Leader:
@@ -96,6 +98,7 @@ class Leader:
             raise ValueError("a distributed target runs with a cache.")
         from ..hybrid import armed
 
+        self.watchdog.arm()  # re-armed by every forward; disarmed when the request ends
         slot, now, n = self.slot(cache), cache_length(cache), inputs.shape[-1]
         trim = self._held.get(slot, 0) - now
         assert trim >= 0, "the leader's cache grew without a forward pass"
@@ -137,7 +140,9 @@ class Leader:
             trim = self._held[slot] - cache_length(cache)
             self._held[slot] -= trim
         head = Header(cmd, slot, trim, n, 0, self._next_free(), status)
+        self.watchdog.arm()
         mx.eval(mx.distributed.all_sum(packet(head), group=self.group))
+        self.watchdog.disarm()
         self.packets += 1
 
     def settle(self, cache: list[Any]) -> None:
@@ -145,6 +150,7 @@ class Leader:
         slot = self._slots.get(cache[0])
         if slot and self._held.get(slot, 0) != cache_length(cache):
             self.send(Cmd.SYNC, cache)
+        self.watchdog.disarm()
 
     def stop(self, status: int = 0) -> None:
         """Release the workers (they exit with `status`); idempotent."""
@@ -168,6 +174,7 @@ class Leader:
             mx.eval(mx.distributed.all_sum(x, group=self.group))
         ms = 1000 * (time.perf_counter() - t) / repeats
         self.facts = Facts(self.group.size(), self.parallel, count, ms)
+        self.watchdog.disarm()
         return self.facts
 
 
@@ -185,6 +192,12 @@ def settle(model: nn.Module, cache: list[Any]) -> None:
     """After a request: every rank's copy of `cache` at the same length (no-op alone)."""
     if (lead := leader_of(model)) is not None:
         lead.settle(cache)
+
+
+def idle(model: nn.Module) -> None:
+    """A request ended (also by an error or a closed stream): nothing is in flight any more."""
+    if (lead := leader_of(model)) is not None:
+        lead.watchdog.disarm()
 
 
 _ACTIVE: list[Leader] = []

@@ -19,6 +19,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..rollback import TargetRollback
 from .group import CAPACITY, HEADER, PACKET, Cmd, Header
+from .watchdog import Watchdog
 
 
 class WorkerCache:
@@ -53,6 +54,7 @@ class Worker:
     slots: dict[int, WorkerCache] = field(default_factory=dict)
     forwards: int = 0
     wait_time: float = 0.0  # seconds blocked waiting for packets
+    watchdog: Watchdog | None = None
 
     @property
     def rank(self) -> int:
@@ -92,14 +94,17 @@ class Worker:
         if head.armed:
             wc.rollback.before_verify()
             wc.recorded = n
+        self.watchdog.arm()
         logits = self.model(tokens[None], cache=wc.cache)
         if self.stages is not None:
             logits = self.stages.gather(logits)
         mx.eval(logits, [c.state for c in wc.cache])
+        self.watchdog.disarm()
         self.forwards += 1
 
     def run(self) -> int:
         """Follow packets until STOP; returns the exit status the leader sent."""
+        self.watchdog = self.watchdog or Watchdog(self.rank)
         with mx.stream(generation_stream):
             while True:
                 head, pkt = self.receive()
