@@ -47,6 +47,7 @@ def header(pair: Pair) -> dict:
     from mlx.utils import tree_flatten
 
     from dflash_mac import __version__
+    from dflash_mac.distributed.leader import facts as distributed_facts
     from dflash_mac.platform import cpu_name, machine_summary
 
     def nbytes(model: Any) -> int:
@@ -70,6 +71,7 @@ def header(pair: Pair) -> dict:
         "dtype": str(floats[0]).replace("mlx.core.", "") if floats else "?",
         "target_weight_bytes": nbytes(pair.target),
         "drafter_weight_bytes": nbytes(pair.drafter),
+        **distributed_facts(pair.target),  # ranks, parallel, collectives (a sharded target)
     }
 
 

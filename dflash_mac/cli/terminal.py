@@ -125,6 +125,15 @@ def summary_line(result: GenerationResult) -> str:
     )
 
 
+def distributed_line(s: Any) -> str:
+    """Ranks, parallel mode and the collectives of each cycle (a distributed target)."""
+    return (
+        f"[dim]distributed[/] {s.ranks} ranks · {s.parallel} parallel · "
+        f"{s.collectives_per_cycle} collectives per cycle · "
+        f"~{s.collective_ms_per_cycle:.2f} ms in collectives per cycle (start-up probe)"
+    )
+
+
 def print_stats(pair: Pair, result: GenerationResult, console: Console = err) -> None:
     from dflash_mac.platform import blas_in_use, device_name
 
@@ -154,6 +163,8 @@ def print_stats(pair: Pair, result: GenerationResult, console: Console = err) ->
         f"[dim]drafter[/] {pair.kind} · kernels {kernels} · {device_name()} · "
         f"BLAS {blas_in_use()} · peak memory {s.peak_memory_gb:.3f} GB"
     )
+    if s.ranks > 1:
+        console.print(distributed_line(s))
     console.print("[dim]acceptance histogram (tokens per cycle)[/]")
     for row in bars(s.histogram):
         console.print(row, highlight=False)

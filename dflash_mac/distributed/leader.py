@@ -169,6 +169,7 @@ class Leader:
         del cache, logits
         self.send(Cmd.PROBE, n=repeats, status=block)
         x = mx.zeros((1, block, hidden))
+        mx.eval(mx.distributed.all_sum(x, group=self.group))  # warm-up, not timed
         t = time.perf_counter()
         for _ in range(repeats):
             mx.eval(mx.distributed.all_sum(x, group=self.group))

@@ -81,7 +81,7 @@ class Worker:
             wc.trim(head.trim)
         if head.cmd == Cmd.PROBE:
             x = mx.zeros((1, head.status, self.hidden))
-            for _ in range(head.n):
+            for _ in range(head.n + 1):  # the leader's warm-up, then its timed repeats
                 mx.eval(mx.distributed.all_sum(x, group=self.group))
             return
         if head.cmd != Cmd.FORWARD:
