@@ -41,6 +41,16 @@ class Rank:
     host: str
     proc: subprocess.Popen
     relays: list[threading.Thread] = field(default_factory=list)
+    own_group: bool = True  # started in a process group of its own
+
+    def signal(self, sig: int) -> None:
+        try:
+            if self.own_group:
+                os.killpg(self.proc.pid, sig)
+            else:
+                self.proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
 
     @property
     def local(self) -> bool:
@@ -144,17 +154,19 @@ def start(hosts, ring, args, env_extra, python, ready: Path, verbose: bool) -> l
             )
             cmd = ["ssh", "-tt", "-o", "LogLevel=QUIET", h.ssh_hostname, script]
             env = dict(os.environ)
+        screen = i == 0 and args[0] == "chat"  # the chat UI needs the terminal itself
         proc = subprocess.Popen(
             cmd,
             env=env,
-            stdin=subprocess.DEVNULL,
+            stdin=None if screen else subprocess.DEVNULL,
             stdout=None if i == 0 else subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
+            stderr=None if screen else subprocess.PIPE,
+            start_new_session=not screen,
         )
-        rank = Rank(i, h.ssh_hostname, proc)
+        rank = Rank(i, h.ssh_hostname, proc, own_group=not screen)
         prefix = "" if i == 0 else f"[rank {i}] "
-        pipes = [(proc.stderr, sys.stderr)] + ([(proc.stdout, sys.stdout)] if i else [])
+        pipes = [] if screen else [(proc.stderr, sys.stderr)]
+        pipes += [(proc.stdout, sys.stdout)] if i else []
         for stream, out in pipes:
             t = threading.Thread(target=relay, args=(stream, out, prefix, verbose), daemon=True)
             t.start()
@@ -177,10 +189,7 @@ def stop(ranks: list[Rank]) -> None:
     for group, sig, wait in (*steps, (ranks, signal.SIGKILL, 2.0)):
         alive = [r for r in group if r.proc.poll() is None]
         for r in alive:
-            try:
-                os.killpg(r.proc.pid, sig)
-            except ProcessLookupError:
-                pass
+            r.signal(sig)
         deadline = time.monotonic() + wait
         while any(r.proc.poll() is None for r in ranks) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -224,7 +233,7 @@ def forward_term(ranks: list[Rank]) -> None:
     """SIGTERM to the launcher: rank 0 stops as it would alone (serve finishes cleanly) and
     releases the workers; the job's status is theirs."""
     if ranks[0].proc.poll() is None:
-        os.killpg(ranks[0].proc.pid, signal.SIGTERM)
+        ranks[0].signal(signal.SIGTERM)
 
 
 def launch(
