@@ -182,3 +182,36 @@ def test_killed_worker_stops_the_leader(tmp_path):
     assert "rank 0 lost the connection to rank 1 (it exited or is unreachable)." in err
     assert "rank 1 was killed by SIGKILL." in err
     assert "Traceback" not in err
+
+
+def test_busy_port_and_lost_rank_sentences(monkeypatch, tmp_path):
+    import socket
+
+    from dflash_mac.distributed.group import join_error, lost_peer_message
+
+    hosts, _, _ = hosts_from(2, None)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        with pytest.raises(LaunchError) as e:
+            ring_file(hosts, port)
+    assert str(e.value) == f"port {port} on 127.0.0.1 is busy; pass another --starting-port."
+    hostfile = tmp_path / "ring.json"
+    hostfile.write_text(json.dumps([["127.0.0.1:5000"], ["127.0.0.1:5001"]]))
+    monkeypatch.setenv("MLX_RANK", "1")
+    monkeypatch.setenv("MLX_HOSTFILE", str(hostfile))
+    err = join_error(RuntimeError("[ring] Couldn't bind socket (error: 98)"))
+    assert str(err) == "rank 1 could not listen on 127.0.0.1:5001: the port is busy."
+    assert lost_peer_message(ValueError("other")) is None
+
+
+def test_doctor_memory_per_rank():
+    from dflash_mac.cli.doctor import memory_need_gb, memory_per_rank_gb
+    from dflash_mac.registry import load_registry
+
+    entry = load_registry().get("qwen3-8b")
+    one = memory_need_gb(entry, 4096)
+    two = memory_per_rank_gb(entry, 4096, 2)
+    assert two["worker"] == pytest.approx((one["target"] + one["kv"]) / 2 + one["overhead"])
+    assert two["rank0"] == pytest.approx(two["worker"] + one["drafter"])
+    assert two["rank0"] < one["total"]

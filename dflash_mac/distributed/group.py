@@ -59,8 +59,29 @@ def world() -> mx.distributed.Group | None:
     """The job's group when this process is one of several ranks, else None."""
     if not launched():
         return None
-    group = mx.distributed.init()
+    try:
+        group = mx.distributed.init()
+    except RuntimeError as e:
+        raise join_error(e) from None
     return group if group.size() > 1 else None
+
+
+def join_error(e: RuntimeError) -> Exception:
+    """One sentence for a rank that could not join the job (the ring backend's errors)."""
+    from ..errors import LoadError
+
+    rank = os.environ.get("MLX_RANK", "?")
+    if "bind" in str(e):
+        where = "its ring port"
+        try:
+            import json
+
+            with open(os.environ["MLX_HOSTFILE"]) as f:
+                where = ", ".join(json.load(f)[int(rank)])
+        except (KeyError, OSError, ValueError, IndexError):
+            pass
+        return LoadError(f"rank {rank} could not listen on {where}: the port is busy.")
+    return LoadError(f"rank {rank} could not join the distributed job ({e}).")
 
 
 def mark_ready(rank: int) -> None:
