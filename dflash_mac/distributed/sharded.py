@@ -119,12 +119,12 @@ def load(
     if rank == 0:
         try:
             drafter = load_drafter(spec.draft_path, spec.draft_config, dtype)
+            full_head = [head.lm_head] if isinstance(head.lm_head, nn.Module) else []
+            for m in full_head:  # a head mlx-lm sharded is no longer in the model: cast it too
+                if dtype is not None:
+                    cast_floats(m, dtype)
             drafter.bind(head)
-            materialize(
-                drafter,
-                head.embed,
-                *([head.lm_head] if isinstance(head.lm_head, nn.Module) else []),
-            )
+            materialize(drafter, head.embed, *full_head)
             pair = spec.pair(target, drafter, tokenizer, block_size)
         except Exception as e:  # told to the workers below, then raised here
             failure = e
