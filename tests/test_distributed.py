@@ -215,3 +215,21 @@ def test_doctor_memory_per_rank():
     assert two["worker"] == pytest.approx((one["target"] + one["kv"]) / 2 + one["overhead"])
     assert two["rank0"] == pytest.approx(two["worker"] + one["drafter"])
     assert two["rank0"] < one["total"]
+
+
+def test_unreachable_host(tmp_path, monkeypatch):
+    """A host that ssh cannot reach is named in one sentence, before any rank starts."""
+    from dflash_mac.cli.launch import check_reachable
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "ssh").write_text(
+        "#!/bin/sh\necho 'ssh: connect to host mac-2 port 22: No route' >&2\nexit 255\n"
+    )
+    (fake / "ssh").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
+    with pytest.raises(LaunchError) as e:
+        check_reachable("mac-2")
+    assert str(e.value) == (
+        "host mac-2 is unreachable over ssh (ssh: connect to host mac-2 port 22: No route)."
+    )

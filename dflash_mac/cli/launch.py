@@ -22,7 +22,7 @@ from pathlib import Path
 
 import typer
 
-from dflash_mac.distributed.group import READY_ENV
+from dflash_mac.distributed.group import READY_ENV, READY_LINE
 from dflash_mac.errors import UserError
 
 LOCAL = ("127.0.0.1", "localhost", "::1")
@@ -125,9 +125,17 @@ def ring_file(hosts: list, starting_port: int | None) -> list[list[str]]:
     return ring
 
 
-def relay(stream, out, prefix: str, verbose: bool) -> None:
-    """Copy a rank's output line by line; the ring backend's socket chatter only if verbose."""
+def relay(stream, out, prefix: str, verbose: bool, skip: int = 0, ready: Path | None = None):
+    """Copy a rank's output line by line; the ring backend's socket chatter only if verbose;
+    `skip` first lines dropped (MLX's remote launch script prints its PID file first); a
+    remote rank's ready line becomes its ready file in `ready`."""
     for line in iter(stream.readline, b""):
+        if skip and (line.startswith(b"stty:") or b" " not in line.strip()):
+            skip -= line.startswith(b"/")  # the PID file's path; stty's complaint without a tty
+            continue
+        if ready is not None and line.startswith(READY_LINE.encode()):
+            (ready / line.split()[-1].decode()).touch()
+            continue
         if not verbose and line.startswith(b"[ring]"):
             continue
         out.buffer.write(prefix.encode() + line if prefix else line)
@@ -154,21 +162,26 @@ def start(hosts, ring, args, env_extra, python, ready: Path, verbose: bool) -> l
             )
             cmd = ["ssh", "-tt", "-o", "LogLevel=QUIET", h.ssh_hostname, script]
             env = dict(os.environ)
-        screen = i == 0 and args[0] == "chat"  # the chat UI needs the terminal itself
+        local = h.ssh_hostname in LOCAL
+        screen = i == 0 and local and args[0] == "chat"  # the chat UI needs the terminal
         proc = subprocess.Popen(
             cmd,
             env=env,
             stdin=None if screen else subprocess.DEVNULL,
-            stdout=None if i == 0 else subprocess.PIPE,
+            stdout=None if i == 0 and local else subprocess.PIPE,
             stderr=None if screen else subprocess.PIPE,
             start_new_session=not screen,
         )
         rank = Rank(i, h.ssh_hostname, proc, own_group=not screen)
         prefix = "" if i == 0 else f"[rank {i}] "
-        pipes = [] if screen else [(proc.stderr, sys.stderr)]
-        pipes += [(proc.stdout, sys.stdout)] if i else []
-        for stream, out in pipes:
-            t = threading.Thread(target=relay, args=(stream, out, prefix, verbose), daemon=True)
+        pipes = [] if screen else [(proc.stderr, sys.stderr, 0)]
+        pipes += [] if i == 0 and local else [(proc.stdout, sys.stdout, 0 if local else 1)]
+        for stream, out, skip in pipes:
+            t = threading.Thread(
+                target=relay,
+                args=(stream, out, prefix, verbose, skip, None if local else Path(ready)),
+                daemon=True,
+            )
             t.start()
             rank.relays.append(t)
         ranks.append(rank)

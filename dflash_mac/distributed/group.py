@@ -84,11 +84,21 @@ def join_error(e: RuntimeError) -> Exception:
     return LoadError(f"rank {rank} could not join the distributed job ({e}).")
 
 
+READY_LINE = "DFLASH_MAC_READY"  # on stderr, for a launcher on another host
+
+
 def mark_ready(rank: int) -> None:
-    """Tell `dflash-mac launch` (when it started us) that this rank has loaded."""
-    if folder := os.environ.get(READY_ENV):
+    """Tell `dflash-mac launch` (when it started us) that this rank has loaded: a file in its
+    folder when on the same host, a line on stderr when it reaches us over ssh."""
+    folder = os.environ.get(READY_ENV)
+    if folder and os.path.isdir(folder):
         with open(os.path.join(folder, str(rank)), "w"):
             pass
+    elif folder:
+        import sys
+
+        sys.stderr.write(f"{READY_LINE} {rank}\n")
+        sys.stderr.flush()
 
 
 def parallel_mode() -> str | None:
