@@ -60,7 +60,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
     "launch": (
         "dflash_mac.cli.launch",
         "launch",
-        "Run generate, serve or bench over several ranks (MLX distributed, sharded target).",
+        "Run generate, serve, chat or bench over several ranks (MLX distributed, sharded target).",
     ),
     "serve": (
         "dflash_mac.serve.command",

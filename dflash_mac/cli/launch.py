@@ -261,15 +261,20 @@ def launch(
         None, "--parallel", help="tensor or pipeline (default: tensor where the model has it)."
     ),
     timeout: float = typer.Option(120.0, "--timeout", help="Seconds for every rank to load."),
+    stall: float = typer.Option(
+        60.0, "--stall-timeout", help="Seconds a rank may wait in one collective, then it stops."
+    ),
     starting_port: int | None = typer.Option(
         None, "--starting-port", help="First ring port (default: free ports on loopback)."
     ),
     python: str = typer.Option(sys.executable, "--python", help="Python on every host."),
     verbose: bool = typer.Option(False, "--verbose", help="Show the ring backend's messages."),
 ) -> None:
-    """Run a dflash-mac command (generate, serve, bench) as the ranks of an MLX distributed
-    job: the target sharded over the ranks, the drafter on rank 0."""
+    """Run generate, serve, chat or bench over several ranks (MLX distributed, sharded target).
+
+    The target is sharded over the ranks, the drafter runs on rank 0 (docs/distributed.md)."""
     from dflash_mac.distributed.group import PARALLEL_ENV, PARALLEL_MODES
+    from dflash_mac.distributed.watchdog import STALL_ENV
 
     from . import err
 
@@ -286,6 +291,7 @@ def launch(
     ring = ring_file(host_list, starting_port)
     if parallel:
         env.append(f"{PARALLEL_ENV}={parallel}")
+    env.append(f"{STALL_ENV}={stall:g}")
     with tempfile.TemporaryDirectory(prefix=f"dflash-launch-{os.getpid()}-") as tmp:
         ranks = start(host_list, ring, command, env, python, Path(tmp), verbose)
         signal.signal(signal.SIGTERM, lambda *_: forward_term(ranks))
