@@ -125,11 +125,48 @@ def ring_file(hosts: list, starting_port: int | None) -> list[list[str]]:
     return ring
 
 
-def relay(stream, out, prefix: str, verbose: bool, skip: int = 0, ready: Path | None = None):
+@dataclass
+class Errors:
+    """The ranks' error sentences: rank 0's pass through; a worker's are held and shown at
+    the end unless rank 0 said the same (all ranks refuse a bad flag alike)."""
+
+    leader: set[bytes] = field(default_factory=set)
+    held: list[tuple[str, bytes]] = field(default_factory=list)
+
+    def take(self, prefix: str, line: bytes) -> bool:
+        """True when `line` is held back here."""
+        if not line.startswith(b"error:"):
+            return False
+        if not prefix:
+            self.leader.add(line.strip())
+            return False
+        self.held.append((prefix, line))
+        return True
+
+    def flush(self, out) -> bool:
+        """Show the held worker errors that rank 0 did not print; whether any error showed."""
+        shown = [(p, line) for p, line in self.held if line.strip() not in self.leader]
+        for prefix, line in shown:
+            out.buffer.write(prefix.encode() + line)
+        out.buffer.flush()
+        return bool(shown or self.leader)
+
+
+def relay(
+    stream,
+    out,
+    prefix: str,
+    verbose: bool,
+    skip: int = 0,
+    ready: Path | None = None,
+    errors: Errors | None = None,
+):
     """Copy a rank's output line by line; the ring backend's socket chatter only if verbose;
     `skip` first lines dropped (MLX's remote launch script prints its PID file first); a
     remote rank's ready line becomes its ready file in `ready`."""
     for line in iter(stream.readline, b""):
+        if errors is not None and out is sys.stderr and errors.take(prefix, line):
+            continue
         if skip and (line.startswith(b"stty:") or b" " not in line.strip()):
             skip -= line.startswith(b"/")  # the PID file's path; stty's complaint without a tty
             continue
@@ -142,7 +179,9 @@ def relay(stream, out, prefix: str, verbose: bool, skip: int = 0, ready: Path | 
         out.buffer.flush()
 
 
-def start(hosts, ring, args, env_extra, python, ready: Path, verbose: bool) -> list[Rank]:
+def start(
+    hosts, ring, args, env_extra, python, ready: Path, verbose: bool, errors: Errors
+) -> list[Rank]:
     from mlx._distributed_utils.launch import RemoteProcess
 
     ranks: list[Rank] = []
@@ -179,7 +218,7 @@ def start(hosts, ring, args, env_extra, python, ready: Path, verbose: bool) -> l
         for stream, out, skip in pipes:
             t = threading.Thread(
                 target=relay,
-                args=(stream, out, prefix, verbose, skip, None if local else Path(ready)),
+                args=(stream, out, prefix, verbose, skip, None if local else ready, errors),
                 daemon=True,
             )
             t.start()
@@ -293,12 +332,15 @@ def launch(
         env.append(f"{PARALLEL_ENV}={parallel}")
     env.append(f"{STALL_ENV}={stall:g}")
     with tempfile.TemporaryDirectory(prefix=f"dflash-launch-{os.getpid()}-") as tmp:
-        ranks = start(host_list, ring, command, env, python, Path(tmp), verbose)
+        errors = Errors()
+        ranks = start(host_list, ring, command, env, python, Path(tmp), verbose, errors)
         signal.signal(signal.SIGTERM, lambda *_: forward_term(ranks))
         try:
             code, why = supervise(ranks, Path(tmp), timeout)
         finally:  # Ctrl-C, SIGTERM: the ranks go too
             stop(ranks)
-    if why:
+    said = errors.flush(sys.stderr)
+    killed = any((r.proc.returncode or 0) < 0 for r in ranks)
+    if why and (killed or not said or "not ready" in why):  # else the ranks said why
         err.print(f"[bold red]error:[/] {why}", highlight=False)
     raise typer.Exit(code)
