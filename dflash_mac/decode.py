@@ -14,12 +14,19 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from .autoblock import BlockController
 from .capture import FeatureCapture
-from .distributed.leader import facts, idle, settle
+from .distributed import leader as mirror
 from .models.penalties import Penalties, PenaltyContext, draft_sequential
 from .pair import Pair
 from .policy import AUTO, auto_controller
 from .rollback import TargetRollback, trim_caches
-from .sampling import SamplingParams, accept_greedy, accept_sampled, probabilities, sample
+from .sampling import (
+    SamplingParams,
+    accept_greedy,
+    accept_sampled,
+    probabilities,
+    sample,
+    sample_logits,
+)
 from .stats import DecodeStats
 from .textstream import TextStream
 
@@ -155,20 +162,23 @@ def queue_cycle(
     state: DecodeState,
     ctx: DraftContext,
     bs: int,
-    anchor: int,
+    anchor: int | mx.array,
     sp: SamplingParams,
     key: mx.array,
     pen: Penalties | None = None,
 ):
     """Start a cycle: the drafter pass for `[anchor, MASK...]` (none at block 1) and, unless
     the target is a hybrid (whose rollback must watch its verify), the verify pass behind it,
-    all queued on the device while the host works. Needs the previous cycle rolled back."""
-    k_draft, k_verify = mx.random.split(key)
-    block = mx.array([anchor] + [pair.drafter.config.mask_token_id] * (bs - 1))
+    all queued on the device while the host works. Needs the previous cycle rolled back.
+    The anchor may still be lazy (the token of a plain step not yet read back)."""
+    first = mx.array(anchor).astype(mx.int32).reshape(1)
     penalty = pen.bind(state.ids[-pen.context_size :] + [anchor]) if pen else None
-    if bs == 1:  # a plain target step
-        c = Cycle(1, block, mx.zeros((0,), mx.int32), None, k_verify, 0, penalty)
+    if bs == 1:  # a plain target step: no drafts, no split of the key
+        c = Cycle(1, first, mx.zeros((0,), mx.int32), None, key, 0, penalty)
     else:
+        k_draft, k_verify = mx.random.split(key)
+        masks = mx.array([pair.drafter.config.mask_token_id] * (bs - 1), mx.int32)
+        block = mx.concatenate([first, masks])
         appended = ctx.flush()
         drafts, q = propose(pair, block, ctx.cache, sp, k_draft, penalty)
         c = Cycle(bs, block, drafts, q, k_verify, appended, penalty)
@@ -188,7 +198,7 @@ def verify(pair: Pair, state: DecodeState, c: Cycle, sp: SamplingParams):
     if sp.greedy:
         return accept_greedy(c.drafts, logits)
     if c.bs == 1:
-        return mx.array(0), sample(probabilities(logits, sp), key=c.key)
+        return mx.array(0), sample_logits(logits, sp, c.key)
     return accept_sampled(c.drafts, c.q, probabilities(logits, sp), c.key)
 
 
@@ -220,13 +230,13 @@ def speculative_stream(
     seeded = cfg.seed is not None and not sp.greedy  # same seed, same text: timing-free sizes
     setting = (sp.temperature, sp.top_p, sp.top_k, sp.min_p)
     plan = controller or (auto_controller(pair, bs_max, not seeded, setting) if auto else None)
-    key = mx.random.key(cfg.seed if cfg.seed is not None else random.getrandbits(32))
+    rng = random.Random(cfg.seed)  # each cycle's key from the host: no device work for it
     stats = DecodeStats(
         bs_max,
         prompt_tokens=len(prompt_ids),
         cached_tokens=len(state.ids),
         auto=auto,
-        **facts(pair.target),
+        **mirror.facts(pair.target),
     )
     out = TextStream(pair.tokenizer, cfg.stop, pair.eos_ids if cfg.use_eos else set())
     ctx = DraftContext(pair.drafter, state.draft_cache)
@@ -234,20 +244,28 @@ def speculative_stream(
 
     queue_time = 0.0  # spent queueing device work (blocks where MLX throttles, as on CPU)
 
-    def next_cycle(anchor: int, room: int) -> Cycle:
-        nonlocal key, queue_time
+    def next_cycle(anchor: int | mx.array, room: int) -> Cycle:
+        nonlocal queue_time
         t = time.perf_counter()
-        key, sub = mx.random.split(key)
+        key = mx.random.key(rng.getrandbits(32))
         bs = plan.choose().size if plan else bs_max
-        c = queue_cycle(pair, state, ctx, max(1, min(bs, room)), anchor, sp, sub, pen)
+        c = queue_cycle(pair, state, ctx, max(1, min(bs, room)), anchor, sp, key, pen)
         queue_time += time.perf_counter() - t
         return c
+
+    def settle(c: Cycle, kept: list[int]) -> None:
+        """Roll back a cycle's rejected positions; its kept features go to the drafter."""
+        state.rollback.rollback(c.bs - len(kept), len(kept) - 1)
+        ctx.add(cap.features()[:, : len(kept)])
+        state.ids += kept
+
+    lookahead = cfg.pipeline and pen is None  # penalties need the committed ids on the host
 
     with (
         FeatureCapture(pair.target, pair.layer_ids) as cap,
         state.rollback.hooks(),
         mx.stream(generation_stream),
-        closing(pair.target, idle),
+        closing(pair.target, mirror.idle),
     ):
         t0 = time.perf_counter()
         logits = prefill(pair, state, prompt_ids, cap, cfg.prefill_step_size)
@@ -256,8 +274,7 @@ def speculative_stream(
         if sp.greedy:
             anchor = mx.argmax(logits).item()
         else:
-            key, sub = mx.random.split(key)
-            anchor = sample(probabilities(logits, sp), key=sub).item()
+            anchor = sample_logits(logits, sp, mx.random.key(rng.getrandbits(32))).item()
         t_decode = t_sync = time.perf_counter()
         stats = replace(
             stats,
@@ -272,20 +289,26 @@ def speculative_stream(
         while out.finish_reason is None and not (should_stop and should_stop()):
             c = cycle or next_cycle(anchor, cfg.max_tokens - out.count)
             acc, bonus = c.verdict or verify(pair, state, c, sp)
+            # A plain step keeps its one position whatever it samples: settle it and queue the
+            # next cycle on the still-lazy token, before the sync (as mlx-lm's generate_step).
+            ahead = lookahead and c.bs == 1 and cfg.max_tokens - out.count > 1
+            if ahead:
+                settle(c, [anchor])
+                cycle = next_cycle(bonus, cfg.max_tokens - out.count - 1)
             t_host = time.perf_counter()
             a, bonus, *drafted = mx.concatenate([acc[None], bonus.reshape(1), c.drafts]).tolist()
             committed = drafted[:a] + [bonus]  # the one host sync of the cycle, above
             t_now = time.perf_counter()
             host, seconds, t_sync = t_host - t_sync - queue_time, t_now - t_sync, t_now
             queue_time = 0.0
-            state.rollback.rollback(c.bs - a - 1, a)
-            ctx.add(cap.features()[:, : a + 1])
-            state.ids += [anchor] + committed[:-1]
+            if not ahead:
+                settle(c, [anchor] + committed[:-1])
             anchor = committed[-1]
             if plan:
                 plan.update(c.bs, a, seconds if c.appended <= c.bs else None)
             room = cfg.max_tokens - out.count - len(committed)
-            cycle = next_cycle(anchor, room) if cfg.pipeline and room > 0 else None
+            if not ahead:
+                cycle = next_cycle(anchor, room) if cfg.pipeline and room > 0 else None
             before = out.count
             text = out.push(committed, cfg.max_tokens)
             stats = replace(
@@ -310,4 +333,4 @@ def speculative_stream(
     # Caches hold exactly a prefix of prompt + kept output (the last token may be pending).
     state.trim_to(len(prompt_ids) + out.count)
     mx.eval([c.state for c in state.target_cache + state.draft_cache if not c.empty()])
-    settle(pair.target, state.target_cache)  # a distributed target: every rank's cache alike
+    mirror.settle(pair.target, state.target_cache)  # a distributed target: every rank's cache alike

@@ -109,6 +109,24 @@ class TokenBudget:
     capped: bool  # smaller than requested
 
 
+DEFAULT_SAMPLING_TEMPERATURE = 0.7  # what people chat with when the model card says nothing
+
+
+def recommended_sampling(pair: Pair) -> SamplingParams:
+    """The sampling a pair is meant to be used with: the target's `generation_config.json`
+    temperature / top-p / top-k when it samples (`do_sample` not false), else T = 0.7."""
+    gen = getattr(pair, "generation_config", None) or {}
+    temp = gen.get("temperature") if gen.get("do_sample", True) is not False else None
+    if not isinstance(temp, (int, float)) or temp <= 0:
+        return SamplingParams(temperature=DEFAULT_SAMPLING_TEMPERATURE)
+    top_p, top_k = gen.get("top_p", 1.0), gen.get("top_k", 0)
+    return SamplingParams(
+        temperature=float(temp),
+        top_p=float(top_p) if isinstance(top_p, (int, float)) and 0 < top_p <= 1 else 1.0,
+        top_k=int(top_k) if isinstance(top_k, int) and top_k > 0 else 0,
+    )
+
+
 def fit_max_tokens(context_length: int, prompt_tokens: int, max_tokens: int) -> TokenBudget:
     """The one context rule of every front end (generate, serve, chat): a prompt must leave
     room for at least one token (else PromptError, the sentence users see); max_tokens is

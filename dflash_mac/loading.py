@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ class LoadedPair:
     draft_id: str
     block_size: int
     target_config: dict
+    generation_config: dict = field(default_factory=dict)  # the target's sampling defaults
 
     @property
     def layer_ids(self) -> list[int]:
@@ -82,6 +83,15 @@ def read_json(path: Path) -> dict:
         raise LoadError(f"{path} is missing; the folder is not a complete model.")
     except json.JSONDecodeError as e:
         raise LoadError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}).")
+
+
+def optional_json(path: Path) -> dict:
+    """A JSON object file that may be absent or broken (then {})."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def validate_pair(tcfg: dict, dcfg: DraftConfig, target: str, draft: str) -> None:
@@ -283,6 +293,7 @@ class PairSpec:
             draft_id=self.draft,
             block_size=self.draft_config.block_size,
             target_config=self.target_config,
+            generation_config=optional_json(self.target_path / "generation_config.json"),
         )
         pair.block_size = block_size or block_size_for(pair, None).size
         return pair

@@ -9,6 +9,7 @@ from dflash_mac.models.distribution import (  # noqa: F401  (re-exported)
     SamplingParams,
     probabilities,
     sample,
+    sample_logits,
     scatter_candidates,
 )
 

@@ -59,6 +59,14 @@ def sample(probs: mx.array, key: mx.array | None = None) -> mx.array:
     return mx.random.categorical(mx.log(probs), key=key)
 
 
+def sample_logits(logits: mx.array, sp: SamplingParams, key: mx.array | None = None) -> mx.array:
+    """Draw from the distribution `probabilities(logits, sp)` describes; with temperature alone
+    straight from the scaled logits (a plain step's few ops, as mlx-lm samples)."""
+    if sp.top_k == 0 and sp.top_p >= 1.0 and sp.min_p == 0.0:
+        return mx.random.categorical(logits.astype(mx.float32) * (1 / sp.temperature), key=key)
+    return sample(probabilities(logits, sp), key=key)
+
+
 def scatter_candidates(cand: mx.array, q_cand: mx.array, vocab: int) -> mx.array:
     """Dense q [n, V] from probabilities over candidate sets (DFlash 2).
 

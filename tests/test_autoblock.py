@@ -282,3 +282,13 @@ def test_a_slow_plain_step_does_not_make_drafting_look_cheap():
     for _ in range(10):
         model.observe(1, 0.050)  # plain steps hit by other work
     assert model.cost(3) >= 1.0 + (CostCurve.generic(8).ratio(3) - 1.0) / (2 * CostModel.TRUST)
+
+
+def test_probes_back_off_when_one_lucky_block_is_all_they_see():
+    """At sampling-like acceptance (30 %) drafting never pays; a probe that happens to accept
+    a few drafts must not bring the probes back to every 8 plain steps."""
+    ctl = controller()
+    sizes = drive(ctl, geometric(0.3, random.Random(3)), 1200)
+    probes = sum(b > 1 for b in sizes[400:])
+    assert probes <= 800 // ctl.probe_max + 3
+    assert ctl.interval == ctl.probe_max

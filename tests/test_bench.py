@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -14,12 +15,15 @@ from mlx_lm.generate import generate_step
 from typer.testing import CliRunner
 
 from dflash_mac import decode as engine
+from dflash_mac.bench import command as bench_command
 from dflash_mac.bench import report as bench_report
 from dflash_mac.bench import run as bench
 from dflash_mac.bench import summary
 from dflash_mac.bench.run import BenchConfig, BenchError, BenchPrompt, Run
 from dflash_mac.cli import app
+from dflash_mac.generate import prompt_ids
 from dflash_mac.loading import BUNDLED_DRAFT
+from dflash_mac.sampling import SamplingParams
 from dflash_mac.stats import histogram, mean_std, position_acceptance, survival
 from dflash_mac.testing.oracle import OracleDrafter, with_drafter
 
@@ -379,7 +383,7 @@ def cli(tiny_dirs, *args):
             "--max-tokens",
             "8",
             "--no-live",
-            *args,
+            *(args if "--temp" in args else (*args, "--temp", "0")),
         ],
     )
 
@@ -483,10 +487,85 @@ def test_bundled_pair_default_bench_json():
         app, ["bench", "--limit", "2", "-t", "1", "--max-tokens", "16", "--no-live", "-f", "json"]
     )
     assert res.exit_code == 0, res.output
-    doc = json.loads(res.stdout)
-    assert bench_report.validate(doc) == []
+    doc, sampled = json.loads(res.stdout)  # greedy, then the pair's recommended sampling
+    assert bench_report.validate(doc) == [] and bench_report.validate(sampled) == []
+    assert doc["config"]["setting"] == "greedy" and doc["config"]["temp"] == 0
+    # the bundled target's generation_config.json does not sample: T = 0.7
+    assert sampled["config"]["temp"] == 0.7 and "recommended" in sampled["config"]["setting"]
+    assert sampled["lossless"]["checked"] is None and not sampled["config"]["seeded_dflash"]
     assert doc["header"]["target"] == "bundled/target"
     assert doc["config"]["suite"] == "code" and doc["rows"][0]["suite"] == "code"
     assert [r["block_size"] for r in doc["rows"]] == [0, 8]  # auto and the pair's size
     assert doc["lossless"]["equal"] == doc["lossless"]["checked"] == 4
     assert doc["rows"][1]["tau"][0] > 1.0 and doc["rows"][0]["tau"][0] >= 1.0
+
+
+# -- settings, prompt length, the long suite ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "gen,expected",
+    [
+        ({}, SamplingParams(0.7)),
+        ({"do_sample": False, "temperature": 0.6}, SamplingParams(0.7)),
+        ({"temperature": 0.6, "top_p": 0.95, "top_k": 20}, SamplingParams(0.6, 0.95, 20)),
+        ({"do_sample": True, "temperature": 1.0, "top_p": 7}, SamplingParams(1.0)),
+    ],
+)
+def test_recommended_sampling_reads_the_generation_config(gen, expected):
+    from types import SimpleNamespace
+
+    from dflash_mac.generate import recommended_sampling
+
+    pair = SimpleNamespace(generation_config=gen)
+    assert recommended_sampling(pair) == expected
+    labels = [label for label, _ in bench_command.sampling_settings(pair, None, None, None, 0.0)]
+    assert labels[0] == "greedy" and "recommended" in labels[1]
+    sps = bench_command.sampling_settings(pair, [0.0, 1.0], 0.9, None, 0.0)
+    assert [sp for _, sp in sps] == [SamplingParams(0.0, 0.9), SamplingParams(1.0, 0.9)]
+
+
+@pytest.mark.parametrize("text", ["x", "0,-1", "0.7,,1"])
+def test_bad_temperature_lists_are_one_sentence(text):
+    with pytest.raises(bench.BenchError, match="--temp must be"):
+        bench_command.parse_temps(text)
+
+
+def test_sampled_dflash_runs_go_unseeded_unless_asked():
+    cfg = bench.BenchConfig([0], temp=0.7)
+    assert bench.dflash_seed(cfg, 5) is None
+    assert bench.dflash_seed(replace(cfg, seeded_dflash=True), 5) == 5
+    assert bench.dflash_seed(replace(cfg, temp=0.0), 5) == 5
+
+
+def test_speedup_against_prompt_length():
+    recs = []
+    for i, n in enumerate([300, 1100, 1150, 1700]):
+        base = run(11, 1.0)
+        dfl = run(11, 0.5 if n < 1500 else 2.0, [2, 3, 1], bs=0)
+        recs.append(record(f"p{i}", 0, base, {0: dfl}) | {"prompt_tokens": n})
+    rows = summary.length_rows(recs, [0])
+    assert [(r["min_prompt_tokens"], r["max_prompt_tokens"]) for r in rows] == [
+        (300, 300),
+        (1100, 1150),
+        (1700, 1700),
+    ]
+    assert [round(r["speedup"], 2) for r in rows] == [2.0, 2.0, 0.5]
+    assert rows[1]["prompts"] == 2 and rows[0]["tau"] == 2.0
+    doc = bench_report.build_report(HEADER, CONFIG, recs, [0], True)
+    assert bench_report.validate(doc) == [] and len(doc["by_length"]) == 3
+    assert "Speedup against prompt length" in bench_report.render(doc, "md")
+    one = bench_report.build_report(HEADER, CONFIG, recs[1:3], [0], True)
+    assert one["by_length"] == []  # one bucket: nothing to compare
+
+
+@pytest.mark.skipif(not (BUNDLED_DRAFT / "config.json").exists(), reason="no bundled pair")
+def test_long_suite_fills_the_bundled_context():
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    tok = load_tokenizer(BUNDLED_DRAFT.parent / "target")
+    ps = bench.suite_prompts("long")
+    lengths = [len(prompt_ids(tok, p.prompt)) for p in ps]
+    assert len(ps) >= 10 and all(1000 <= n <= 1900 for n in lengths)
+    assert max(lengths) - min(lengths) >= 700  # spread over the range
+    assert "long" not in {p.suite for p in bench.suite_prompts("all")}

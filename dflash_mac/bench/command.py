@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ import typer
 
 from dflash_mac.cli import options
 from dflash_mac.pair import Pair
+from dflash_mac.sampling import SamplingParams
 
 from .run import (
     AUTO_BS,
@@ -157,13 +159,26 @@ def bench_command(
         help="Block size, auto, or a comma-separated sweep such as auto,2,5,8 "
         "(default: auto and the pair's default size side by side).",
     ),
-    temp: float = typer.Option(
-        0.0, "--temp", help="Sampling temperature (0 = greedy, lossless-checked)."
+    temp: str | None = typer.Option(
+        None,
+        "--temp",
+        help="Temperature, or a comma-separated list such as 0,0.7,1 (one report each; "
+        "0 = greedy, lossless-checked). Default: greedy and the pair's recommended sampling.",
     ),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass."),
-    top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = all)."),
+    top_p: float | None = typer.Option(
+        None, "--top-p", help="Nucleus sampling mass (default: the recommended one, else 1)."
+    ),
+    top_k: int | None = typer.Option(
+        None, "--top-k", help="Keep the k most likely tokens (default: the recommended, else all)."
+    ),
     min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min_p * max prob."),
     seed: int = typer.Option(0, "--seed", help="Seed of the prompt shuffle and sampling."),
+    seeded: bool = typer.Option(
+        False,
+        "--seeded",
+        help="Seed sampled DFlash runs too (reproducible text; `auto` then starts afresh each "
+        "run instead of continuing as a chat or server does).",
+    ),
     draft_bits: int | None = options.DRAFT_BITS,
     reasoning: str | None = typer.Option(
         None,
@@ -212,7 +227,7 @@ def bench_command(
 
     follow_if_worker(model, draft)  # a distributed job's other ranks follow rank 0
 
-    from .report import append_jsonl, build_report, render
+    from .report import append_jsonl
     from .view import BenchView, print_acceptance
 
     err = Console(stderr=True)
@@ -226,7 +241,11 @@ def bench_command(
         raise BenchError(f"--trials must be at least 1 (got {trials}).")
     if cooldown < 0:
         raise BenchError(f"--cooldown must be >= 0 (got {cooldown}).")
-    make_config(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
+    temps = parse_temps(temp)
+    for t in temps or [0.7]:
+        make_config(
+            max_tokens=max_tokens, temp=t, top_p=top_p or 1.0, top_k=top_k or 0, min_p=min_p
+        )
     warn = lambda m: err.print(f"[yellow]warning:[/] {m}", highlight=False)  # noqa: E731
     prompts = read_prompts(prompts_file) if prompts_file else suite_prompts(suite, warn)
     prompts = limit_per_suite(prompts, limit)
@@ -238,37 +257,35 @@ def bench_command(
     ids = [prompt_ids(pair.tokenizer, p.prompt, reasoning=reasoning) for p in prompts]
     for i in ids:
         check_context(pair, i, max_tokens)
-    cfg = BenchConfig(
-        sizes, max_tokens, trials, temp, top_p, top_k, min_p, seed, not no_eos, cooldown
-    )
-    load_start = busy_warning(warn)
-    with BenchView(err, len(prompts) * trials, sizes, live) as view:
-        records = run_bench(pair, prompts, ids, cfg, view)
-    config = {
+    common = {
         "suite": None if prompts_file else suite,
         "prompts_file": str(prompts_file) if prompts_file else None,
         "limit": limit,
         "trials": trials,
         "max_tokens": max_tokens,
         "block_sizes": sizes,
-        "temp": temp,
-        "top_p": top_p,
-        "top_k": top_k,
-        "min_p": min_p,
-        "seed": seed,
-        "use_eos": not no_eos,
         "reasoning": reasoning,
         "draft_bits": draft_bits,
-        "cooldown_s": cooldown,
     }
-    load = [load_start, load_average()]
-    doc = build_report(header(pair) | {"load_avg": load}, config, records, sizes, cfg.greedy)
-    print_acceptance(err, doc)
-    typer.echo(render(doc, fmt), nl=False)
-    if out:
+    docs = []
+    for label, sp in sampling_settings(pair, temps, top_p, top_k, min_p):
+        cfg = BenchConfig(
+            sizes, max_tokens, trials, sp.temperature, sp.top_p, sp.top_k, sp.min_p, seed,
+            not no_eos, cooldown, seeded_dflash=seeded,
+        )  # fmt: skip
+        if len(docs) or temps is None:
+            err.print(f"[bold]{label}[/]", highlight=False)
+        load_start = busy_warning(warn)
+        with BenchView(err, len(prompts) * trials, sizes, live) as view:
+            records = run_bench(pair, prompts, ids, cfg, view)
+        docs.append(report_doc(pair, cfg, records, label, load_start, common))
+        print_acceptance(err, docs[-1])
+    typer.echo(render_all(docs, fmt), nl=False)
+    for doc in docs if out else []:
         append_jsonl(out, doc)
-    bad, checked = doc["lossless"]["mismatches"], doc["lossless"]["checked"]
-    if strict and not cfg.greedy:
+    bad = [m for d in docs for m in d["lossless"]["mismatches"]]
+    checked = sum(d["lossless"]["checked"] or 0 for d in docs)
+    if strict and not any(d["config"]["temp"] <= 0 for d in docs):
         warn("--strict checks greedy runs only; nothing was checked at --temp > 0.")
     if bad:
         first = bad[0]
@@ -281,3 +298,79 @@ def bench_command(
             err.print(f"[bold red]error:[/] {msg}", highlight=False)
             raise typer.Exit(1)
         warn(msg)
+
+
+def report_doc(
+    pair: Pair, cfg: BenchConfig, records: list[dict], label: str, load_start, common: dict
+) -> dict:
+    """The report document of one sampling setting (`common`: the run's other options)."""
+    from .report import build_report
+
+    config = {
+        **common,
+        "setting": label,
+        "temp": cfg.temp,
+        "top_p": cfg.top_p,
+        "top_k": cfg.top_k,
+        "min_p": cfg.min_p,
+        "seed": cfg.seed,
+        "seeded_dflash": cfg.seeded_dflash,
+        "use_eos": cfg.use_eos,
+        "cooldown_s": cfg.cooldown,
+    }
+    load = [load_start, load_average()]
+    h = header(pair) | {"load_avg": load}
+    return build_report(h, config, records, cfg.block_sizes, cfg.greedy)
+
+
+def parse_temps(text: str | None) -> list[float] | None:
+    """`--temp`: one temperature or a comma-separated list; None when not given."""
+    if text is None or not str(text).strip():
+        return None
+    try:
+        temps = [float(t) for t in str(text).split(",")]
+    except ValueError:
+        raise BenchError(
+            f"--temp must be a number or a comma-separated list such as 0,0.7,1 (got {text!r})."
+        )
+    if any(t < 0 for t in temps):
+        raise BenchError(f"--temp must be >= 0 (got {text!r}).")
+    return list(dict.fromkeys(temps))
+
+
+def sampling_settings(
+    pair: Pair, temps: list[float] | None, top_p: float | None, top_k: int | None, min_p: float
+) -> list[tuple[str, SamplingParams]]:
+    """(label, sampling) per report: the given temperatures, or greedy and the pair's
+    recommended sampling (its generation_config.json, else T = 0.7)."""
+    from dflash_mac.generate import recommended_sampling
+
+    if temps is None:
+        rec = recommended_sampling(pair)
+        rec = replace(rec, top_p=rec.top_p if top_p is None else top_p, min_p=min_p)
+        rec = replace(rec, top_k=rec.top_k if top_k is None else top_k)
+        return [("greedy", SamplingParams()), (f"{describe(rec)} (recommended sampling)", rec)]
+    sps = [SamplingParams(t, top_p or 1.0, top_k or 0, min_p) for t in temps]
+    return [(describe(sp), sp) for sp in sps]
+
+
+def describe(sp: SamplingParams) -> str:
+    if sp.greedy:
+        return "greedy"
+    extra = [f"top-p {sp.top_p}"] if sp.top_p < 1 else []
+    extra += [f"top-k {sp.top_k}"] if sp.top_k else []
+    extra += [f"min-p {sp.min_p}"] if sp.min_p else []
+    return ", ".join([f"T {sp.temperature:g}", *extra])
+
+
+def render_all(docs: list[dict], fmt: str) -> str:
+    """The reports of all settings in one output: markdown one after the other, JSON as one
+    document (a list when several), JSONL a line each, CSV under one header."""
+    from .report import render, to_json
+
+    if fmt == "json" and len(docs) > 1:
+        return "[\n" + ",\n".join(to_json(d).rstrip("\n") for d in docs) + "\n]\n"
+    parts = [render(d, fmt) for d in docs]
+    if fmt == "csv":
+        parts = parts[:1] + [p.split("\n", 1)[1] if "\n" in p else "" for p in parts[1:]]
+    return ("\n" if fmt == "md" else "").join(parts)

@@ -268,9 +268,10 @@ def build_report(
     header: dict, config: dict, records: list[dict], block_sizes: list[int], greedy: bool
 ) -> dict:
     """The whole report document (validates against SCHEMA)."""
-    from .summary import best_block_size, mismatches, summary_rows
+    from .summary import best_block_size, length_rows, mismatches, summary_rows
 
     rows = summary_rows(records, block_sizes, greedy)
+    by_length = length_rows(records, block_sizes)
     bad = mismatches(records) if greedy else []
     checked = sum(len(r["dflash"]) for r in records) if greedy else None
     return {
@@ -285,6 +286,8 @@ def build_report(
             "mismatches": bad,
         },
         "prompts": [record_dict(r, greedy) for r in records],
+        # speedup against prompt length, when the prompts span more than one length bucket
+        "by_length": by_length if len({r["min_prompt_tokens"] for r in by_length}) > 1 else [],
     }
 
 
@@ -367,14 +370,36 @@ def header_lines(doc: dict) -> list[str]:
     ]
 
 
+def length_table(doc: dict) -> list[str]:
+    """Speedup against prompt length (markdown lines; none when one length bucket ran)."""
+    rows = doc.get("by_length") or []
+    if not rows:
+        return []
+    lines = [
+        "",
+        "### Speedup against prompt length",
+        "",
+        "| bs | prompt tokens | prompts | baseline t/s | DFlash t/s | speedup | τ | plain steps |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {size_label(r['block_size'])} | {r['min_prompt_tokens']}–{r['max_prompt_tokens']}"
+            f" | {r['prompts']} | {r['baseline_tps']:.1f} | {r['dflash_tps']:.1f} | "
+            f"{r['speedup']:.2f}× | {r['tau']:.2f} | {100 * r['plain_share']:.0f} % |"
+        )
+    return lines
+
+
 def to_markdown(doc: dict) -> str:
     """llama-bench-style report: header, one table row per block size (and suite), then the
     acceptance picture per block size."""
     drafter_bytes = doc["header"]["drafter_weight_bytes"]
     cells = [table_cells(r, drafter_bytes) for r in doc["rows"]]
     cols = list(cells[0])
+    setting = doc["config"].get("setting")
     lines = [
-        "# dflash-mac bench",
+        "# dflash-mac bench" + (f" — {setting}" if setting else ""),
         "",
         *header_lines(doc),
         "",
@@ -388,6 +413,7 @@ def to_markdown(doc: dict) -> str:
             f"Best block size on this machine: **{size_label(doc['best_block_size'])}** "
             "(highest DFlash decode tok/s).",
         ]
+    lines += length_table(doc)
     lossless = doc["lossless"]
     if lossless["mismatches"]:
         lines += [

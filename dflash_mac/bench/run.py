@@ -29,7 +29,8 @@ from dflash_mac.pair import Pair
 from dflash_mac.prompts import read_prompt_file
 from dflash_mac.stats import histogram
 
-SUITES = ("code", "math", "chat")
+SUITES = ("code", "math", "chat", "long")
+ALL_SUITES = ("code", "math", "chat")  # `--suite all`; `long` (1,000-1,900 tokens) runs alone
 SUITE_DIR = Path(__file__).resolve().parent.parent / "data" / "suites"
 FORMATS = ("md", "json", "jsonl", "csv")
 AUTO_BS = 0  # `--block-size auto` in the bench's int-keyed tables ("auto" when shown)
@@ -73,11 +74,11 @@ def read_prompts(path: str | Path, suite: str | None = None) -> list[BenchPrompt
 
 
 def suite_prompts(name: str, warn: Callable[[str], Any] = print) -> list[BenchPrompt]:
-    """Prompts of a shipped suite (`code`, `math`, `chat` or `all`)."""
+    """Prompts of a shipped suite (`code`, `math`, `chat`, `long` or `all`)."""
     if name not in (*SUITES, "all"):
         raise BenchError(f"--suite must be one of {', '.join(SUITES)}, all (got {name!r}).")
     out = []
-    for suite in SUITES if name == "all" else (name,):
+    for suite in ALL_SUITES if name == "all" else (name,):
         path = code_suite_path() if suite == "code" else SUITE_DIR / f"{suite}.jsonl"
         if suite == "code" and not path.exists():
             fallback = "the math and chat suites only" if name == "all" else "the math suite"
@@ -131,6 +132,7 @@ class BenchConfig:
     use_eos: bool = True
     cooldown: float = 0.0
     warmup_tokens: int = 16
+    seeded_dflash: bool = False  # sampled DFlash runs seeded too (auto then relearns each run)
 
     @property
     def greedy(self) -> bool:
@@ -306,6 +308,13 @@ def run_dflash(
     )
 
 
+def dflash_seed(cfg: BenchConfig, seed: int) -> int | None:
+    """The seed of a DFlash run. Sampled runs go unseeded unless asked: a seeded request gets
+    a fresh `auto` controller (so the seed alone fixes the text), while unseeded requests with
+    one setting continue one controller, as the turns of a chat or a server's requests do."""
+    return seed if cfg.greedy or cfg.seeded_dflash else None
+
+
 class Observer:
     """Callbacks of a bench run (the live view implements them); all optional."""
 
@@ -337,7 +346,7 @@ def run_bench(
     w = min(cfg.warmup_tokens, cfg.max_tokens)
     run_baseline(pair, ids[0], cfg, cfg.seed, max_tokens=w)
     for bs in cfg.block_sizes:
-        run_dflash(pair, ids[0], cfg, bs, cfg.seed, max_tokens=w)
+        run_dflash(pair, ids[0], cfg, bs, dflash_seed(cfg, cfg.seed), max_tokens=w)
 
     records = []
     for trial in range(cfg.trials):
@@ -365,7 +374,12 @@ def run_bench(
                     run = rec["baseline"] = run_baseline(pair, ids[i], cfg, seed)
                 else:
                     run = rec["dflash"][bs] = run_dflash(
-                        pair, ids[i], cfg, bs, seed, on_cycle=lambda a, b=bs: obs.cycle(b, a)
+                        pair,
+                        ids[i],
+                        cfg,
+                        bs,
+                        dflash_seed(cfg, seed),
+                        lambda a, b=bs: obs.cycle(b, a),
                     )
                 obs.done(run)
             obs.checked(rec, cfg.greedy)

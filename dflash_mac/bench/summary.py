@@ -84,6 +84,39 @@ def summary_rows(records: list[dict], block_sizes: list[int], greedy: bool) -> l
     return [summarize(rs, bs, s, greedy) for bs in block_sizes for s, rs in groups]
 
 
+LENGTH_BUCKETS = (0, 256, 1000, 1200, 1400, 1600, 1800)  # prompt-token bucket lower edges
+
+
+def length_rows(records: list[dict], block_sizes: list[int]) -> list[dict]:
+    """Speedup against prompt length: per (block size, prompt-length bucket), the records'
+    DFlash vs baseline decode tok/s pooled over trials (Σ tokens ÷ Σ seconds), and τ."""
+    out = []
+    edges = [*LENGTH_BUCKETS, float("inf")]
+    for lo, hi in zip(edges, edges[1:]):
+        rs = [r for r in records if lo <= r["prompt_tokens"] < hi]
+        if not rs:
+            continue
+        base = trial_tps([r["baseline"] for r in rs])
+        for bs in block_sizes:
+            runs = [r["dflash"][bs] for r in rs]
+            taus = [r.tau for r in runs if r.acceptance_lengths]
+            sizes = [b for r in runs for b in r.block_sizes]
+            out.append(
+                {
+                    "block_size": bs,
+                    "min_prompt_tokens": min(r["prompt_tokens"] for r in rs),
+                    "max_prompt_tokens": max(r["prompt_tokens"] for r in rs),
+                    "prompts": len({r["id"] for r in rs}),
+                    "baseline_tps": base,
+                    "dflash_tps": trial_tps(runs),
+                    "speedup": trial_tps(runs) / base if base > 0 else 0.0,
+                    "tau": sum(taus) / len(taus) if taus else 0.0,
+                    "plain_share": sizes.count(1) / len(sizes) if sizes else 0.0,
+                }
+            )
+    return out
+
+
 def best_block_size(rows: list[dict]) -> int | None:
     """The block size with the highest DFlash decode tok/s over all prompts."""
     pool = [r for r in rows if r["suite"] == "all"] or rows
