@@ -122,7 +122,7 @@ def test_launch_matches_single_process(case, hybrid_dirs, tmp_path):
     if which == "hybrid":
         pair_flags = ["--model", str(hybrid_dirs[0]), "--draft", str(hybrid_dirs[1])]
         pair_flags += ["--ignore-chat-template"]
-    prompt = "Write a function that adds two numbers."
+    prompt = "Write a function that adds two numbers. " * 8  # > 64 tokens: a second all_sum
     args = ["generate", prompt, "--json", "-n", "16", *pair_flags, *flags]
     proc = launch(["--parallel", mode, "--", *args], tmp_path)
     code, out, err = finish(proc)

@@ -105,13 +105,13 @@ class Leader:
         head = Header(Cmd.FORWARD, slot, trim, n, int(armed(model, cache)), self._next_free())
         tokens = inputs.reshape(-1)
         pkt = mx.distributed.all_sum(packet(head, tokens), group=self.group)
-        if self.stages is not None:  # rank 0's first stage op, a recv, reads no input: send now
-            mx.eval(pkt)
         if n <= CAPACITY:
             tokens = pkt[HEADER : HEADER + n]
         else:  # a long prefill chunk: the tokens follow the header, after it on every rank
             tokens = mx.depends(tokens.astype(mx.int32), pkt)
             tokens = mx.distributed.all_sum(tokens, group=self.group)
+        if self.stages is not None:  # rank 0's first stage op, a recv, reads no input: send now
+            mx.eval(tokens)
         self._held[slot] = now + n
         self.packets += 1
         logits = call(model, tokens.reshape(inputs.shape), cache=cache, **kwargs)
