@@ -159,28 +159,32 @@ def rank_pid(launcher: int, rank: int) -> int | None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds ranks via /proc")
-def test_killed_worker_stops_the_leader(tmp_path):
-    """A worker killed mid-generation: the leader exits non-zero with one sentence naming the
-    lost rank, within 10 s, and the launcher says how the worker ended."""
+@pytest.mark.parametrize("lost", [1, 0])
+def test_killed_rank_stops_the_others(lost, tmp_path):
+    """A worker (or the leader) killed mid-generation: the survivor exits non-zero with one
+    sentence naming the lost rank, within 10 s, and the launcher says how that rank ended."""
     args = ["--", "generate", "Hello", "-n", "1500", "--ignore-chat-template", "--temp", "0.8"]
     proc = launch(args, tmp_path)
     pid = None
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline and proc.poll() is None:
-        pid = rank_pid(proc.pid, 1)
-        ready = list(Path(tempfile.gettempdir()).glob(f"dflash-launch-{proc.pid}-*/1"))
-        if pid and ready:
+        pid = rank_pid(proc.pid, lost)
+        ready = list(Path(tempfile.gettempdir()).glob(f"dflash-launch-{proc.pid}-*/[01]"))
+        if pid and len(ready) == 2:  # both ranks have loaded
             break
         time.sleep(0.2)
-    assert pid, "rank 1 never started"
+    assert pid, f"rank {lost} never started"
     time.sleep(1.0)
     os.kill(pid, 9)
     killed = time.monotonic()
     code, _, err = finish(proc)
     assert time.monotonic() - killed < 10
     assert code != 0
-    assert "rank 0 lost the connection to rank 1 (it exited or is unreachable)." in err
-    assert "rank 1 was killed by SIGKILL." in err
+    survivor = 1 - lost
+    assert (
+        f"rank {survivor} lost the connection to rank {lost} (it exited or is unreachable)." in err
+    )
+    assert f"rank {lost} was killed by SIGKILL." in err
     assert "Traceback" not in err
 
 
