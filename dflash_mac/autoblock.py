@@ -18,7 +18,7 @@ inputs (docs/bench.md).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 # A generic prior: a drafting cycle costs a one-token step, plus the drafter pass and the extra
@@ -170,17 +170,20 @@ class BlockController:
         probe_every: int = 8,
         probe_max: int = 64,
         timed: bool = True,
+        plain_first: bool = False,
     ):
         self.bs_max, self.cost = bs_max, cost
-        self.acc = acceptance or Acceptance(bs_max)
+        # plain_first: start with plain steps and a pessimistic acceptance prior, so drafting
+        # resumes only once probes show it pays (long contexts a drafter is known to lose on)
+        self.acc = acceptance or Acceptance(bs_max, prior=0.25 if plain_first else 0.7)
         self.hysteresis, self.probe_base, self.probe_max = hysteresis, probe_every, probe_max
         self.current = bs_max  # the drafting size in use
-        self.fallback = False
+        self.fallback = self.plain_first = plain_first
         self.interval, self.countdown = probe_every, probe_every
         self.cycles = 0
         self.timed = timed  # False: decide from the prior costs only (reproducible choices)
         self.calibrate_at = 3 if timed and not cost.calibrated else -1
-        self.last = Decision(bs_max, "start")
+        self.last = Decision(1 if plain_first else bs_max, "start")
 
     def rates(self) -> dict[int, float]:
         return {
@@ -217,6 +220,8 @@ class BlockController:
             self.last = Decision(1, f"drafting does not pay ({rates[cur]:.2f}×)", rates)
         else:
             self.last = Decision(cur, f"expected {rates[cur]:.2f}× a plain step", rates)
+        if self.plain_first and self.last.size == 1:
+            self.last = replace(self.last, reason=f"long context, {self.last.reason}")
         return self.last
 
     def update(self, bs: int, accepted: int, seconds: float | None) -> None:

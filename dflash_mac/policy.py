@@ -24,6 +24,7 @@ from .pair import Pair
 from .registry import PairEntry, pair_for
 
 QUANTIZED_MAX_BLOCK = 5  # for quantized pairs the registry does not list
+LONG_CONTEXT = 1024  # contexts from here on get their own `auto` controller
 AUTO = "auto"
 
 
@@ -110,18 +111,32 @@ def cost_curve_path(pair: Pair, machine: str | None = None) -> Path:
     return data_dir() / "cost-curves" / slug(machine) / name
 
 
+def long_context(pair: Pair, context_tokens: int) -> tuple[bool, bool]:
+    """(long, known to lose): whether a request's context counts as long (the registry's
+    `long_context_tokens` for the pair, else LONG_CONTEXT), and whether the registry says the
+    drafter loses there."""
+    entry = registry_entry(pair)
+    limit = entry.long_context_tokens if entry and entry.long_context_tokens else None
+    return context_tokens >= (limit or LONG_CONTEXT), limit is not None and context_tokens >= limit
+
+
 def auto_controller(
-    pair: Pair, bs_max: int, timed: bool = True, setting: tuple = ()
+    pair: Pair, bs_max: int, timed: bool = True, setting: tuple = (), context_tokens: int = 0
 ) -> BlockController:
     """The `auto` controller of a request, up to `bs_max`: the pair's saved cost curve as its
     prior (else a generic guess), refined by what earlier requests measured. Requests with the
-    same sampling `setting` continue one controller (its acceptance and fallback state carry
-    over: a chat at T = 0.7 does not relearn each turn that drafting does not pay).
-    `timed=False` (seeded sampling): a fresh controller on the prior alone, so the sizes, and
-    with them the random draws, depend only on the seed and the text."""
+    same sampling `setting` and context band (short or long, `long_context`) continue one
+    controller (its acceptance and fallback state carry over: a chat at T = 0.7 does not
+    relearn each turn that drafting does not pay, and long prompts, where drafters trained on
+    short ones accept less, do not spoil short ones). Where the registry says the drafter loses
+    on long contexts, a long request starts with plain decoding and drafts only when its probes
+    pay. `timed=False` (seeded sampling): a fresh controller on the prior alone, so the sizes,
+    and with them the random draws, depend only on the seed and the text."""
+    long, loses = long_context(pair, context_tokens) if context_tokens else (False, False)
+    key = (bs_max, setting, long)
     kept = getattr(pair, "_dflash_controllers", None)
-    if timed and kept is not None and (bs_max, setting) in kept:
-        return kept[bs_max, setting]
+    if timed and kept is not None and key in kept:
+        return kept[key]
     model = getattr(pair, "_dflash_cost_model", None)
     if model is None or not timed:
         try:
@@ -130,13 +145,13 @@ def auto_controller(
             prior = None
         prior = prior or CostCurve.generic(bs_max)
         model = cost_model_for(pair, prior) if timed else CostModel(prior)
-    controller = BlockController(bs_max, model, timed=timed)
+    controller = BlockController(bs_max, model, timed=timed, plain_first=loses)
     if timed:
         try:
             if kept is None:
                 kept = {}
                 object.__setattr__(pair, "_dflash_controllers", kept)
-            kept[bs_max, setting] = controller
+            kept[key] = controller
         except (AttributeError, TypeError):  # a pair that takes no attributes
             pass
     return controller

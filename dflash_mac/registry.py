@@ -46,6 +46,7 @@ _OPTIONAL: dict[str, tuple[type, ...]] = {
     "draft_aliases": (list,),
     "local": (bool,),
     "notes": (str,),
+    "long_context_tokens": (int,),
 }
 
 
@@ -73,6 +74,7 @@ class PairEntry:
     draft_aliases: tuple[str, ...] = ()
     local: bool = False
     notes: str = ""
+    long_context_tokens: int | None = None  # from here on the drafter is known to lose
 
     @property
     def kind_label(self) -> str:

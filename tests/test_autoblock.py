@@ -292,3 +292,54 @@ def test_probes_back_off_when_one_lucky_block_is_all_they_see():
     probes = sum(b > 1 for b in sizes[400:])
     assert probes <= 800 // ctl.probe_max + 3
     assert ctl.interval == ctl.probe_max
+
+
+def test_plain_first_drafts_only_once_probes_pay():
+    ctl = controller(plain_first=True)
+    assert ctl.choose().size == 1 and "long context" in ctl.last.reason
+    rng = random.Random(4)
+    poor = drive(ctl, geometric(0.2, rng), 150)
+    assert poor[:6] == [1] * 6 and poor.count(1) >= 135  # plain, with rare probes
+    good = drive(ctl, geometric(0.9, rng), 300)
+    assert 1 not in good[-100:]  # probes found that drafting pays: back to drafting
+
+
+def test_long_contexts_get_their_own_controller(tiny_pair, monkeypatch):
+    from dataclasses import replace
+
+    from dflash_mac import policy
+
+    entry = replace(_entry(), long_context_tokens=None)
+    monkeypatch.setattr(policy, "registry_entry", lambda pair: entry)
+    monkeypatch.setattr(tiny_pair, "_dflash_controllers", {}, raising=False)
+    short = policy.auto_controller(tiny_pair, BS, True, ("s",), 100)
+    assert policy.auto_controller(tiny_pair, BS, True, ("s",), 900) is short
+    long = policy.auto_controller(tiny_pair, BS, True, ("s",), policy.LONG_CONTEXT)
+    assert long is not short and not long.fallback  # its own, but not known to lose
+    entry = replace(entry, long_context_tokens=500)  # the registry: the drafter loses from 500
+    monkeypatch.setattr(tiny_pair, "_dflash_controllers", {}, raising=False)
+    assert not policy.auto_controller(tiny_pair, BS, True, ("s",), 499).fallback
+    ctl = policy.auto_controller(tiny_pair, BS, True, ("s",), 500)
+    assert ctl.fallback and ctl.choose().size == 1
+    assert policy.auto_controller(tiny_pair, BS, False, ("s",), 800).fallback  # seeded too
+
+
+def _entry():
+    from dflash_mac.registry import load_registry
+
+    return next(p for p in load_registry().pairs if p.name == "bundled")
+
+
+def test_a_long_prompt_on_a_losing_pair_decodes_plain_and_exact(tiny_pair, refs, monkeypatch):
+    from dataclasses import replace
+
+    from dflash_mac import policy
+
+    monkeypatch.setattr(
+        policy, "registry_entry", lambda p: replace(_entry(), long_context_tokens=4)
+    )
+    monkeypatch.setattr(tiny_pair, "_dflash_controllers", {}, raising=False)
+    for ids, ref in refs:
+        tokens, stats = tokens_of(tiny_pair, ids, GenerationConfig(48, use_eos=False))
+        assert tokens == ref
+        assert stats.block_sizes[:7] == (1,) * 7 and "long context" in stats.block_reason
