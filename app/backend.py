@@ -214,11 +214,13 @@ def measure_plain_tps(target: Any, tokenizer: Any, tokens: int = 32) -> float:
 
 def load_backend(opts: ChatOptions) -> Backend:
     """Load the pair, measure the plain baseline and open a session (runs in a worker)."""
-    from dflash_mac.cli.terminal import block_size_policy, warn_thinking_mismatch
+    from dflash_mac.cli.terminal import block_size_policy, load_ranked, warn_thinking_mismatch
+    from dflash_mac.distributed.group import world
     from dflash_mac.loading import load, quantize_drafter
     from dflash_mac.session import Session
 
-    pair = load(opts.model, opts.draft)
+    group = world()  # under `dflash-mac launch`: this is rank 0, the target is sharded
+    pair = load_ranked(group, opts.model, opts.draft) if group else load(opts.model, opts.draft)
     if opts.draft_bits is not None:
         quantize_drafter(pair.drafter, opts.draft_bits)
     warnings: list[str] = []

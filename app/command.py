@@ -32,6 +32,9 @@ def chat(
     from .chat_app import ChatApp
 
     make_config(max_tokens, block_size, temp, top_p, top_k, min_p)  # bad options fail here
+    from dflash_mac.cli.terminal import follow_if_worker
+
+    follow_if_worker(model, draft)  # a distributed job's other ranks: no screen, follow rank 0
     if reasoning is not None and reasoning not in REASONING_CHOICES:
         raise PromptError(f"--reasoning must be one of {', '.join(REASONING_CHOICES)}.")
     opts = ChatOptions(
@@ -61,6 +64,9 @@ def exit_now(code: int) -> None:
     import os
     import sys
 
+    from dflash_mac.cli import release_workers
+
+    release_workers(code)  # under `dflash-mac launch`: the other ranks exit with us
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

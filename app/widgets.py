@@ -275,6 +275,14 @@ class HistogramPanel(Widget):
             ("memory", memory(s.peak_memory_gb) if s else "–"),
             ("reasoning", self.reasoning),
         ]
+        if s and s.ranks > 1:  # a target sharded over several Macs (docs/distributed.md)
+            rows += [
+                ("ranks", f"{s.ranks} · {s.parallel}"),
+                (
+                    "collect.",
+                    f"{s.collectives_per_cycle}/cycle · {s.collective_ms_per_cycle:.1f} ms",
+                ),
+            ]
         for name, value in rows:
             out.append(f"{name:<10}", style="dim")
             out.append(value + "\n")

@@ -70,14 +70,25 @@ def target_head(model: nn.Module) -> TargetHead:
 class FeatureCapture:
     """Context manager capturing the outputs of `layer_ids` on this model instance only."""
 
-    def __init__(self, model: nn.Module, layer_ids: list[int]):
-        layers = decoder_layers(model)
-        bad = [i for i in layer_ids if not 0 <= i < len(layers)]
-        if bad:
-            raise ValueError(f"target layer ids {bad} are out of range for {len(layers)} layers.")
+    def __init__(self, model: nn.Module | None, layer_ids: list[int], layers: dict | None = None):
+        """Capture `layer_ids` of `model`, or of the given {layer id: module}. A model that
+        gathers its own features (a pipeline-parallel target: dflash_mac/distributed/stages.py)
+        carries `_dflash_features`, which `features()` then returns."""
         self.layer_ids = list(layer_ids)
-        self._layers = {i: layers[i] for i in set(layer_ids)}
+        self._own = getattr(model, "_dflash_features", None)
         self._active = False
+        if self._own is not None:
+            self._layers = {}
+            return
+        if layers is None:
+            found = decoder_layers(model)
+            bad = [i for i in layer_ids if not 0 <= i < len(found)]
+            if bad:
+                raise ValueError(
+                    f"target layer ids {bad} are out of range for {len(found)} layers."
+                )
+            layers = {i: found[i] for i in set(layer_ids)}
+        self._layers = layers
 
     def __enter__(self) -> FeatureCapture:
         """Hook the layers; captures on the same instance (interleaved streams) share one hook,
@@ -107,8 +118,14 @@ class FeatureCapture:
 
     def features(self) -> mx.array:
         """Concatenated features of the last forward pass, `[B, L, n_tgt * H]`."""
+        if self._own is not None:
+            return self._own()
         outs = [self._layers[i]._dflash_sink.out for i in self.layer_ids]
         return mx.concatenate(outs, axis=-1)
+
+    def output(self, i: int) -> mx.array:
+        """The last forward pass's output of captured layer `i`."""
+        return self._layers[i]._dflash_sink.out
 
 
 def is_hooked(model: nn.Module) -> bool:

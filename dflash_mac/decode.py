@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
@@ -13,6 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from .autoblock import BlockController
 from .capture import FeatureCapture
+from .distributed import leader as mirror
 from .models.penalties import Penalties, PenaltyContext, draft_sequential
 from .pair import Pair
 from .policy import AUTO, auto_controller
@@ -212,6 +214,15 @@ def verify(pair: Pair, state: DecodeState, c: Cycle, sp: SamplingParams):
     return accept_sampled(c.drafts, c.q, probabilities(logits, sp), c.key)
 
 
+@contextmanager
+def closing(target, done: Callable):
+    """Call `done(target)` however the block ends (an error, a stream closed early)."""
+    try:
+        yield
+    finally:
+        done(target)
+
+
 def speculative_stream(
     pair: Pair,
     prompt_ids: list[int],
@@ -236,7 +247,11 @@ def speculative_stream(
     )
     rng = random.Random(cfg.seed)  # each cycle's key from the host: no device work for it
     stats = DecodeStats(
-        bs_max, prompt_tokens=len(prompt_ids), cached_tokens=len(state.ids), auto=auto
+        bs_max,
+        prompt_tokens=len(prompt_ids),
+        cached_tokens=len(state.ids),
+        auto=auto,
+        **mirror.facts(pair.target),
     )
     out = TextStream(pair.tokenizer, cfg.stop, pair.eos_ids if cfg.use_eos else set())
     ctx = DraftContext(pair.drafter, state.draft_cache)
@@ -265,6 +280,7 @@ def speculative_stream(
         FeatureCapture(pair.target, pair.layer_ids) as cap,
         state.rollback.hooks(),
         mx.stream(generation_stream),
+        closing(pair.target, mirror.idle),
     ):
         t0 = time.perf_counter()
         logits = prefill(pair, state, prompt_ids, cap, cfg.prefill_step_size)
@@ -334,3 +350,4 @@ def speculative_stream(
     # Caches hold exactly a prefix of prompt + kept output (the last token may be pending).
     state.trim_to(len(prompt_ids) + out.count)
     mx.eval([c.state for c in state.target_cache + state.draft_cache if not c.empty()])
+    mirror.settle(pair.target, state.target_cache)  # a distributed target: every rank's cache alike

@@ -291,3 +291,17 @@ def is_hooked(model: nn.Module) -> bool:
         for layer in decoder_layers(model)
         for _, m in layer.named_modules()
     )
+
+
+def armed(model: nn.Module, cache: list[Any]) -> bool:
+    """True when the next forward of `model` on `cache` will be recorded for rollback (a
+    verify pass): what a distributed leader tells the ranks that mirror its cache."""
+    ids = {id(c) for c in cache if not c.is_trimmable()}
+    if not ids:
+        return False
+    for layer in decoder_layers(model):
+        for _, m in layer.named_modules():
+            recs = getattr(m, "_dflash_gdn", None)
+            if recs:
+                return any(r.armed for k, r in recs.items() if k in ids)
+    return False

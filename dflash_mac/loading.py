@@ -230,45 +230,73 @@ def load(
     """Load a target (via mlx-lm) and its DFlash drafter; defaults to the bundled pair."""
     from mlx_lm.utils import load as mlx_load
 
-    model, draft = resolve_pair(model, draft)  # pair names; --draft auto from the registry
-    if model is None and draft is None:
-        model, draft = BUNDLED_TARGET, BUNDLED_DRAFT
-        if not (BUNDLED_DRAFT / "config.json").exists():
-            raise LoadError("the bundled pair is not built yet; pass --model and --draft.")
-    if model is None or draft is None:
-        raise LoadError("pass --model with --draft (or neither, for the bundled pair).")
+    spec = PairSpec.resolve(model, draft)
     dtype = default_dtype() if dtype == "auto" else dtype
-    tpath, dpath = resolve(model), resolve(draft)
-    tcfg = read_json(tpath / "config.json")
     try:
-        dcfg = DraftConfig.from_file(dpath / "config.json")
-    except ConfigError as e:
-        raise LoadError(str(e))
-    validate_pair(tcfg, dcfg, str(model), str(draft))
-    try:
-        target, tokenizer = mlx_load(str(tpath))
+        target, tokenizer = mlx_load(str(spec.target_path))
     except Exception as e:
-        raise LoadError(f"could not load target '{model}' with mlx-lm ({e}).")
+        raise LoadError(f"could not load target '{spec.model}' with mlx-lm ({e}).")
     if dtype is not None:
         cast_floats(target, dtype)
         mx.eval(target.parameters())  # materialise here, not lazily on the first user's thread
-    if len(decoder_layers(target)) != (tcfg.get("text_config", tcfg)).get("num_hidden_layers"):
-        raise LoadError(f"target '{model}' has an unexpected layer layout.")
-    drafter = load_drafter(dpath, dcfg, dtype)
+    spec.check_layers(decoder_layers(target))
+    drafter = load_drafter(spec.draft_path, spec.draft_config, dtype)
     drafter.bind(target_head(target))
     materialize(target, drafter)
-    pair = LoadedPair(
-        target=target,
-        drafter=drafter,
-        tokenizer=tokenizer,
-        model_id=str(model),
-        draft_id=str(draft),
-        block_size=dcfg.block_size,
-        target_config=tcfg,
-        generation_config=optional_json(tpath / "generation_config.json"),
-    )
-    pair.block_size = block_size or block_size_for(pair, None).size
-    return pair
+    return spec.pair(target, drafter, tokenizer, block_size)
+
+
+@dataclass
+class PairSpec:
+    """A pair resolved to folders and validated from its configs, before any weights are read
+    (shared by `load` and the sharded load of dflash_mac/distributed/)."""
+
+    model: str
+    draft: str
+    target_path: Path
+    draft_path: Path
+    target_config: dict
+    draft_config: DraftConfig
+
+    @classmethod
+    def resolve(cls, model: str | os.PathLike | None, draft: str | os.PathLike | None):
+        model, draft = resolve_pair(model, draft)  # pair names; --draft auto from the registry
+        if model is None and draft is None:
+            model, draft = BUNDLED_TARGET, BUNDLED_DRAFT
+            if not (BUNDLED_DRAFT / "config.json").exists():
+                raise LoadError("the bundled pair is not built yet; pass --model and --draft.")
+        if model is None or draft is None:
+            raise LoadError("pass --model with --draft (or neither, for the bundled pair).")
+        tpath, dpath = resolve(model), resolve(draft)
+        tcfg = read_json(tpath / "config.json")
+        try:
+            dcfg = DraftConfig.from_file(dpath / "config.json")
+        except ConfigError as e:
+            raise LoadError(str(e))
+        validate_pair(tcfg, dcfg, str(model), str(draft))
+        return cls(str(model), str(draft), tpath, dpath, tcfg, dcfg)
+
+    @property
+    def text_config(self) -> dict:
+        return self.target_config.get("text_config", self.target_config)
+
+    def check_layers(self, layers: list) -> None:
+        if len(layers) != self.text_config.get("num_hidden_layers"):
+            raise LoadError(f"target '{self.model}' has an unexpected layer layout.")
+
+    def pair(self, target, drafter, tokenizer, block_size: int | None = None) -> LoadedPair:
+        pair = LoadedPair(
+            target=target,
+            drafter=drafter,
+            tokenizer=tokenizer,
+            model_id=self.model,
+            draft_id=self.draft,
+            block_size=self.draft_config.block_size,
+            target_config=self.target_config,
+            generation_config=optional_json(self.target_path / "generation_config.json"),
+        )
+        pair.block_size = block_size or block_size_for(pair, None).size
+        return pair
 
 
 def quantize_drafter(drafter: nn.Module, bits: int, group_size: int = 64) -> None:

@@ -58,6 +58,10 @@ class DecodeStats:
     block_reason: str = ""  # why the controller chose the last size
     host_time: float = 0.0  # host bookkeeping between syncs (rollback, text, stats, yield)
     draft_context: int = 0  # positions held by the drafter's (bounded) context cache
+    ranks: int = 1  # a distributed target: the ranks it is sharded over
+    parallel: str = ""  # tensor | pipeline ("" in one process)
+    collectives_per_cycle: int = 0  # per target forward, counted in its graph at start-up
+    collective_ms_per_cycle: float = 0.0  # that many all_sums, timed by a start-up probe
 
     @property
     def tau(self) -> float:
@@ -139,4 +143,14 @@ class DecodeStats:
             "block_reason": self.block_reason,
             "host_ms_per_cycle": self.host_ms_per_cycle,
             "draft_context": self.draft_context,
+            **(
+                {
+                    "ranks": self.ranks,
+                    "parallel": self.parallel,
+                    "collectives_per_cycle": self.collectives_per_cycle,
+                    "collective_ms_per_cycle": self.collective_ms_per_cycle,
+                }
+                if self.ranks > 1
+                else {}
+            ),
         }

@@ -49,6 +49,7 @@ def header(pair: Pair) -> dict:
     from mlx.utils import tree_flatten
 
     from dflash_mac import __version__
+    from dflash_mac.distributed.leader import facts as distributed_facts
     from dflash_mac.platform import cpu_name, machine_summary
 
     def nbytes(model: Any) -> int:
@@ -72,6 +73,7 @@ def header(pair: Pair) -> dict:
         "dtype": str(floats[0]).replace("mlx.core.", "") if floats else "?",
         "target_weight_bytes": nbytes(pair.target),
         "drafter_weight_bytes": nbytes(pair.drafter),
+        **distributed_facts(pair.target),  # ranks, parallel, collectives (a sharded target)
     }
 
 
@@ -220,8 +222,10 @@ def bench_command(
     """Benchmark DFlash against plain decoding of the same target, in one process."""
     from rich.console import Console
 
-    from dflash_mac.cli.terminal import block_size_policy, load_pair
+    from dflash_mac.cli.terminal import block_size_policy, follow_if_worker, load_pair
     from dflash_mac.generate import check_context, make_config, prompt_ids
+
+    follow_if_worker(model, draft)  # a distributed job's other ranks follow rank 0
 
     from .report import append_jsonl
     from .view import BenchView, print_acceptance

@@ -358,6 +358,15 @@ def header_lines(doc: dict) -> list[str]:
         f"{c['cooldown_s']} s · {h['date']}",
         f"- decode tok/s: {h['definitions']['decode_tps']}.",
         f"- peak memory: {h['definitions']['peak_memory']} ({_gb(h['drafter_weight_bytes'])}).",
+        *(
+            [
+                f"- distributed: {h['ranks']} ranks · {h['parallel']} parallel · "
+                f"{h['collectives_per_cycle']} collectives per cycle · "
+                f"~{h['collective_ms_per_cycle']:.2f} ms in collectives per cycle (start-up probe)"
+            ]
+            if h.get("ranks", 1) > 1
+            else []
+        ),
     ]
 
 

@@ -57,6 +57,11 @@ LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
         "doctor_command",
         "Check this machine: platform, MLX, Metal, kernels, BLAS, memory, cache, self-test.",
     ),
+    "launch": (
+        "dflash_mac.cli.launch",
+        "launch",
+        "Run generate, serve, chat or bench over several ranks (MLX distributed, sharded target).",
+    ),
     "serve": (
         "dflash_mac.serve.command",
         "serve",
@@ -290,7 +295,7 @@ def generate(
         err.print(summary_line(result), highlight=False)
 
 
-NO_MATH_COMMANDS = ("models", "pull")
+NO_MATH_COMMANDS = ("models", "pull", "launch")
 
 
 def needs_blas(argv: list[str]) -> bool:
@@ -312,16 +317,45 @@ def main() -> None:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         maybe_reexec_with_openblas(sys.argv[1:])
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    status = 1
     try:
         app()
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        raise
     except KeyboardInterrupt:
         err.print(INTERRUPTED, highlight=False)
         sys.exit(130)
     except Exception as e:
-        if not is_user_error(e):
+        lost = lost_peer(e)
+        if lost is None and not is_user_error(e):
             raise
-        err.print(f"[bold red]error:[/] {e}", highlight=False)
+        err.print(f"[bold red]error:[/] {lost or e}", highlight=False)
+        if lost:
+            os._exit(1)  # the job is gone: no more collectives, no waiting at exit
         sys.exit(1)
+    finally:
+        release_workers(status)
+
+
+def lost_peer(e: BaseException) -> str | None:
+    """The one sentence for a distributed job that lost a rank (None for other errors)."""
+    if "MLX_RANK" not in os.environ:
+        return None
+    from dflash_mac.distributed.group import lost_peer_message
+
+    return lost_peer_message(e)
+
+
+def release_workers(status: int) -> None:
+    """Rank 0 of a distributed job: tell the workers to exit with our status."""
+    if "MLX_RANK" in os.environ and "dflash_mac.distributed.leader" in sys.modules:
+        from dflash_mac.distributed.leader import stop_all
+
+        try:
+            stop_all(status)
+        except RuntimeError:  # the workers are gone already
+            pass
 
 
 if __name__ == "__main__":

@@ -258,8 +258,17 @@ def memory_need_gb(entry: PairEntry, context: int, full: bool = False) -> dict[s
     return parts
 
 
-def check_memory(f: Facts, entry: PairEntry, context: int) -> Check:
-    """Unified memory vs what the chosen pair needs at the chosen context."""
+def memory_per_rank_gb(entry: PairEntry, context: int, ranks: int) -> dict[str, float]:
+    """A target sharded over `ranks` Macs (tensor parallel: weights and KV heads split
+    evenly), the drafter on rank 0 only: what rank 0 and each other rank need, in GB."""
+    need = memory_need_gb(entry, context)
+    share = (need["target"] + need["kv"]) / ranks + need["overhead"]
+    return {"rank0": share + need["drafter"], "worker": share, "total": need["total"]}
+
+
+def check_memory(f: Facts, entry: PairEntry, context: int, ranks: int = 1) -> Check:
+    """Unified memory vs what the chosen pair needs at the chosen context (per rank when the
+    target is sharded over `ranks` Macs: `dflash-mac launch`)."""
     from .models import fmt_size
 
     need = memory_need_gb(entry, context)
@@ -270,6 +279,15 @@ def check_memory(f: Facts, entry: PairEntry, context: int) -> Check:
         f"{fmt_size(need['kv'] * 1e9)}); {have:.1f} GB memory, {budget:.1f} GB usable "
         "for models"
     )
+    if ranks > 1:
+        per = memory_per_rank_gb(entry, context, ranks)
+        need = {"total": per["rank0"]}
+        msg = (
+            f"'{entry.name}' over {ranks} Macs needs ≈{per['rank0']:.1f} GB on rank 0 (its "
+            f"share of the target and KV + the drafter) and ≈{per['worker']:.1f} GB on each "
+            f"other rank at {context} tokens; this Mac has {have:.1f} GB, {budget:.1f} GB "
+            "usable for models"
+        )
     if not have:
         return Check("memory", WARN, msg, "could not read this machine's memory size.")
     if need["total"] <= budget:
@@ -444,7 +462,11 @@ def check_selftest(
 
 
 def run_checks(
-    pair: str | None = None, context: int = 4096, selftest: bool = True, facts: Facts | None = None
+    pair: str | None = None,
+    context: int = 4096,
+    selftest: bool = True,
+    facts: Facts | None = None,
+    hosts: int = 1,
 ) -> list[Check]:
     """All checks, in display order."""
     reg = load_registry()
@@ -458,7 +480,7 @@ def run_checks(
             Check("memory", FAIL, f"unknown pair '{pair}'", "pick a name from `dflash-mac models`.")
         )
     else:
-        checks.append(check_memory(f, entry, context))
+        checks.append(check_memory(f, entry, context, hosts))
     checks.append(check_hf_cache(f, entry))
     if selftest:
         checks.append(check_selftest())
@@ -487,11 +509,14 @@ def doctor_command(
     selftest: bool = typer.Option(
         True, "--selftest/--no-selftest", help="Run the lossless decode self-test."
     ),
+    hosts: int = typer.Option(
+        1, "--hosts", min=1, help="Macs the target is sharded over (memory per rank)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of lines."),
 ) -> None:
     """Check this machine: platform, MLX, Metal, kernels, BLAS, memory, cache, self-test."""
     facts = gather_facts()
-    checks = run_checks(pair, context, selftest, facts)
+    checks = run_checks(pair, context, selftest, facts, hosts)
     if as_json:
         ok = all(c.status != FAIL for c in checks)
         report = {"ok": ok, "checks": [asdict(c) for c in checks], "facts": asdict(facts)}

@@ -7,6 +7,7 @@ from typing import Any
 
 from rich.console import Console
 
+from dflash_mac.distributed.group import world
 from dflash_mac.errors import LoadError
 from dflash_mac.generate import GenerationResult, stream_generate
 from dflash_mac.loading import load, quantize_drafter
@@ -38,13 +39,34 @@ def load_pair(
     draft_bits: int | None = None,
     reasoning: str | None = None,
 ) -> Pair:
+    group = world()
     with err.status("Loading model pair…", spinner="dots"):
-        pair = load(model, draft)
+        pair = load_ranked(group, model, draft) if group is not None else load(model, draft)
         if draft_bits is not None:
             quantize_drafter(pair.drafter, draft_bits)
     pair.block_size = block_size_policy(pair, block_size)
     warn_thinking_mismatch(pair, reasoning)
     return pair
+
+
+def load_ranked(group: Any, model: str | None, draft: str | None) -> Pair:
+    """One rank of a distributed job: rank 0 returns its (leading) pair; every other rank
+    follows the leader's packets here and exits with the status the leader sent."""
+    from dflash_mac.distributed.sharded import load as load_sharded
+
+    ranked = load_sharded(group, model, draft)
+    if ranked.worker is not None:
+        raise SystemExit(ranked.worker.run())
+    return ranked.pair
+
+
+def follow_if_worker(model: str | None, draft: str | None) -> None:
+    """Commands with side effects before loading (serve's PID file, bench's report) call this
+    first: a worker rank of a distributed job loads its shard and follows rank 0 (never
+    returns); rank 0 and single processes go on."""
+    group = world()
+    if group is not None and group.rank() != 0:
+        load_ranked(group, model, draft)
 
 
 _thinking_warned: set[tuple[str, bool]] = set()
@@ -103,6 +125,15 @@ def summary_line(result: GenerationResult) -> str:
     )
 
 
+def distributed_line(s: Any) -> str:
+    """Ranks, parallel mode and the collectives of each cycle (a distributed target)."""
+    return (
+        f"[dim]distributed[/] {s.ranks} ranks · {s.parallel} parallel · "
+        f"{s.collectives_per_cycle} collectives per cycle · "
+        f"~{s.collective_ms_per_cycle:.2f} ms in collectives per cycle (start-up probe)"
+    )
+
+
 def print_stats(pair: Pair, result: GenerationResult, console: Console = err) -> None:
     from dflash_mac.platform import blas_in_use, device_name
 
@@ -132,6 +163,8 @@ def print_stats(pair: Pair, result: GenerationResult, console: Console = err) ->
         f"[dim]drafter[/] {pair.kind} · kernels {kernels} · {device_name()} · "
         f"BLAS {blas_in_use()} · peak memory {s.peak_memory_gb:.3f} GB"
     )
+    if s.ranks > 1:
+        console.print(distributed_line(s))
     console.print("[dim]acceptance histogram (tokens per cycle)[/]")
     for row in bars(s.histogram):
         console.print(row, highlight=False)

@@ -176,7 +176,9 @@ def serve(
     ),
 ) -> None:
     """Serve the pair as an OpenAI-compatible API (for Continue, Cline, Aider, Zed, ...)."""
-    from dflash_mac.cli.terminal import load_pair
+    from dflash_mac.cli.terminal import follow_if_worker, load_pair
+
+    follow_if_worker(model, draft)  # a distributed job's other ranks: no server, no PID file
 
     from .app import create_app
 

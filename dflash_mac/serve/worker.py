@@ -8,12 +8,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from dflash_mac.distributed.group import lost_peer_message
 from dflash_mac.generate import PromptError, fit_max_tokens
 from dflash_mac.session import Session
 from dflash_mac.think import prompt_opens_think
@@ -203,6 +206,10 @@ class Worker:
             job.emit("error", APIError(400, str(e)))
             return
         except Exception as e:  # a bug: keep serving, from a clean state
+            if lost := lost_peer_message(e):  # a distributed job lost a rank: nothing to serve
+                log.error(lost)
+                print(f"error: {lost}", file=sys.stderr, flush=True)
+                os._exit(1)
             log.exception("generation failed")
             self.metrics.fail(f"generation failed: {e}")
             self.session.reset()

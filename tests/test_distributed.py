@@ -1,0 +1,239 @@
+"""Distributed DFlash (dflash_mac/distributed/): the packet, the one-sentence errors, and two
+local ranks on loopback started with `dflash-mac launch` compared token for token with
+single-process decoding (tensor and pipeline parallel, a hybrid GatedDeltaNet target)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from dflash_mac.cli.launch import LaunchError, hosts_from, ring_file
+from dflash_mac.distributed.group import CAPACITY, HEADER, PACKET, Cmd, Header, packet
+from dflash_mac.distributed.sharded import check_divisible, choose_mode
+from dflash_mac.errors import LoadError
+
+LAUNCH_TIMEOUT_S = 150
+
+
+def test_packet_layout():
+    head = Header(Cmd.FORWARD, slot=3, trim=5, n=4, armed=1, free=2)
+    pkt = packet(head, mx.array([7, 8, 9, 10]))
+    assert pkt.shape == (PACKET,) and pkt.dtype == mx.int32
+    assert Header.parse(pkt[:HEADER].tolist()) == head
+    assert pkt[HEADER : HEADER + 4].tolist() == [7, 8, 9, 10]
+    assert pkt[HEADER + 4 :].tolist() == [0] * (CAPACITY - 4)
+    long = packet(Header(Cmd.FORWARD, 1, 0, CAPACITY + 1), mx.zeros((CAPACITY + 1,)))
+    assert long[HEADER:].tolist() == [0] * CAPACITY  # long inputs follow in a second all_sum
+
+
+def test_mode_and_shard_errors(tiny_pair):
+    target = tiny_pair.target  # qwen3: tensor parallel only
+    assert choose_mode(target, None, "t") == "tensor"
+    with pytest.raises(LoadError) as e:
+        choose_mode(target, "pipeline", "t")
+    assert (
+        str(e.value)
+        == "target 't' (qwen3) cannot be split with --parallel pipeline; use --parallel tensor."
+    )
+
+    class Spec:
+        model = "t"
+        text_config = {"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 8}
+
+    check_divisible(Spec, 2)
+    with pytest.raises(LoadError) as e:
+        check_divisible(Spec, 3)
+    assert "does not shard over 3 ranks (4 attention heads are not divisible by 3)" in str(e.value)
+
+
+def test_hosts_errors(tmp_path):
+    with pytest.raises(LaunchError, match=r"pass -n N \(at least 2 local ranks\)"):
+        hosts_from(1, None)
+    bad = tmp_path / "hosts.json"
+    bad.write_text("[{")
+    with pytest.raises(LaunchError, match="is not an MLX hostfile"):
+        hosts_from(None, bad)
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps([{"ssh": "a", "ips": ["10.0.0.1"]}]))
+    with pytest.raises(LaunchError, match="a job needs at least 2"):
+        hosts_from(None, one)
+    hosts, backend, _ = hosts_from(2, None)
+    ring = ring_file(hosts, None)
+    assert backend == "ring" and len({a for (a,) in ring}) == 2
+    assert all(a.startswith("127.0.0.1:") for (a,) in ring)
+
+
+# -- two local ranks, the installed command (slow) --------------------------------------------
+
+
+def launch(args: list[str], home: Path, **kw) -> subprocess.Popen:
+    env = dict(
+        os.environ, DFLASH_MAC_HOME=str(home), HF_HUB_OFFLINE="1", DFLASH_MAC_BLAS="reference"
+    )
+    cmd = [sys.executable, "-m", "dflash_mac", "launch", "-n", "2", "--timeout", "90", *args]
+    return subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw
+    )
+
+
+def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"launch did not finish in {LAUNCH_TIMEOUT_S} s: {err[-2000:]}")
+    return proc.returncode, out, err
+
+
+@pytest.fixture(scope="module")
+def hybrid_dirs(tmp_path_factory):
+    from dflash_mac.testing.tiny_hybrid import build_tiny_hybrid_pair
+
+    return build_tiny_hybrid_pair(tmp_path_factory.mktemp("hybrid"), block_size=8)
+
+
+CASES = {  # name: (pair, parallel, generate flags, collectives per forward on rank 0)
+    "bundled-tensor-greedy": (None, "tensor", ["--temp", "0"], 2 * 6 + 1),
+    "hybrid-tensor-sampled": ("hybrid", "tensor", ["--temp", "0.7", "--seed", "7"], 2 * 6 + 1),
+    # pipeline: the packet, rank 0's recv, the all_gather of the last hidden state, features
+    "hybrid-pipeline-greedy": ("hybrid", "pipeline", ["--temp", "0"], 4),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_launch_matches_single_process(case, hybrid_dirs, tmp_path):
+    """Two ranks give the tokens of a single process, and each forward costs exactly the
+    counted collectives (tensor parallel: 2 per layer + the packet)."""
+    from dflash_mac.generate import generate
+    from dflash_mac.loading import load
+
+    which, mode, flags, collectives = CASES[case]
+    pair_flags = []
+    if which == "hybrid":
+        pair_flags = ["--model", str(hybrid_dirs[0]), "--draft", str(hybrid_dirs[1])]
+        pair_flags += ["--ignore-chat-template"]
+    prompt = "Write a function that adds two numbers. " * 8  # > 64 tokens: a second all_sum
+    args = ["generate", prompt, "--json", "-n", "16", *pair_flags, *flags]
+    proc = launch(["--parallel", mode, "--", *args], tmp_path)
+    code, out, err = finish(proc)
+    assert code == 0, err[-2000:]
+    got = json.loads(out)
+    pair = load(*(hybrid_dirs if which == "hybrid" else (None, None)))
+    temp = float(flags[1])
+    seed = int(flags[3]) if len(flags) > 2 else None
+    want = generate(
+        pair,
+        prompt,
+        max_tokens=16,
+        temp=temp,
+        seed=seed,
+        ignore_chat_template=which == "hybrid",
+    )
+    assert got["tokens"] == want.tokens
+    assert (got["ranks"], got["parallel"]) == (2, mode)
+    assert got["collectives_per_cycle"] == collectives
+
+
+def rank_pid(launcher: int, rank: int) -> int | None:
+    """The PID of `rank` among the launcher's children (Linux /proc)."""
+    children = Path(f"/proc/{launcher}/task/{launcher}/children")
+    for pid in children.read_text().split():
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"MLX_RANK={rank}".encode() in env:
+            return int(pid)
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds ranks via /proc")
+@pytest.mark.parametrize("lost", [1, 0])
+def test_killed_rank_stops_the_others(lost, tmp_path):
+    """A worker (or the leader) killed mid-generation: the survivor exits non-zero with one
+    sentence naming the lost rank, within 10 s, and the launcher says how that rank ended."""
+    args = ["--", "generate", "Hello", "-n", "1500", "--ignore-chat-template", "--temp", "0.8"]
+    proc = launch(args, tmp_path)
+    pid = None
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and proc.poll() is None:
+        pid = rank_pid(proc.pid, lost)
+        ready = list(Path(tempfile.gettempdir()).glob(f"dflash-launch-{proc.pid}-*/[01]"))
+        if pid and len(ready) == 2:  # both ranks have loaded
+            break
+        time.sleep(0.2)
+    assert pid, f"rank {lost} never started"
+    time.sleep(1.0)
+    os.kill(pid, 9)
+    killed = time.monotonic()
+    code, _, err = finish(proc)
+    assert time.monotonic() - killed < 10
+    assert code != 0
+    survivor = 1 - lost
+    assert (
+        f"rank {survivor} lost the connection to rank {lost} (it exited or is unreachable)." in err
+    )
+    assert f"rank {lost} was killed by SIGKILL." in err
+    assert "Traceback" not in err
+
+
+def test_busy_port_and_lost_rank_sentences(monkeypatch, tmp_path):
+    import socket
+
+    from dflash_mac.distributed.group import join_error, lost_peer_message
+
+    hosts, _, _ = hosts_from(2, None)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        with pytest.raises(LaunchError) as e:
+            ring_file(hosts, port)
+    assert str(e.value) == f"port {port} on 127.0.0.1 is busy; pass another --starting-port."
+    hostfile = tmp_path / "ring.json"
+    hostfile.write_text(json.dumps([["127.0.0.1:5000"], ["127.0.0.1:5001"]]))
+    monkeypatch.setenv("MLX_RANK", "1")
+    monkeypatch.setenv("MLX_HOSTFILE", str(hostfile))
+    err = join_error(RuntimeError("[ring] Couldn't bind socket (error: 98)"))
+    assert str(err) == "rank 1 could not listen on 127.0.0.1:5001: the port is busy."
+    assert lost_peer_message(ValueError("other")) is None
+
+
+def test_doctor_memory_per_rank():
+    from dflash_mac.cli.doctor import memory_need_gb, memory_per_rank_gb
+    from dflash_mac.registry import load_registry
+
+    entry = load_registry().get("qwen3-8b")
+    one = memory_need_gb(entry, 4096)
+    two = memory_per_rank_gb(entry, 4096, 2)
+    assert two["worker"] == pytest.approx((one["target"] + one["kv"]) / 2 + one["overhead"])
+    assert two["rank0"] == pytest.approx(two["worker"] + one["drafter"])
+    assert two["rank0"] < one["total"]
+
+
+def test_unreachable_host(tmp_path, monkeypatch):
+    """A host that ssh cannot reach is named in one sentence, before any rank starts."""
+    from dflash_mac.cli.launch import check_reachable
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "ssh").write_text(
+        "#!/bin/sh\necho 'ssh: connect to host mac-2 port 22: No route' >&2\nexit 255\n"
+    )
+    (fake / "ssh").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
+    with pytest.raises(LaunchError) as e:
+        check_reachable("mac-2")
+    assert str(e.value) == (
+        "host mac-2 is unreachable over ssh (ssh: connect to host mac-2 port 22: No route)."
+    )
