@@ -302,3 +302,35 @@ def test_sampling_check_detects_a_skipped_rollback(small_pair, monkeypatch):
     sp = SamplingParams(temperature=1.0)
     samples, _ = sampled(small_pair, sp, 150)
     assert chi_square_p(samples, exact_joint(small_pair, sp)) < 1e-6
+
+
+class Sizes:
+    """A controller replaying fixed block sizes: runs of plain steps between drafting cycles."""
+
+    def __init__(self, sizes: list[int]):
+        self.sizes, self.i = sizes, 0
+
+    def choose(self):
+        from dflash_mac.autoblock import Decision
+
+        self.last = Decision(self.sizes[self.i % len(self.sizes)], "scripted")
+        self.i += 1
+        return self.last
+
+    def update(self, bs, accepted, seconds) -> None:
+        pass
+
+
+def test_plain_step_runs_between_drafting_cycles_stay_exact(pair, cases):
+    """Plain steps queue the next cycle on the still-lazy token; a hybrid's GatedDeltaNet
+    state must come through runs of them, and drafting after them, exactly."""
+    sizes = [1, 1, 1, 4, 1, 1, 1, 1, 6, 2, 1]
+    for i, (ids, ref) in enumerate(cases):
+        oracle = with_drafter(pair, OracleDrafter(pair.drafter, ids + ref, 320, 0.4, i))
+        for p in (pair, oracle):
+            state = DecodeState(p)
+            cfg = GenerationConfig(max_tokens=60, use_eos=False)
+            events = list(speculative_stream(p, ids, cfg, state, controller=Sizes(sizes)))
+            assert [t for e in events for t in e.tokens] == ref[:60]
+            assert set(events[-1].stats.block_sizes) >= {1, 4, 6}
+            assert_cache_equals_fresh_prefill(pair, state)
