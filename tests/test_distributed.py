@@ -106,6 +106,7 @@ CASES = {  # name: (pair, parallel, generate flags, collectives per forward on r
     "hybrid-tensor-sampled": ("hybrid", "tensor", ["--temp", "0.7", "--seed", "7"], 2 * 6 + 1),
     # pipeline: the packet, rank 0's recv, the all_gather of the last hidden state, features
     "hybrid-pipeline-greedy": ("hybrid", "pipeline", ["--temp", "0"], 4),
+    "hybrid-pipeline-sampled": ("hybrid", "pipeline", ["--temp", "0.7", "--seed", "3"], 4),
 }
 
 
