@@ -276,7 +276,10 @@ def supervise(ranks: list[Rank], ready: Path, timeout: float) -> tuple[int, str 
     bad = [r for r in ranks if r.proc.returncode not in (0,)]
     if not bad:
         return 0, None
-    first = failed or bad[0]
+    # a rank killed by a signal is the cause the others followed (they noticed it at once, so
+    # the poll above may have seen them end in the same instant)
+    killed = [r for r in bad if (r.proc.returncode or 0) < 0]
+    first = killed[0] if killed else failed or bad[0]
     code = ranks[0].proc.returncode if ranks[0].proc.returncode not in (0, None) else 1
     return (code if code > 0 else 1), f"{describe(first)}."
 

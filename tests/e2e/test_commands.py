@@ -47,14 +47,17 @@ def test_bench_tiny_run(cli):
         "--no-live",
     )
     assert r.returncode == 0, r.stderr
-    report = json.loads(r.stdout)
-    auto, fixed = report["rows"]  # the default: auto (block size 0) and the pair's size
-    assert auto["block_size"] == 0 and fixed["block_size"] >= 2
-    for row in (auto, fixed):
-        assert row["prompts"] == 1 and row["trials"] == 1 and row["dflash_tokens"] > 0
-        assert 1 <= row["tau"][0] <= fixed["block_size"]
-    assert sum(auto["block_mix"].values()) == auto["cycles"]
+    report, sampled = json.loads(r.stdout)  # the default: greedy, then recommended sampling
+    assert report["config"]["temp"] == 0 and sampled["config"]["temp"] > 0
+    for doc in (report, sampled):
+        auto, fixed = doc["rows"]  # the default: auto (block size 0) and the pair's size
+        assert auto["block_size"] == 0 and fixed["block_size"] >= 2
+        for row in (auto, fixed):
+            assert row["prompts"] == 1 and row["trials"] == 1 and row["dflash_tokens"] > 0
+            assert 1 <= row["tau"][0] <= fixed["block_size"]
+        assert sum(auto["block_mix"].values()) == auto["cycles"]
     assert report["lossless"]["checked"] == report["lossless"]["equal"] == 2
+    assert sampled["lossless"]["checked"] is None  # sampling: nothing to compare token by token
 
 
 def test_doctor_self_test_passes(cli):
