@@ -30,11 +30,11 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from dflash_mac.bundle import corpus
+from dflash_mac.bundle import corpus, stages2
 from dflash_mac.bundle.tokenizer import build_tokenizer, special_ids
 
 CACHE = Path(".cache/bundle")
-STAGES = ("corpus", "tokenizer", "target", "drafter")
+STAGES = ("corpus", "tokenizer", "target", "drafter", "corpus2", "longctx", "drafters2")
 console = Console()
 
 
@@ -193,6 +193,8 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="on resume, re-measure tokens/s and refit the token budget to --minutes",
     )
+    ap.add_argument("--tokens", type=int, default=None, help="longctx: tokens of the run")
+    ap.add_argument("--only", choices=("dflash", "dflash2"), default=None, help="drafters2")
     args = ap.parse_args(argv)
     args.cache.mkdir(parents=True, exist_ok=True)
     if args.fresh:
@@ -214,8 +216,17 @@ def main(argv: list[str] | None = None) -> None:
                 lr=args.lr,
                 recalibrate=args.recalibrate or None,
             )
-        else:
+        elif st == "drafter":
+            if args.stage == "all" and (args.cache / "dflash_v1").exists():
+                console.log("v1 drafter cached: kept (the v2 drafters start from it)")
+                continue
             stage_drafter(args.out, args.cache)
+        elif st == "corpus2":
+            stages2.stage_corpus2(args.out, args.cache)
+        elif st == "longctx":
+            stages2.stage_longctx(args.out, args.cache, args.tokens)
+        else:
+            stages2.stage_drafters2(args.out, args.cache, args.only)
     console.log(f"done in {time.perf_counter() - t0:.0f}s")
 
 
