@@ -17,6 +17,7 @@ from test_train import _train, prompts_file  # noqa: F401  (fixture)
 from dflash_mac.capture import target_head
 from dflash_mac.loading import load
 from dflash_mac.train import TrainError, TrainingArgs
+from dflash_mac.train.batches import target_features
 from dflash_mac.train.dflash2_loss import selector_q
 from dflash_mac.train.soft import (
     LossSpec,
@@ -176,3 +177,31 @@ def test_kl_trained_drafters_roundtrip_through_the_loader(tiny_dirs, prompts_fil
         pair = load(tiny_dirs[0], out)
         assert pair.kind == ("DFlash 2" if arch == "dflash2" else "DFlash")
         assert all(e["identical"] == e["prompts"] for e in summary["eval"])
+
+
+def test_evaluate_tau_by_length_and_tv_agreement(tiny_pair):
+    from dflash_mac.train.evaluate import tau_by_length, tv_agreement
+
+    got = tau_by_length([[1] * 10, [1] * 300, [1] * 20, [1] * 1500], [2.0, 1.0, 4.0, 1.5])
+    assert got == {
+        "0-256": {"prompts": 2, "tau": 3.0},
+        "256-1024": {"prompts": 1, "tau": 1.0},
+        "1024-2048": {"prompts": 1, "tau": 1.5},
+    }
+    bs = tiny_pair.block_size
+    prompt, resp = list(range(40, 50)), list(range(60, 60 + bs))  # one anchor: a = len(prompt)
+    tv = tv_agreement(tiny_pair, [(prompt, resp)], [0.7, 1.0], anchors=8)
+    # by hand, with the inference drafter and a plain target forward
+    toks = mx.array(prompt + resp)[None]
+    feats = target_features(tiny_pair.target, tiny_pair.layer_ids, toks)
+    a = len(prompt)
+    cache = tiny_pair.drafter.make_cache()
+    tiny_pair.drafter.extend_context(feats[:, :a], cache)
+    mask = tiny_pair.drafter.config.mask_token_id
+    block = mx.array([(prompt + resp)[a]] + [mask] * (bs - 1))
+    q_logits = tiny_pair.drafter(block[None], cache)[0]
+    p_logits = tiny_pair.target(toks)[0, a : a + bs - 1]
+    for t in (0.7, 1.0):
+        p, q = mx.softmax(p_logits / t, axis=-1), mx.softmax(q_logits / t, axis=-1)
+        want = np.array(mx.minimum(p, q).sum(axis=-1))
+        assert np.allclose(tv[t], want, atol=2e-4), (t, tv[t], want)
