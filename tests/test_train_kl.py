@@ -205,3 +205,13 @@ def test_evaluate_tau_by_length_and_tv_agreement(tiny_pair):
         p, q = mx.softmax(p_logits / t, axis=-1), mx.softmax(q_logits / t, axis=-1)
         want = np.array(mx.minimum(p, q).sum(axis=-1))
         assert np.allclose(tv[t], want, atol=2e-4), (t, tv[t], want)
+
+
+def test_training_note_reads_the_config_field(tmp_path):
+    from dflash_mac.models.config import training_note
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"]}))
+    assert training_note(tmp_path) is None
+    meta = {"loss": "mix", "kl_temperatures": [0.7, 1.0], "data_temperatures": [0.0, 0.7]}
+    (tmp_path / "config.json").write_text(json.dumps({"dflash_training": meta}))
+    assert training_note(tmp_path) == "loss mix (KL at T 0.7, 1), data T 0, 0.7"
