@@ -125,6 +125,10 @@ def stage_drafters2(out: Path, cache: Path, only: str | None = None) -> None:
             replace(base, steps=V2["drafter_steps"], init_from=cache / "dflash_v1"), reporter
         )
     if only in (None, "dflash2"):
+        data2 = cache / "drafter2-dflash2" / "data"
+        if not data2.exists():  # the same regenerated answers (one regeneration for both)
+            data2.parent.mkdir(parents=True, exist_ok=True)
+            data2.symlink_to((cache / "drafter2" / "data").resolve(), target_is_directory=True)
         train_drafter(
             replace(
                 base,
