@@ -30,7 +30,9 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# Rebuilds the bundled pair from scratch (stdlib corpus -> tokenizer -> target -> drafter).
+# Rebuilds the bundled pair (stdlib corpus -> tokenizer -> v1 target -> v1 drafter -> extended
+# corpus -> long-context continued pretraining -> both drafters distilled on it). Every long
+# stage resumes from its checkpoint under .cache/bundle after an interruption.
 OPENBLAS := $(firstword $(wildcard /usr/lib/*-linux-gnu/libopenblas.so.0))
 bundle: install
 	LD_PRELOAD=$(OPENBLAS) $(BIN)/python -m dflash_mac.bundle.build --out models/bundled \

@@ -25,3 +25,19 @@ def test_curriculum_stages_and_schedule():
     assert cc.max_len == 2048
     lrs = [lr_at(t, cc) for t in range(0, 1000, 10)]
     assert max(lrs) <= cc.lr and lrs[-1] < 0.2 * cc.lr and lrs[0] < lrs[3]
+
+
+def test_long_eval_prompts_come_from_heldout_modules():
+    import json
+    from pathlib import Path
+
+    from dflash_mac.bundle.corpus import is_heldout
+
+    path = Path(__file__).parents[1] / "models" / "bundled" / "eval_long_prompts.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    assert len(rows) == 12
+    for r in rows:
+        assert is_heldout(r["module"]) and r["id"].startswith("long:")
+        text = r["messages"][0]["content"]
+        assert text.startswith(f"Here is part of the Python module `{r['module']}`")
+        assert len(text) > 4000 and "write the" in text.rsplit("\n\n", 1)[1]
