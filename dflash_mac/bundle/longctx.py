@@ -35,7 +35,7 @@ class CurriculumConfig:
     """Hyper-parameters of the continued pretraining."""
 
     stages: list[tuple[int, float]] = field(
-        default_factory=lambda: [(512, 0.25), (1024, 0.35), (2048, 0.4)]
+        default_factory=lambda: [(512, 0.2), (1024, 0.3), (2048, 0.5)]
     )  # (sequence length, fraction of the tokens)
     batch_tokens: int = 4096  # tokens per optimizer step (batch = batch_tokens // seq_len)
     tokens: int = 800_000  # total tokens of the run
@@ -44,7 +44,7 @@ class CurriculumConfig:
     warmup_frac: float = 0.03
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    ckpt_every: int = 20
+    ckpt_every: int = 10
     seed: int = 1
 
     @property

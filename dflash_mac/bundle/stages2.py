@@ -27,8 +27,8 @@ console = Console()
 RECOMMENDED_TEMP = 0.7  # the temperature the bundled pair is tuned and measured for
 V2 = {
     "tokens": 180_000,  # continued-pretraining tokens (CPU-sized)
-    "drafter_steps": 80,  # DFlash 1 fine-tune steps
-    "drafter2_steps": 64,  # DFlash 2 fine-tune steps
+    "drafter_steps": 60,  # DFlash 1 fine-tune steps
+    "drafter2_steps": 50,  # DFlash 2 fine-tune steps
     "short_prompts": 160,  # answered greedy and at RECOMMENDED_TEMP
     "long_prompts": 48,  # idem
 }
