@@ -177,6 +177,22 @@ def test_kl_trained_drafters_roundtrip_through_the_loader(tiny_dirs, prompts_fil
         pair = load(tiny_dirs[0], out)
         assert pair.kind == ("DFlash 2" if arch == "dflash2" else "DFlash")
         assert all(e["identical"] == e["prompts"] for e in summary["eval"])
+        # fine-tuning starts from the saved folder (DFlash 2: codebooks stored without .weight)
+        more, _ = _train(
+            tiny_dirs,
+            prompts_file,
+            tmp_path / f"ft-{arch}",
+            tmp_path / f"c-{arch}",
+            arch=arch,
+            steps=2,
+            loss="mix",
+            kl_temperatures=[0.7, 1.0],
+            kl_weight=0.6,
+            top_k_soft=16,
+            temps=[0.0, 0.7],
+            init_from=out,
+        )
+        assert more[0] < losses[0] - 0.3, arch
 
 
 def test_evaluate_tau_by_length_and_tv_agreement(tiny_pair):
