@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PROMPT ?= Write a Python function that returns the n-th Fibonacci number.
 
-.PHONY: run test test-fast lint install bundle
+.PHONY: run test test-fast lint install bundle bundle-v2
 
 $(BIN)/dflash-mac: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,3 +35,10 @@ OPENBLAS := $(firstword $(wildcard /usr/lib/*-linux-gnu/libopenblas.so.0))
 bundle: install
 	LD_PRELOAD=$(OPENBLAS) $(BIN)/python -m dflash_mac.bundle.build --out models/bundled \
 		--stage all --minutes 40
+
+# The v2 pair (issue 15; not committed, see models/bundled/MODEL_CARD.md): the stages of `bundle`,
+# then the extended corpus, the long-context continued pretraining (512 -> 1024 -> 2048) and both
+# drafters distilled on it (KL to p_T). Every long stage resumes from .cache/bundle.
+bundle-v2: install
+	OPENBLAS_NUM_THREADS=1 LD_PRELOAD=$(OPENBLAS) $(BIN)/python -m dflash_mac.bundle.build \
+		--out models/bundled --stage all2 --minutes 40

@@ -148,3 +148,22 @@ def _attention_layout(cfg: dict, n_layers: int, source: str) -> tuple[list[bool]
         causal.append(bool(is_causal) if is_causal is not None else sliding)
         windows.append(int(window) if sliding and window else None)
     return causal, windows
+
+
+def training_note(draft_dir: str | Path) -> str | None:
+    """What a drafter was trained for, from its config's ``dflash_training`` field (written by
+    `dflash-mac train`; loaders ignore it), e.g. ``loss mix (KL at T 0.7, 1.0), data T 0, 0.7``.
+    None when the field is absent."""
+    try:
+        meta = json.loads((Path(draft_dir) / "config.json").read_text()).get("dflash_training")
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict) or "loss" not in meta:
+        return None
+    note = f"loss {meta['loss']}"
+    if meta.get("kl_temperatures"):
+        temps = ", ".join(f"{t:g}" for t in meta["kl_temperatures"])
+        note += f" (KL at T {temps})"
+    if meta.get("data_temperatures"):
+        note += ", data T " + ", ".join(f"{t:g}" for t in meta["data_temperatures"])
+    return note

@@ -30,11 +30,14 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from dflash_mac.bundle import corpus
+from dflash_mac.bundle import corpus, stages2
 from dflash_mac.bundle.tokenizer import build_tokenizer, special_ids
 
 CACHE = Path(".cache/bundle")
-STAGES = ("corpus", "tokenizer", "target", "drafter")
+STAGES = ("corpus", "tokenizer", "target", "drafter", "corpus2", "longctx", "drafters2")
+# `all`: the committed pair (v1). `all2`: v1, then the v2 stages (long-context target, drafters
+# distilled on it); see MODEL_CARD.md for why v2 is not the committed pair yet.
+GROUPS = {"all": STAGES[:4], "all2": STAGES}
 console = Console()
 
 
@@ -180,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--out", type=Path, default=Path("models/bundled"))
-    ap.add_argument("--stage", choices=(*STAGES, "all"), default="all")
+    ap.add_argument("--stage", choices=(*STAGES, *GROUPS), default="all")
     ap.add_argument(
         "--minutes", type=float, default=30.0, help="wall-clock training budget of the target"
     )
@@ -193,11 +196,13 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="on resume, re-measure tokens/s and refit the token budget to --minutes",
     )
+    ap.add_argument("--tokens", type=int, default=None, help="longctx: tokens of the run")
+    ap.add_argument("--only", choices=("dflash", "dflash2"), default=None, help="drafters2")
     args = ap.parse_args(argv)
     args.cache.mkdir(parents=True, exist_ok=True)
     if args.fresh:
         shutil.rmtree(args.cache / "target_ckpt", ignore_errors=True)
-    stages = STAGES if args.stage == "all" else (args.stage,)
+    stages = GROUPS.get(args.stage, (args.stage,))
     t0 = time.perf_counter()
     for st in stages:
         console.rule(f"stage {st}")
@@ -214,8 +219,17 @@ def main(argv: list[str] | None = None) -> None:
                 lr=args.lr,
                 recalibrate=args.recalibrate or None,
             )
-        else:
+        elif st == "drafter":
+            if args.stage == "all2" and (args.cache / "dflash_v1").exists():
+                console.log("v1 drafter cached: kept (the v2 drafters start from it)")
+                continue
             stage_drafter(args.out, args.cache)
+        elif st == "corpus2":
+            stages2.stage_corpus2(args.out, args.cache)
+        elif st == "longctx":
+            stages2.stage_longctx(args.out, args.cache, args.tokens)
+        else:
+            stages2.stage_drafters2(args.out, args.cache, args.only)
     console.log(f"done in {time.perf_counter() - t0:.0f}s")
 
 

@@ -33,6 +33,8 @@ SKIP_DIRS = {
     "lib2to3",
     "ensurepip",
 }
+# v2 (long-context target): more of the stdlib; tests, vendored and data files stay out
+SKIP_DIRS_V2 = SKIP_DIRS - {"idlelib", "tkinter", "turtledemo", "lib2to3"}
 MAX_FILE_BYTES = 150_000
 MAX_FUNC_CHARS = 2_400
 MAX_FUNC_LINES = 60
@@ -86,12 +88,12 @@ def is_heldout(name: str) -> bool:
     return h % 100 < HELDOUT_PERCENT
 
 
-def iter_modules(root: Path | None = None) -> Iterator[Module]:
+def iter_modules(root: Path | None = None, skip: set[str] = SKIP_DIRS) -> Iterator[Module]:
     """Yield stdlib modules in sorted path order (deterministic), skipping tests and big files."""
     root = root or stdlib_dir()
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)
-        if any(p in SKIP_DIRS or p.startswith("test_") for p in rel.parts):
+        if any(p in skip or p.startswith("test_") for p in rel.parts):
             continue
         if rel.parts[0] == "encodings" and rel.name not in {"__init__.py", "aliases.py"}:
             continue  # codec tables: mostly numbers
@@ -105,10 +107,13 @@ def iter_modules(root: Path | None = None) -> Iterator[Module]:
         yield Module(module_name(rel), text)
 
 
-def split_modules(root: Path | None = None) -> tuple[list[Module], list[Module]]:
-    """Return (train, heldout) module lists."""
+def split_modules(
+    root: Path | None = None, extended: bool = False
+) -> tuple[list[Module], list[Module]]:
+    """Return (train, heldout) module lists (``extended``: the v2 corpus, more directories;
+    the hash split keeps every v1 held-out module held out)."""
     train, heldout = [], []
-    for mod in iter_modules(root):
+    for mod in iter_modules(root, SKIP_DIRS_V2 if extended else SKIP_DIRS):
         (heldout if is_heldout(mod.name) else train).append(mod)
     return train, heldout
 
@@ -210,3 +215,51 @@ def eval_prompts_jsonl(path: Path, limit: int = 32) -> int:
     _, heldout = split_modules()
     total = sum(len(chat_examples(m)) for m in heldout)
     return write_prompts_jsonl(heldout, path, limit=limit, stride=max(1, total // limit))
+
+
+def long_context_prompts(
+    modules: list[Module],
+    limit: int,
+    min_chars: int = 2_000,
+    max_chars: int = 6_000,
+    seed: int = 0,
+) -> list[dict]:
+    """Chat prompts with a long context: part of a module's source, then a request to write one
+    of its functions (the shape of a chat that pastes a file and asks for code).
+
+    The source is cut at a line boundary to ``min_chars..max_chars`` characters (about
+    500-1,700 tokens), ending before the requested function."""
+    import random
+
+    rng = random.Random(seed)
+    pool = [(m, ex) for m in modules for ex in chat_examples(m) if len(m.source) > min_chars]
+    rng.shuffle(pool)
+    out = []
+    for mod, ex in pool:
+        line = int(ex.id.rsplit(":", 1)[1])
+        lines = mod.source.splitlines()
+        before = "\n".join(lines[: line - 1])
+        if len(before) < min_chars:
+            before = "\n".join(lines)
+        want = rng.randint(min_chars, max_chars)
+        ctx = before[-want:]
+        ctx = ctx[ctx.find("\n") + 1 :] if "\n" in ctx else ctx
+        user = f"Here is part of the Python module `{mod.name}`:\n\n{ctx}\n\n{ex.user}"
+        out.append(
+            {
+                "id": f"long:{ex.id}",
+                "module": mod.name,
+                "messages": [{"role": "user", "content": user}],
+            }
+        )
+        if len(out) >= limit:
+            break
+    return out
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> int:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    return len(rows)

@@ -226,11 +226,11 @@ def pretrain(
     return model, meta
 
 
-def save_target(model: nn.Module, out_dir: Path) -> None:
+def save_target(model: nn.Module, out_dir: Path, config: dict | None = None) -> None:
     """Save weights as float16 safetensors plus ``config.json`` (mlx_lm/HF loadable)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     weights = {k: v.astype(mx.float16) for k, v in tree_flatten(model.parameters())}
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (out_dir / "config.json").write_text(json.dumps(TARGET_CONFIG, indent=2) + "\n")
+    (out_dir / "config.json").write_text(json.dumps(config or TARGET_CONFIG, indent=2) + "\n")
     gen = {"eos_token_id": [2, 0], "pad_token_id": 0, "do_sample": False}
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")

@@ -451,6 +451,12 @@ def check_selftest(
         f"{what} decodes losslessly on a worker thread: {n} tokens == mlx-lm greedy "
         f"(τ {tau:.2f}, {secs:.1f} s)"
     )
+    if bundled:
+        from dflash_mac.loading import BUNDLED_DRAFT
+        from dflash_mac.models.config import training_note
+
+        if note := training_note(BUNDLED_DRAFT):
+            msg += f"; drafter trained for {note}"
     if not bundled:
         return Check(
             "self-test",

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from dflash_mac.errors import UserError
 
+from .soft import LOSS_KINDS, LossSpec
+
 ARCHS = ("dflash", "dflash2")
 
 
@@ -41,6 +43,7 @@ class TrainingArgs:
     # regeneration of the training responses by the target
     max_new_tokens: int = 256
     temp: float = 0.0
+    temps: list[float] | None = None  # several regeneration temperatures (overrides temp)
     gen_batch_size: int = 32
     limit: int | None = None  # use N prompts, evenly spread over the file
     # held-out evaluation after training
@@ -53,6 +56,11 @@ class TrainingArgs:
     cache_dir: Path = Path(".cache/dflash-train")  # regenerated data and checkpoints
     save_dtype: str = "float16"  # saved weights: float16, bfloat16 or float32
     init_from: Path | None = None  # fine-tune this drafter folder (fresh schedule)
+    # loss (docs/training.md, "Losses"): ce | kl | mix of both
+    loss: str = "ce"
+    kl_temperatures: list[float] = field(default_factory=lambda: [1.0])
+    kl_weight: float = 0.5  # mix: (1 - w)·CE + w·KL
+    top_k_soft: int = 32  # soft labels: top-k of p_T + a tail bucket
 
     def __post_init__(self) -> None:
         self.target = str(self.target)
@@ -71,6 +79,25 @@ class TrainingArgs:
             )
         if self.block_size < 2:
             raise TrainError(f"--block-size must be at least 2 (got {self.block_size}).")
+        if self.loss not in LOSS_KINDS:
+            raise TrainError(f"--loss must be one of {', '.join(LOSS_KINDS)} (got {self.loss}).")
+        if not self.kl_temperatures or min(self.kl_temperatures) <= 0:
+            raise TrainError("--kl-temperature must be positive (e.g. 0.7 or 0.7,1.0).")
+        if not 0.0 <= self.kl_weight <= 1.0:
+            raise TrainError(f"--kl-weight must be in [0, 1] (got {self.kl_weight}).")
+        if self.top_k_soft < 1:
+            raise TrainError(f"--top-k-soft must be at least 1 (got {self.top_k_soft}).")
+        if any(t < 0 for t in self.regen_temps):
+            raise TrainError("--temp must be >= 0.")
+
+    @property
+    def regen_temps(self) -> list[float]:
+        """Regeneration temperatures: every prompt is answered once at each."""
+        return list(self.temps) if self.temps else [self.temp]
+
+    @property
+    def loss_spec(self) -> LossSpec:
+        return LossSpec(self.loss, tuple(self.kl_temperatures), self.kl_weight, self.top_k_soft)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -97,3 +124,4 @@ class TrainSettings:
     seed: int = 0
     intermediate_size: int | None = None
     sliding_window: int | None = None
+    loss: dict = field(default_factory=lambda: {"loss": "ce"})  # LossSpec.describe()

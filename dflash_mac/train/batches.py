@@ -69,11 +69,22 @@ def make_batch(seqs: list[Sequence], idx: list[int], step: int, s: TrainSettings
 
 def target_features(target: nn.Module, layer_ids: list[int], tokens: mx.array) -> mx.array:
     """One frozen target forward -> features of every position ``[B, S, n·H]``."""
+    return target_forward(target, layer_ids, tokens)[0]
+
+
+def target_forward(
+    target: nn.Module, layer_ids: list[int], tokens: mx.array, want_hidden: bool = False
+) -> tuple[mx.array, mx.array | None]:
+    """One frozen target forward -> (features ``[B, S, n·H]``, final-normed hidden states
+    ``[B, S, H]`` when `want_hidden`: the LM head turns them into the soft labels)."""
     tm = text_model(target)
     body = getattr(tm, "model", None)  # the decoder stack without the LM head, when exposed
+    if want_hidden and body is None:
+        raise ValueError("soft labels need a target whose decoder stack is `.model`.")
     with FeatureCapture(target, layer_ids) as cap:
         out = body(tokens) if body is not None else target(tokens)
         feats = mx.stop_gradient(cap.features())
-        mx.eval(feats)
+        hidden = mx.stop_gradient(out) if want_hidden else None
+        mx.eval(feats, *([hidden] if want_hidden else []))
     del out
-    return feats
+    return feats, hidden

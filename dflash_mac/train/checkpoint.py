@@ -90,6 +90,8 @@ def load_init(drafter, folder: Path) -> str:
         for k, v in load_weights(folder).items()
         if "embed_tokens" not in k and not k.startswith("lm_head")
     }
+    if hasattr(drafter, "sanitize"):  # checkpoint names -> parameter names (DFlash 2 codebooks)
+        weights = drafter.sanitize(weights)
     expected = dict(tree_flatten(drafter.parameters()))
     bad = sorted(set(expected) ^ set(weights)) + [
         k for k in weights if k in expected and weights[k].shape != expected[k].shape

@@ -67,7 +67,28 @@ def train(
     gen_max_tokens: int = typer.Option(
         256, "--gen-max-tokens", help="Max tokens of each regenerated response."
     ),
-    temp: float = typer.Option(0.0, "--temp", help="Regeneration temperature (0 = greedy)."),
+    temp: str = typer.Option(
+        "0",
+        "--temp",
+        help="Regeneration temperature(s), comma-separated: each prompt is answered once at "
+        "each (0 = greedy; e.g. 0,0.7 for greedy and sampled answers).",
+    ),
+    loss: str = typer.Option(
+        "ce",
+        "--loss",
+        help="ce (data tokens), kl (KL(p_T || q) to the target's soft labels) or mix.",
+    ),
+    kl_temperature: str = typer.Option(
+        "1.0",
+        "--kl-temperature",
+        help="Temperature(s) T of the KL targets p_T, comma-separated (averaged).",
+    ),
+    kl_weight: float = typer.Option(
+        0.5, "--kl-weight", help="Share of the KL in --loss mix: (1-w)·CE + w·KL."
+    ),
+    top_k_soft: int = typer.Option(
+        32, "--top-k-soft", help="Soft labels: top-k of p_T plus one tail bucket."
+    ),
     gen_batch_size: int = typer.Option(
         32, "--gen-batch-size", help="Prompts decoded together while regenerating."
     ),
@@ -134,7 +155,11 @@ def train(
         max_length=max_length,
         intermediate_size=intermediate_size,
         max_new_tokens=gen_max_tokens,
-        temp=temp,
+        temps=floats(temp, "--temp"),
+        loss=loss,
+        kl_temperatures=floats(kl_temperature, "--kl-temperature"),
+        kl_weight=kl_weight,
+        top_k_soft=top_k_soft,
         gen_batch_size=gen_batch_size,
         limit=limit,
         eval_prompts=eval_prompts,
@@ -210,6 +235,17 @@ class ProgressReporter(TrainingCallback):
     def on_end(self) -> None:
         if self.bar is not None:
             self.bar.stop()
+
+
+def floats(text: str, flag: str) -> list[float]:
+    """Comma-separated numbers of a flag, or one clear sentence."""
+    try:
+        out = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out:
+        raise TrainError(f"{flag} must be a number or comma-separated numbers, e.g. 0,0.7.")
+    return out
 
 
 def check_inputs(data: Path, eval_prompts: Path | None, init_from: Path | None) -> None:

@@ -68,6 +68,7 @@ def train_settings(args: TrainingArgs, tcfg: dict, tokenizer: Any) -> TrainSetti
         seed=args.seed,
         intermediate_size=args.intermediate_size,
         sliding_window=args.sliding_window,
+        loss=args.loss_spec.describe(),
     )
 
 
@@ -105,6 +106,8 @@ def drafter_config(tcfg: dict, s: TrainSettings) -> dict:
     }
     if tcfg.get("rope_scaling"):
         cfg["rope_scaling"] = tcfg["rope_scaling"]
+    # what the drafter was trained for; loaders ignore it, `models` / `doctor` show it
+    cfg["dflash_training"] = dict(s.loss)
     if s.sliding_window:  # windowed drafter attention, bidirectional inside the block
         cfg.update(
             layer_types=["sliding_attention"] * s.num_layers,

@@ -19,7 +19,8 @@ from mlx import nn
 
 from dflash_mac.metal_kernels import reference
 
-from .forward import _attention, dflash_loss
+from .forward import _attention, dflash_loss, weighted_mean
+from .soft import LossSpec, SoftLabels, position_loss, selector_soft_loss
 
 
 def dflash2_config(
@@ -107,20 +108,65 @@ def selector_loss(
     return loss, mx.stop_gradient(acc)
 
 
+def selector_q(
+    selector, hidden: mx.array, logits: mx.array, predecessors: mx.array, temperature: float
+) -> tuple[mx.array, mx.array, mx.array]:
+    """The walk's proposal at ``temperature`` for given predecessors: ``(scores [.., k],
+    cand [.., k], q [.., k])`` with ``q = softmax(scores / T)``, the distribution the walk
+    draws from and verification uses as q (scattered onto the vocabulary)."""
+    unary, cand = selector.candidates(logits)
+    s = selector.scores(unary, cand, selector.hidden_projection(hidden), predecessors)
+    return s, cand, mx.softmax(s / temperature, axis=-1)
+
+
+def selector_distill_loss(
+    selector, hidden, logits, predecessors, valid, weights, soft: SoftLabels, spec: LossSpec
+) -> mx.array:
+    """The walk's q over its candidates matched to p_T (teacher-forced predecessors), with
+    the position weights; see `soft.selector_soft_loss`."""
+    _, cand = selector.candidates(mx.stop_gradient(logits))
+    unary = mx.take_along_axis(logits, cand, axis=-1)
+    s = selector.scores(unary, cand, selector.hidden_projection(hidden), predecessors)
+    per_pos, _ = selector_soft_loss(s, cand, soft, spec)
+    return weighted_mean(per_pos, valid, weights)
+
+
 def dflash2_loss(
-    drafter, features, block_ids, labels, anchors, valid, masks, weights: mx.array
+    drafter,
+    features,
+    block_ids,
+    labels,
+    anchors,
+    valid,
+    masks,
+    weights: mx.array,
+    soft: SoftLabels | None = None,
+    spec: LossSpec | None = None,
 ) -> tuple[mx.array, mx.array]:
-    """Backbone position-decayed CE + selector CE (weight 1); acc = the selector's top-1."""
+    """Backbone loss (CE / KL / mix as for DFlash 1) + selector loss (weight 1): teacher-forced
+    CE on the data token and/or the walk's q matched to p_T, mixed like the backbone;
+    acc = the selector's top-1."""
+    spec = spec or LossSpec()
     hidden = train_hidden2(drafter, features, block_ids, anchors, masks)[:, :, 1:]
     logits = drafter.logits(hidden)  # [B, N, bs-1, V]
-    ce = nn.losses.cross_entropy(logits, labels, reduction="none")
-    n = mx.maximum(valid.sum(), 1)
-    backbone = ((ce * weights).sum(axis=-1) * valid).sum() / (n * weights.sum())
+    backbone = weighted_mean(position_loss(logits, labels, soft, spec), valid, weights)
     preds = mx.concatenate([block_ids[..., :1], labels[..., :-1]], axis=-1)  # true previous
-    sel, acc = selector_loss(
+    sel_ce, acc = selector_loss(
         drafter.candidate_selector, hidden, logits, preds, labels, valid, weights
     )
+    sel = spec.ce_weight * sel_ce
+    if spec.kl_part:
+        sel = sel + spec.kl_part * selector_distill_loss(
+            drafter.candidate_selector, hidden, logits, preds, valid, weights, soft, spec
+        )
     return backbone + sel, acc
 
 
-__all__ = ["dflash2_config", "train_hidden2", "selector_loss", "dflash2_loss", "dflash_loss"]
+__all__ = [
+    "dflash2_config",
+    "train_hidden2",
+    "selector_loss",
+    "selector_q",
+    "dflash2_loss",
+    "dflash_loss",
+]

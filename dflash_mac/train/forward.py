@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
-from mlx import nn
 
 from .blocks import dense_block_mask
+from .soft import LossSpec, SoftLabels, position_loss
 
 
 def layer_masks(drafter, anchors: np.ndarray, n_ctx: int, block_size: int) -> list[mx.array]:
@@ -75,21 +75,39 @@ def train_hidden(
     return drafter.norm(h).reshape(B, N, bs, -1)
 
 
+def weighted_mean(per_pos: mx.array, valid: mx.array, weights: mx.array) -> mx.array:
+    """Mean over real blocks of Σ_k w_k·L_k / Σ_k w_k for per-position losses ``[B, N, P]``."""
+    n = mx.maximum(valid.sum(), 1)
+    return ((per_pos * weights).sum(axis=-1) * valid).sum() / (n * weights.sum())
+
+
+def top1_accuracy(logits: mx.array, labels: mx.array, valid: mx.array) -> mx.array:
+    """Per-position top-1 accuracy ``[P]`` over real blocks (a cheap proxy of acceptance)."""
+    hit = (mx.argmax(logits, axis=-1) == labels).astype(mx.float32)
+    return mx.stop_gradient((hit * valid[..., None]).sum(axis=(0, 1)) / mx.maximum(valid.sum(), 1))
+
+
 def dflash_loss(
-    drafter, features, block_ids, labels, anchors, valid, masks, weights: mx.array
+    drafter,
+    features,
+    block_ids,
+    labels,
+    anchors,
+    valid,
+    masks,
+    weights: mx.array,
+    soft: SoftLabels | None = None,
+    spec: LossSpec | None = None,
 ) -> tuple[mx.array, mx.array]:
-    """Position-decayed CE, mean over real blocks of Σ_k w_k·CE_k / Σ_k w_k.
+    """Position-decayed loss, mean over real blocks of Σ_k w_k·L_k / Σ_k w_k; L_k is CE on
+    the data token, KL(p_T || q_T) to the target's soft labels, or a mix (`spec`).
 
     labels ``[B, N, bs-1]``; valid ``[B, N]`` (0 for padding blocks); weights ``[bs-1]``.
     Returns (loss, per-position top-1 accuracy ``[bs-1]``, a cheap proxy of acceptance)."""
     hidden = train_hidden(drafter, features, block_ids, anchors, masks)
     logits = drafter.logits(hidden[:, :, 1:])  # [B, N, bs-1, V]
-    ce = nn.losses.cross_entropy(logits, labels, reduction="none")  # [B, N, bs-1]
-    n = mx.maximum(valid.sum(), 1)
-    loss = ((ce * weights).sum(axis=-1) * valid).sum() / (n * weights.sum())
-    hit = (mx.argmax(logits, axis=-1) == labels).astype(mx.float32)
-    acc = (hit * valid[..., None]).sum(axis=(0, 1)) / n
-    return loss, mx.stop_gradient(acc)
+    loss = weighted_mean(position_loss(logits, labels, soft, spec), valid, weights)
+    return loss, top1_accuracy(logits, labels, valid)
 
 
 # The per-architecture training loss. DFlash 2 adds its selector loss here (docs/design.md §10):

@@ -15,13 +15,16 @@ import mlx.core as mx
 import mlx.optimizers as optim
 from mlx import nn
 
+from dflash_mac.capture import target_head
+
 from .args import TrainSettings
-from .batches import batch_indices, make_batch, target_features
+from .batches import batch_indices, make_batch, target_forward
 from .blocks import position_weights
 from .checkpoint import LoopState, save_checkpoint
 from .data import Sequence
 from .dflash2_loss import dflash2_loss
 from .forward import LOSSES, layer_masks
+from .soft import LossSpec, target_soft_labels
 
 LOSSES.setdefault("dflash2", dflash2_loss)
 
@@ -81,6 +84,7 @@ class Trainee:
     target: nn.Module  # frozen; gives the features
     seqs: list[Sequence]
     settings: TrainSettings
+    spec: LossSpec = LossSpec()
 
 
 def make_optimizer(s: TrainSettings, total: int) -> tuple[optim.Optimizer, Schedule]:
@@ -103,9 +107,13 @@ def train_loop(
     weights = mx.array(position_weights(s.block_size))
     loss_fn = LOSSES[s.arch]
 
-    def objective(d, feats, b, masks):
+    spec = t.spec
+    head = target_head(t.target) if spec.soft else None
+
+    def objective(d, feats, b, masks, soft):
+        anchors = mx.array(b.anchors)
         return loss_fn(
-            d, feats, b.block_ids, b.labels, mx.array(b.anchors), b.valid, masks, weights
+            d, feats, b.block_ids, b.labels, anchors, b.valid, masks, weights, soft, spec
         )
 
     grad_fn = nn.value_and_grad(drafter, objective)
@@ -121,8 +129,13 @@ def train_loop(
                 t.seqs, batch_indices(step, len(t.seqs), s.batch_size, s.seed), step, s
             )
             masks = layer_masks(drafter, batch.anchors, batch.tokens.shape[1], s.block_size)
-            feats = target_features(t.target, s.target_layer_ids, batch.tokens)
-            (loss, acc), grads = grad_fn(drafter, feats, batch, masks)
+            feats, hidden = target_forward(
+                t.target, s.target_layer_ids, batch.tokens, want_hidden=spec.soft
+            )
+            soft = None
+            if spec.soft:
+                soft = target_soft_labels(head, hidden, mx.array(batch.anchors), s.block_size, spec)
+            (loss, acc), grads = grad_fn(drafter, feats, batch, masks, soft)
             grads, _ = optim.clip_grad_norm(grads, s.grad_clip)
             t.opt.update(drafter, grads)
             mx.eval(drafter.parameters(), t.opt.state, loss, acc)

@@ -61,30 +61,36 @@ def load_target(target_dir: Path) -> tuple[nn.Module, Any]:
 def prepare_data(
     model: nn.Module, tokenizer: Any, target_dir: Path, args: TrainingArgs, log
 ) -> TrainingData:
-    """Regenerate (or reload) the responses; keep sequences with at least one full block."""
+    """Regenerate (or reload) the responses, once per regeneration temperature (greedy and
+    sampled answers to the same prompts); keep sequences with at least one full block."""
     t0 = time.perf_counter()
-    seqs, data_file = load_or_regenerate(
-        model,
-        tokenizer,
-        target_dir,
-        args.prompts,
-        args.cache_dir / "data",
-        max_tokens=args.max_new_tokens,
-        temp=args.temp,
-        seed=args.seed,
-        max_prompt=max(16, args.max_length - args.block_size - 1),
-        limit=args.limit,
-        batch_size=args.gen_batch_size,
-        log=log,
-        progress=lambda d, n, tok, t: log(
-            f"regenerated {d}/{n} ({tok:,} tokens, {tok / max(t, 1e-9):,.0f} tok/s)"
-        ),
-    )
+    seqs, files = [], []
+    for temp in args.regen_temps:
+        part, data_file = load_or_regenerate(
+            model,
+            tokenizer,
+            target_dir,
+            args.prompts,
+            args.cache_dir / "data",
+            max_tokens=args.max_new_tokens,
+            temp=temp,
+            seed=args.seed,
+            max_prompt=max(16, args.max_length - args.block_size - 1),
+            limit=args.limit,
+            batch_size=args.gen_batch_size,
+            log=log,
+            progress=lambda d, n, tok, t: log(
+                f"regenerated {d}/{n} ({tok:,} tokens, {tok / max(t, 1e-9):,.0f} tok/s)"
+            ),
+        )
+        seqs += part
+        files.append(data_file)
     seconds = time.perf_counter() - t0
     seqs = [q for q in seqs if min(len(q.ids), args.max_length) - len(q.prompt) >= args.block_size]
     if not seqs:
         raise TrainError(f"no regenerated response is at least {args.block_size} tokens long.")
-    return TrainingData(seqs, data_file, sum(len(q.response) for q in seqs), seconds)
+    file = files[0] if len(files) == 1 else files[0].with_name("+".join(f.stem for f in files))
+    return TrainingData(seqs, file, sum(len(q.response) for q in seqs), seconds)
 
 
 def prepare_trainee(
@@ -100,7 +106,7 @@ def prepare_trainee(
         log(f"initialised from {args.init_from} ({init_note})")
     per_epoch = math.ceil(len(seqs) / s.batch_size)
     opt, sched = make_optimizer(s, args.steps or max(1, math.ceil(args.epochs * per_epoch)))
-    return Trainee(drafter, opt, sched, model, seqs, s), init_note
+    return Trainee(drafter, opt, sched, model, seqs, s, args.loss_spec), init_note
 
 
 def start_state(
@@ -166,11 +172,12 @@ def train_drafter(args: TrainingArgs, callback: TrainingCallback | None = None) 
     model, tokenizer = load_target(target_dir)
     s = train_settings(args, tcfg, tokenizer)
     config = drafter_config(tcfg, s)
+    config["dflash_training"]["data_temperatures"] = args.regen_temps
     cb.log(
         f"target {args.target}: {tcfg['num_hidden_layers']} layers, hidden "
         f"{tcfg['hidden_size']}, vocab {tcfg['vocab_size']}; drafter: {s.num_layers} "
         f"layer(s), block {s.block_size}, features from layers {s.target_layer_ids}, mask id "
-        f"{s.mask_token_id}, γ {decay_gamma(s.block_size):.2f}"
+        f"{s.mask_token_id}, γ {decay_gamma(s.block_size):.2f}; loss {s.loss}"
     )
 
     data = prepare_data(model, tokenizer, target_dir, args, cb.log)
@@ -214,7 +221,7 @@ def run_summary(
         "response_tokens": data.response_tokens,
         "regeneration": {
             "max_new_tokens": args.max_new_tokens,
-            "temp": args.temp,
+            "temps": args.regen_temps,
             "seconds": round(data.seconds, 1),
         },
         "steps": state.total,
@@ -222,6 +229,7 @@ def run_summary(
         "train_seconds": round(train_s, 1),
         "parameters": n_params,
         "settings": asdict(s),
+        "loss": dict(s.loss, data_temperatures=args.regen_temps),
         "final_loss": float(np.mean(state.losses[-20:])),
         "init_from": init_note,
     }

@@ -1,0 +1,142 @@
+"""Bundled pair v2 stages: a target trained over its whole context, drafters distilled on it.
+
+- ``corpus2``: the extended stdlib corpus (more directories; the hash split keeps every v1
+  held-out module held out) tokenised with the v1 tokenizer into ``train2/eval2`` streams;
+  long-context chat prompts (a module's source, then a request) from training modules for the
+  drafters and from held-out modules for the evaluation (``<out>/eval_long_prompts.jsonl``).
+- ``longctx``: continued pretraining of the v1 target with a 512 -> 1024 -> 2048 curriculum
+  (`longctx.py`); resumable; writes ``<out>/target`` with an honest ``max_position_embeddings``.
+- ``drafters2``: DFlash 1 and DFlash 2 fine-tuned (``--init-from`` the v1 drafters) on the new
+  target's greedy AND sampled (T 0.7) answers to short and long prompts, with the mixed
+  CE + KL(p_T || q) loss (`dflash_mac/train/soft.py`); each run resumes from its checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+
+from dflash_mac.bundle import corpus
+
+console = Console()
+RECOMMENDED_TEMP = 0.7  # the temperature the bundled pair is tuned and measured for
+V2 = {
+    "tokens": 180_000,  # continued-pretraining tokens (CPU-sized)
+    "drafter_steps": 60,  # DFlash 1 fine-tune steps
+    "drafter2_steps": 50,  # DFlash 2 fine-tune steps
+    "short_prompts": 160,  # answered greedy and at RECOMMENDED_TEMP
+    "long_prompts": 48,  # idem
+}
+
+
+def stage_corpus2(out: Path, cache: Path) -> None:
+    """Tokenise the extended corpus with the v1 tokenizer; write the long-context prompts."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(out / "target" / "tokenizer.json"))
+    train, heldout = corpus.split_modules(extended=True)
+    for name, mods in (("train2", train), ("eval2", heldout)):
+        docs = list(corpus.training_documents(mods))
+        if name == "train2":
+            order = np.random.default_rng(0).permutation(len(docs))
+            docs = [docs[i] for i in order]
+        ids = np.concatenate([np.array(e.ids, dtype=np.uint16) for e in tok.encode_batch(docs)])
+        np.save(cache / f"{name}_tokens.npy", ids)
+        console.log(f"{name} stream: {len(mods)} modules, {len(ids):,} tokens")
+    n = corpus.write_jsonl(
+        cache / "train_long_prompts.jsonl", corpus.long_context_prompts(train, 400, seed=0)
+    )
+    m = corpus.write_jsonl(
+        out / "eval_long_prompts.jsonl",
+        corpus.long_context_prompts(heldout, 12, min_chars=4_000, max_chars=5_500, seed=1),
+    )
+    console.log(f"long-context prompts: {n} training, {m} held-out")
+
+
+def stage_longctx(out: Path, cache: Path, tokens: int | None = None) -> None:
+    """Continue pretraining the v1 target over its whole context (resumable)."""
+    from dflash_mac.bundle import longctx, pretrain
+
+    v1 = cache / "target_v1"
+    if not v1.exists():  # the v1 target, kept as the starting point of a resumed / rerun stage
+        shutil.copytree(out / "target", v1)
+    cc = longctx.CurriculumConfig(tokens=tokens or V2["tokens"])
+    model, meta = longctx.continue_pretraining(
+        v1,
+        np.load(cache / "train2_tokens.npy"),
+        np.load(cache / "eval2_tokens.npy"),
+        cache / "longctx_ckpt",
+        cc,
+        log=console.log,
+    )
+    for f in v1.iterdir():  # tokenizer and generation files unchanged
+        if f.name not in ("model.safetensors", "config.json"):
+            shutil.copy(f, out / "target" / f.name)
+    pretrain.save_target(model, out / "target", longctx.target_config(cc.max_len))
+    longctx.write_meta(cache / "target2_train.json", meta)
+
+
+def stage_drafters2(out: Path, cache: Path, only: str | None = None) -> None:
+    """Fine-tune both drafters on the v2 target with the distribution-matching loss."""
+    from dflash_mac.train import TrainingArgs, train_drafter
+    from dflash_mac.train.command import ProgressReporter
+
+    prompts = cache / "train_prompts2.jsonl"
+    if not prompts.exists():
+        rows = [json.loads(x) for x in (cache / "train_prompts.jsonl").read_text().splitlines()]
+        rows = [rows[i] for i in np.linspace(0, len(rows) - 1, V2["short_prompts"]).astype(int)]
+        longs = (cache / "train_long_prompts.jsonl").read_text().splitlines()
+        rows += [json.loads(x) for x in longs[: V2["long_prompts"]]]
+        corpus.write_jsonl(prompts, rows)
+    for arch in ("dflash", "dflash2"):
+        v1 = cache / f"{arch}_v1"
+        if not v1.exists():
+            shutil.copytree(out / arch, v1)
+    base = TrainingArgs(
+        target=str(out / "target"),
+        prompts=prompts,
+        out_dir=out / "dflash",
+        block_size=8,
+        num_layers=1,
+        target_layer_ids=[1, 3, 5],
+        max_new_tokens=160,
+        temps=[0.0, RECOMMENDED_TEMP],
+        gen_batch_size=32,
+        lr=1e-3,
+        batch_size=4,
+        anchors=96,
+        max_length=2048,
+        loss="mix",
+        kl_temperatures=[RECOMMENDED_TEMP, 1.0],
+        kl_weight=0.7,
+        top_k_soft=32,
+        cache_dir=cache / "drafter2",
+        save_every=10,
+        resume=True,
+    )
+    reporter = ProgressReporter(console)
+    if only in (None, "dflash"):
+        train_drafter(
+            replace(base, steps=V2["drafter_steps"], init_from=cache / "dflash_v1"), reporter
+        )
+    if only in (None, "dflash2"):
+        data2 = cache / "drafter2-dflash2" / "data"
+        if not data2.exists():  # the same regenerated answers (one regeneration for both)
+            data2.parent.mkdir(parents=True, exist_ok=True)
+            data2.symlink_to((cache / "drafter2" / "data").resolve(), target_is_directory=True)
+        train_drafter(
+            replace(
+                base,
+                arch="dflash2",
+                out_dir=out / "dflash2",
+                steps=V2["drafter2_steps"],
+                init_from=cache / "dflash2_v1",
+                cache_dir=cache / "drafter2-dflash2",
+            ),
+            reporter,
+        )

@@ -1,0 +1,169 @@
+"""Soft-target distillation (docs/training.md, "Losses"): match q to the target's p_T.
+
+At a sampling temperature T a drafted token is accepted with probability 1 - TV(p_T, q), so a
+drafter meant for sampling should put q where p_T is, not only on p's argmax. The targets come
+from the SAME frozen target forward that gives the features: the target's hidden state at
+position ``a + k - 1`` gives p for the token at ``a + k`` (block position k), the distribution
+verification compares the draft against once the drafts before it are accepted.
+
+Soft labels are the top-k of p_T plus one TAIL bucket holding the rest of the mass, so they sum
+to 1 and stay small (``[.., k]`` instead of ``[.., V]``). The loss is the forward KL over the
+k + 1 buckets, ``KL(p_T || q_T) = Σ_j p_j log(p_j / q_j) + p_tail log(p_tail / q_tail)``, with
+``q_T = softmax(drafter logits / T)`` (the q DFlash 1 samples from at temperature T) and
+``q_tail`` its mass outside the top-k ids; averaged over the training temperatures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx import nn
+
+LOSS_KINDS = ("ce", "kl", "mix")
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """Which loss a run trains with: CE on the data tokens, KL to p_T, or a mix."""
+
+    kind: str = "ce"
+    temperatures: tuple[float, ...] = (1.0,)
+    kl_weight: float = 0.5  # mix: (1 - w)·CE + w·KL
+    top_k: int = 32
+
+    @property
+    def soft(self) -> bool:
+        return self.kind != "ce"
+
+    @property
+    def ce_weight(self) -> float:
+        return {"ce": 1.0, "kl": 0.0}.get(self.kind, 1.0 - self.kl_weight)
+
+    @property
+    def kl_part(self) -> float:
+        return {"ce": 0.0, "kl": 1.0}.get(self.kind, self.kl_weight)
+
+    def describe(self) -> dict:
+        """What the drafter was trained for (stored in its config metadata)."""
+        out: dict = {"loss": self.kind}
+        if self.soft:
+            out.update(
+                kl_temperatures=list(self.temperatures),
+                kl_weight=self.kl_part,
+                top_k_soft=self.top_k,
+            )
+        return out
+
+
+@dataclass
+class SoftLabels:
+    """Top-k soft labels of p_T per drafted position, one set of probabilities per T."""
+
+    ids: mx.array  # [B, N, P, k] int32 token ids (the same for every T)
+    probs: mx.array  # [nT, B, N, P, k]
+    tail: mx.array  # [nT, B, N, P], 1 - Σ probs
+
+    @property
+    def temperatures(self) -> int:
+        return self.probs.shape[0]
+
+
+def label_positions(anchors: mx.array, block_size: int) -> mx.array:
+    """Positions whose target distribution block positions 1..bs-1 learn: ``a .. a+bs-2``."""
+    return anchors[..., None] + mx.arange(block_size - 1)[None, None]
+
+
+def top_k_soft(
+    logits: mx.array, temperatures: tuple[float, ...] | list[float], k: int
+) -> SoftLabels:
+    """Soft labels from target logits ``[..., V]``: the top-k ids, their p_T and the tail."""
+    k = min(k, logits.shape[-1])
+    logits = logits.astype(mx.float32)
+    ids = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k].astype(mx.int32)
+    top = mx.take_along_axis(logits, ids, axis=-1)
+    probs = []
+    for t in temperatures:
+        lse = mx.logsumexp(logits / t, axis=-1, keepdims=True)
+        probs.append(mx.exp(top / t - lse))
+    p = mx.stop_gradient(mx.stack(probs))
+    return SoftLabels(ids, p, mx.clip(1.0 - p.sum(axis=-1), 0.0, 1.0))
+
+
+def target_soft_labels(
+    head, hidden: mx.array, anchors: mx.array, block_size: int, spec: LossSpec
+) -> SoftLabels:
+    """Soft labels of every block from the target's final hidden states ``[B, S, H]``."""
+    pos = label_positions(anchors, block_size)  # [B, N, P]
+    B, N, P = pos.shape
+    h = mx.take_along_axis(hidden, pos.reshape(B, N * P, 1), axis=1).reshape(B, N, P, -1)
+    logits = head.lm_head(h)
+    if head.logit_scale != 1.0:
+        logits = logits * head.logit_scale
+    if head.softcap:
+        logits = mx.tanh(logits / head.softcap) * head.softcap
+    labels = top_k_soft(logits, spec.temperatures, spec.top_k)
+    mx.eval(labels.ids, labels.probs, labels.tail)
+    return labels
+
+
+def _xlogx(p: mx.array) -> mx.array:
+    return mx.where(p > 0, p * mx.log(mx.maximum(p, 1e-30)), 0.0)
+
+
+def topk_kl(logits: mx.array, ids: mx.array, p: mx.array, tail: mx.array, t: float) -> mx.array:
+    """KL(p_T || q_T) over the top-k ids + tail bucket, per position ``[...]``.
+
+    logits ``[..., V]`` (drafter), ids / p ``[..., k]``, tail ``[...]``."""
+    z = logits.astype(mx.float32) / t
+    lse = mx.logsumexp(z, axis=-1)
+    lq = mx.take_along_axis(z, ids, axis=-1) - lse[..., None]
+    rest = mx.put_along_axis(z, ids, mx.array(-mx.inf, dtype=z.dtype), axis=-1)
+    lq_tail = mx.logsumexp(rest, axis=-1) - lse
+    kl = (_xlogx(p) - p * lq).sum(axis=-1)
+    return kl + _xlogx(tail) - mx.where(tail > 0, tail * lq_tail, 0.0)
+
+
+def soft_kl(logits: mx.array, labels: SoftLabels, spec: LossSpec) -> mx.array:
+    """Mean over the training temperatures of `topk_kl`, per position ``[B, N, P]``."""
+    kls = [
+        topk_kl(logits, labels.ids, labels.probs[i], labels.tail[i], t)
+        for i, t in enumerate(spec.temperatures)
+    ]
+    return sum(kls) / len(kls)
+
+
+def position_loss(
+    logits: mx.array, labels: mx.array, soft: SoftLabels | None, spec: LossSpec | None
+) -> mx.array:
+    """Per-position loss ``[B, N, P]``: CE, KL or their mix (as `spec` says)."""
+    spec = spec or LossSpec()
+    out = 0.0
+    if spec.ce_weight:
+        out = spec.ce_weight * nn.losses.cross_entropy(logits, labels, reduction="none")
+    if spec.kl_part:
+        if soft is None:
+            raise ValueError(f"loss {spec.kind} needs the target's soft labels.")
+        out = out + spec.kl_part * soft_kl(logits, soft, spec)
+    return out
+
+
+def candidate_mass(cand: mx.array, soft: SoftLabels) -> mx.array:
+    """p_T of each candidate ``[nT, ..., k_c]`` (0 for candidates outside the soft top-k)."""
+    match = (cand[..., :, None] == soft.ids[..., None, :]).astype(mx.float32)  # [.., kc, k]
+    return (match[None] * soft.probs[..., None, :]).sum(axis=-1)
+
+
+def selector_soft_loss(scores: mx.array, cand: mx.array, soft: SoftLabels, spec: LossSpec):
+    """DFlash 2's q over its candidates matched to p_T: ``-Σ_c p_T(c) log q_T(c)`` per position.
+
+    The walk's q at temperature T is ``softmax(scores / T)`` over the k candidates and has no
+    mass outside them; the residual mass ``1 - Σ_c p_T(c)`` can only be reduced by the backbone
+    moving the candidate set (its own KL term), so it adds a constant here, not a gradient.
+    Returns ``(loss [B, N, P], covered mass [nT, B, N, P])``."""
+    pc = candidate_mass(cand, soft)  # [nT, B, N, P, kc]
+    losses = []
+    for i, t in enumerate(spec.temperatures):
+        lq = scores / t - mx.logsumexp(scores / t, axis=-1, keepdims=True)
+        losses.append(-(pc[i] * lq).sum(axis=-1))
+    return sum(losses) / len(losses), pc.sum(axis=-1)
