@@ -31,7 +31,7 @@ from rich.progress import (
 )
 
 from dflash_mac.bundle import corpus, stages2
-from dflash_mac.bundle.tokenizer import build_tokenizer, special_ids
+from dflash_mac.bundle.tokenizer import build_tokenizer, special_ids, write_token_streams
 
 CACHE = Path(".cache/bundle")
 STAGES = ("corpus", "tokenizer", "target", "drafter", "corpus2", "longctx", "drafters2")
@@ -66,14 +66,8 @@ def stage_tokenizer(out: Path, cache: Path) -> None:
     train, heldout = corpus.split_modules()
     tok = build_tokenizer(corpus.training_documents(train), out / "target")
     console.log(f"tokenizer: vocab {tok.get_vocab_size()}, special ids {special_ids(tok)}")
-    for name, mods in (("train", train), ("eval", heldout)):
-        docs = list(corpus.training_documents(mods))
-        if name == "train":
-            order = np.random.default_rng(0).permutation(len(docs))
-            docs = [docs[i] for i in order]
-        ids = np.concatenate([np.array(e.ids, dtype=np.uint16) for e in tok.encode_batch(docs)])
-        np.save(cache / f"{name}_tokens.npy", ids)
-        console.log(f"{name} stream: {len(ids):,} tokens")
+    for name, n in write_token_streams(tok, {"train": train, "eval": heldout}, cache).items():
+        console.log(f"{name} stream: {n:,} tokens")
 
 
 def stage_target(out: Path, cache: Path, minutes: float, **overrides: object) -> None:

@@ -22,6 +22,7 @@ import numpy as np
 from rich.console import Console
 
 from dflash_mac.bundle import corpus
+from dflash_mac.bundle.tokenizer import write_token_streams
 
 console = Console()
 RECOMMENDED_TEMP = 0.7  # the temperature the bundled pair is tuned and measured for
@@ -40,14 +41,9 @@ def stage_corpus2(out: Path, cache: Path) -> None:
 
     tok = Tokenizer.from_file(str(out / "target" / "tokenizer.json"))
     train, heldout = corpus.split_modules(extended=True)
-    for name, mods in (("train2", train), ("eval2", heldout)):
-        docs = list(corpus.training_documents(mods))
-        if name == "train2":
-            order = np.random.default_rng(0).permutation(len(docs))
-            docs = [docs[i] for i in order]
-        ids = np.concatenate([np.array(e.ids, dtype=np.uint16) for e in tok.encode_batch(docs)])
-        np.save(cache / f"{name}_tokens.npy", ids)
-        console.log(f"{name} stream: {len(mods)} modules, {len(ids):,} tokens")
+    counts = write_token_streams(tok, {"train2": train, "eval2": heldout}, cache)
+    for (name, n), mods in zip(counts.items(), (train, heldout)):
+        console.log(f"{name} stream: {len(mods)} modules, {n:,} tokens")
     n = corpus.write_jsonl(
         cache / "train_long_prompts.jsonl", corpus.long_context_prompts(train, 400, seed=0)
     )

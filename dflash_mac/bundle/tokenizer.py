@@ -12,9 +12,18 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from dflash_mac.bundle.corpus import EOT, IM_END, IM_START, MASK, SPECIAL_TOKENS
+from dflash_mac.bundle.corpus import (
+    EOT,
+    IM_END,
+    IM_START,
+    MASK,
+    SPECIAL_TOKENS,
+    Module,
+    training_documents,
+)
 
 VOCAB_SIZE = 4096
 QWEN2_REGEX = (
@@ -111,3 +120,19 @@ def build_tokenizer(train_texts: Iterable[str], out_dir: Path) -> Tokenizer:
     tok = train_tokenizer(train_texts)
     save_tokenizer(tok, out_dir)
     return tok
+
+
+def write_token_streams(tok: Tokenizer, splits: dict[str, list[Module]], cache: Path) -> dict:
+    """Tokenise each split's training documents into ``<cache>/<name>_tokens.npy`` (uint16);
+    the first split (the training one) in a seeded shuffled document order. Returns the token
+    count per split."""
+    counts = {}
+    for i, (name, mods) in enumerate(splits.items()):
+        docs = list(training_documents(mods))
+        if i == 0:
+            order = np.random.default_rng(0).permutation(len(docs))
+            docs = [docs[j] for j in order]
+        ids = np.concatenate([np.array(e.ids, dtype=np.uint16) for e in tok.encode_batch(docs)])
+        np.save(cache / f"{name}_tokens.npy", ids)
+        counts[name] = len(ids)
+    return counts
