@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
-import uvicorn
+from servers import running
 
 from dflash_mac.generate import generate
 from dflash_mac.loading import BUNDLED_DRAFT, load
@@ -29,26 +27,11 @@ def serve_pair(request):
     return request.getfixturevalue("tiny_pair")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def server(serve_pair):
     app = create_app(serve_pair, api_key=KEY, max_tokens=4096)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started and time.time() < deadline:
-        time.sleep(0.05)
-    assert srv.started, "uvicorn did not start"
-    yield {"root": f"http://127.0.0.1:{port}", "app": app, "pair": serve_pair}
-    srv.should_exit = True
-    thread.join(15)
+    with running(app) as root:
+        yield {"root": root, "app": app, "pair": serve_pair}
 
 
 @pytest.fixture(scope="session")

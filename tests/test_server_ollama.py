@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 
 import httpx
 import ollama
 import pytest
-import uvicorn
+from servers import running
 
 from dflash_mac.generate import generate
 from dflash_mac.serve.app import create_app
@@ -19,25 +16,11 @@ N = 6
 PROMPT = "Write a haiku about the sea."
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_pair):
     app = create_app(tiny_pair, max_tokens=32)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started and time.time() < deadline:
-        time.sleep(0.05)
-    yield {"root": f"http://127.0.0.1:{port}", "app": app, "pair": tiny_pair}
-    srv.should_exit = True
-    thread.join(15)
+    with running(app) as root:
+        yield {"root": root, "app": app, "pair": tiny_pair}
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -10,30 +9,16 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-import uvicorn
+from servers import running
 
 from dflash_mac.serve.app import create_app
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
 def server(tiny_pair):
     app = create_app(tiny_pair, max_tokens=8, max_queue=1)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started and time.time() < deadline:
-        time.sleep(0.05)
-    yield app, f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    thread.join(15)
+    with running(app) as root:
+        yield app, root
 
 
 def wait_until(predicate, seconds: float = 20) -> None:

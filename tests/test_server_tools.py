@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import socket
-import threading
-import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from mlx_lm.tokenizer_utils import load as load_tokenizer
+from servers import running
 
 from dflash_mac.loading import load
 from dflash_mac.serve.app import create_app
@@ -165,31 +162,11 @@ def tools_pair(tmp_path_factory):
     return load(tdir, ddir)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start(app):
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started and time.time() < deadline:
-        time.sleep(0.05)
-    assert srv.started
-    return srv, thread, f"http://127.0.0.1:{port}"
-
-
 @pytest.fixture(scope="module")
 def server(tools_pair):
     app = create_app(tools_pair, max_tokens=64)
-    srv, thread, root = start(app)
-    yield {"root": root, "app": app, "pair": tools_pair}
-    srv.should_exit = True
-    thread.join(15)
+    with running(app) as root:
+        yield {"root": root, "app": app, "pair": tools_pair}
 
 
 @pytest.fixture(scope="module")
@@ -358,14 +335,10 @@ def test_tool_requests_refused_clearly(server, tiny_pair):
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == param and words in r.json()["error"]["message"]
     app = create_app(tiny_pair, max_tokens=8)  # a ChatML template without tools
-    srv, thread, other = start(app)
-    try:
+    with running(app) as other:
         c = openai.OpenAI(base_url=other + "/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.BadRequestError, match="does not take tools"):
             c.chat.completions.create(model="m", messages=user, tools=[WEATHER])
-    finally:
-        srv.should_exit = True
-        thread.join(15)
 
 
 def test_ollama_client_tool_calls(server, scripted):
