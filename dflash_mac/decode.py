@@ -241,9 +241,8 @@ def speculative_stream(
     sp = cfg.sampling
     seeded = cfg.seed is not None and not sp.greedy  # same seed, same text: timing-free sizes
     setting = (sp.temperature, sp.top_p, sp.top_k, sp.min_p)
-    context = len(prompt_ids)
     plan = controller or (
-        auto_controller(pair, bs_max, not seeded, setting, context) if auto else None
+        auto_controller(pair, bs_max, not seeded, setting, len(prompt_ids)) if auto else None
     )
     rng = random.Random(cfg.seed)  # each cycle's key from the host: no device work for it
     stats = DecodeStats(

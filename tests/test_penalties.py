@@ -6,21 +6,17 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from dflash_mac.models.config import DraftConfig
-from dflash_mac.models.dflash2 import DFlash2DraftModel
 from dflash_mac.models.penalties import Penalties, PenaltyContext
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
-from test_dflash2 import d2_config, randomize, small_d2_pair  # noqa: F401  (fixture)
+from test_dflash2 import d2_pair, small_d2_pair  # noqa: F401  (fixtures)
 from test_greedy_exact import PROMPTS
 from test_sampling import PROMPT, V, chi_square_p, small_pair  # noqa: F401  (fixture)
 
 import dflash_mac.decode as engine
-from dflash_mac.capture import target_head
 from dflash_mac.generate import PromptError, generate, make_config
 from dflash_mac.sampling import SamplingParams, probabilities
 from dflash_mac.session import Session
-from dflash_mac.testing.oracle import with_drafter
 
 PEN = dict(presence_penalty=0.6, frequency_penalty=0.4, repetition_penalty=1.3)
 BIAS = dict(logit_bias={3: -1.5, 0: 0.7})
@@ -85,22 +81,13 @@ def baseline_penalised(pair, ids: list[int], n: int, kw: dict) -> list[int]:
     return [t for t, _ in steps]
 
 
-@pytest.fixture(scope="module")
-def d2_pair(tiny_pair):
-    mask = tiny_pair.drafter.config.mask_token_id
-    cfg = DraftConfig.from_dict(d2_config(tiny_pair.target_config, mask, layers=2, top_k=8))
-    d = randomize(DFlash2DraftModel(cfg), 4, scale=1.0)
-    d.bind(target_head(tiny_pair.target))
-    return with_drafter(tiny_pair, d)
-
-
 @pytest.mark.parametrize(
     "kw",
     [PEN, pytest.param({"logit_bias": {11: 3.0, 13: -2.0}}, marks=pytest.mark.slow)],
     ids=["pen", "bias"],
 )
 @pytest.mark.parametrize("drafter", ["dflash", pytest.param("dflash2", marks=pytest.mark.slow)])
-def test_greedy_with_penalties_matches_mlx_lm(tiny_pair, d2_pair, kw, drafter):
+def test_greedy_with_penalties_matches_mlx_lm(tiny_pair, d2_pair, kw, drafter):  # noqa: F811
     pair = tiny_pair if drafter == "dflash" else d2_pair
     for p in PROMPTS[:4]:
         ids = pair.tokenizer.encode(p)
@@ -243,7 +230,7 @@ def test_a_wrong_penalty_rule_is_detected(small_pairs, monkeypatch, bug, wrong):
 
 
 @pytest.mark.parametrize("drafter", ["dflash", "dflash2"])
-def test_penalised_propose_and_verify_are_lazy(tiny_pair, d2_pair, monkeypatch, drafter):
+def test_penalised_propose_and_verify_are_lazy(tiny_pair, d2_pair, monkeypatch, drafter):  # noqa: F811
     """No eval while drafting from the penalised q or penalising the verify logits: the cycle
     keeps its one host sync."""
     pair = tiny_pair if drafter == "dflash" else d2_pair
