@@ -569,3 +569,15 @@ def test_long_suite_fills_the_bundled_context():
     assert len(ps) >= 10 and all(1000 <= n <= 1900 for n in lengths)
     assert max(lengths) - min(lengths) >= 700  # spread over the range
     assert "long" not in {p.suite for p in bench.suite_prompts("all")}
+
+
+def test_runs_stop_at_the_end_of_the_context(tiny_pair):
+    """A prompt near the end of the context generates only up to it, baseline and DFlash
+    alike (the one context rule), instead of running past the positions the model has."""
+    ids = tiny_pair.tokenizer.encode("def add(a, b):")
+    short = replace(tiny_pair, target_config={"max_position_embeddings": len(ids) + 5})
+    cfg = BenchConfig([0, 3], max_tokens=24, trials=1, use_eos=False, warmup_tokens=2)
+    (rec,) = bench.run_bench(short, [BenchPrompt("p", "s", "unused")], [ids], cfg)
+    assert len(rec["baseline"].tokens) == 5
+    assert [len(r.tokens) for r in rec["dflash"].values()] == [5, 5]
+    assert all(r.tokens == rec["baseline"].tokens for r in rec["dflash"].values())

@@ -255,8 +255,12 @@ def bench_command(
     auto = [AUTO_BS] if sizes is None or AUTO_BS in sizes else []
     sizes = list(dict.fromkeys(auto + (fixed if sizes else [pair.block_size])))
     ids = [prompt_ids(pair.tokenizer, p.prompt, reasoning=reasoning) for p in prompts]
-    for i in ids:
-        check_context(pair, i, max_tokens)
+    capped = sum(check_context(pair, i, max_tokens) < max_tokens for i in ids)
+    if capped:
+        warn(
+            f"{capped} prompt(s) leave room for fewer than {max_tokens} new tokens in the "
+            f"model's {pair.context_length}-token context; they generate up to its end."
+        )
     common = {
         "suite": None if prompts_file else suite,
         "prompts_file": str(prompts_file) if prompts_file else None,
@@ -268,12 +272,13 @@ def bench_command(
         "draft_bits": draft_bits,
     }
     docs = []
-    for label, sp in sampling_settings(pair, temps, top_p, top_k, min_p):
+    settings = sampling_settings(pair, temps, top_p, top_k, min_p)
+    for label, sp in settings:
         cfg = BenchConfig(
             sizes, max_tokens, trials, sp.temperature, sp.top_p, sp.top_k, sp.min_p, seed,
             not no_eos, cooldown, seeded_dflash=seeded,
         )  # fmt: skip
-        if len(docs) or temps is None:
+        if len(settings) > 1:
             err.print(f"[bold]{label}[/]", highlight=False)
         load_start = busy_warning(warn)
         with BenchView(err, len(prompts) * trials, sizes, live) as view:
@@ -281,8 +286,9 @@ def bench_command(
         docs.append(report_doc(pair, cfg, records, label, load_start, common))
         print_acceptance(err, docs[-1])
     typer.echo(render_all(docs, fmt), nl=False)
-    for doc in docs if out else []:
-        append_jsonl(out, doc)
+    if out:
+        for doc in docs:
+            append_jsonl(out, doc)
     bad = [m for d in docs for m in d["lossless"]["mismatches"]]
     checked = sum(d["lossless"]["checked"] or 0 for d in docs)
     if strict and not any(d["config"]["temp"] <= 0 for d in docs):

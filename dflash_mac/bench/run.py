@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_mac.generate import PromptError
+from dflash_mac.generate import PromptError, check_context
 from dflash_mac.pair import Pair
 from dflash_mac.prompts import read_prompt_file
 from dflash_mac.stats import histogram
@@ -342,6 +342,7 @@ def run_bench(
 
     Returns one record per (trial, prompt) with the baseline run and the DFlash runs."""
     obs = observer or Observer()
+    limits = [check_context(pair, x, cfg.max_tokens) for x in ids]  # capped to the context
     # Warm-up: one short run of each kind (and block size) before anything is timed.
     w = min(cfg.warmup_tokens, cfg.max_tokens)
     run_baseline(pair, ids[0], cfg, cfg.seed, max_tokens=w)
@@ -371,7 +372,7 @@ def run_bench(
                     time.sleep(cfg.cooldown)
                 obs.start(bp, trial, pos, bs)
                 if bs is None:
-                    run = rec["baseline"] = run_baseline(pair, ids[i], cfg, seed)
+                    run = rec["baseline"] = run_baseline(pair, ids[i], cfg, seed, limits[i])
                 else:
                     run = rec["dflash"][bs] = run_dflash(
                         pair,
@@ -380,6 +381,7 @@ def run_bench(
                         bs,
                         dflash_seed(cfg, seed),
                         lambda a, b=bs: obs.cycle(b, a),
+                        limits[i],
                     )
                 obs.done(run)
             obs.checked(rec, cfg.greedy)
