@@ -3,6 +3,12 @@
 Capture swaps the `__class__` of the selected layer INSTANCES to a cached subclass whose
 `__call__` records the output; the original class is untouched, parameter paths are unchanged
 (quantize / save still work) and leaving the context restores the instances exactly.
+
+The same hook can queue each layer's output as soon as it is built (`queue=True`): where MLX
+throttles `mx.async_eval` (the CPU backend blocks it until all but a few dozen ops of the graph
+have run), a forward pass queued whole leaves the device idle while Python builds the next one
+and while the host does its bookkeeping. Queued per layer, the device starts on layer 1 while
+Python builds layer 2. `queues_layers()` says where that is done.
 """
 
 from __future__ import annotations
@@ -18,11 +24,12 @@ _CAPTURING: dict[type, type] = {}
 class _Sink:
     """Holds captured outputs of one layer for the current forward pass."""
 
-    __slots__ = ("out", "orig", "users")
+    __slots__ = ("out", "orig", "users", "queuers")
 
     def __init__(self, orig: type) -> None:
         self.out: mx.array | None = None
         self.orig, self.users = orig, 0  # class to restore; live captures sharing the hook
+        self.queuers = 0  # live captures that queue the output as it is built
 
 
 def _capturing_class(cls: type) -> type:
@@ -30,11 +37,21 @@ def _capturing_class(cls: type) -> type:
 
         def __call__(self, *args, **kwargs):
             out = cls.__call__(self, *args, **kwargs)
-            self._dflash_sink.out = out[0] if isinstance(out, tuple) else out
+            sink = self._dflash_sink
+            sink.out = out[0] if isinstance(out, tuple) else out
+            if sink.queuers:
+                mx.async_eval(sink.out)
             return out
 
         _CAPTURING[cls] = type(f"Capturing{cls.__name__}", (cls,), {"__call__": __call__})
     return _CAPTURING[cls]
+
+
+def queues_layers() -> bool:
+    """True where decoding queues each target layer as it is built: MLX's CPU backend, whose
+    scheduler makes `async_eval` wait for all but a few dozen ops. On Metal `async_eval` returns
+    at once, so one queue per pass already overlaps the host with the device."""
+    return mx.default_device() == mx.cpu
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -70,13 +87,22 @@ def target_head(model: nn.Module) -> TargetHead:
 class FeatureCapture:
     """Context manager capturing the outputs of `layer_ids` on this model instance only."""
 
-    def __init__(self, model: nn.Module | None, layer_ids: list[int], layers: dict | None = None):
-        """Capture `layer_ids` of `model`, or of the given {layer id: module}. A model that
-        gathers its own features (a pipeline-parallel target: dflash_mac/distributed/stages.py)
-        carries `_dflash_features`, which `features()` then returns."""
+    def __init__(
+        self,
+        model: nn.Module | None,
+        layer_ids: list[int],
+        layers: dict | None = None,
+        queue: bool = False,
+    ):
+        """Capture `layer_ids` of `model`, or of the given {layer id: module}; with `queue`,
+        hook every decoder layer and queue its output as it is built (module docstring). A
+        model that gathers its own features (a pipeline-parallel target:
+        dflash_mac/distributed/stages.py) carries `_dflash_features`, which `features()` then
+        returns; it is not queued."""
         self.layer_ids = list(layer_ids)
         self._own = getattr(model, "_dflash_features", None)
         self._active = False
+        self.queue = queue and self._own is None
         if self._own is not None:
             self._layers = {}
             return
@@ -87,7 +113,8 @@ class FeatureCapture:
                 raise ValueError(
                     f"target layer ids {bad} are out of range for {len(found)} layers."
                 )
-            layers = {i: found[i] for i in set(layer_ids)}
+            wanted = range(len(found)) if self.queue else set(layer_ids)
+            layers = {i: found[i] for i in wanted}
         self._layers = layers
 
     def __enter__(self) -> FeatureCapture:
@@ -98,6 +125,7 @@ class FeatureCapture:
                 object.__setattr__(layer, "_dflash_sink", _Sink(type(layer)))
                 layer.__class__ = _capturing_class(type(layer))
             layer._dflash_sink.users += 1
+            layer._dflash_sink.queuers += self.queue
         self._active = True
         return self
 
@@ -112,6 +140,7 @@ class FeatureCapture:
         for layer in self._layers.values():
             sink = layer._dflash_sink
             sink.users -= 1
+            sink.queuers -= self.queue
             if sink.users == 0:
                 layer.__class__ = sink.orig
                 object.__delattr__(layer, "_dflash_sink")
@@ -126,6 +155,12 @@ class FeatureCapture:
     def output(self, i: int) -> mx.array:
         """The last forward pass's output of captured layer `i`."""
         return self._layers[i]._dflash_sink.out
+
+
+def layer_queue(model: nn.Module) -> FeatureCapture:
+    """Queue `model`'s layers as they are built, capturing nothing (plain decoding with the
+    engine's queueing, as the bench's baseline runs)."""
+    return FeatureCapture(model, [], queue=True)
 
 
 def is_hooked(model: nn.Module) -> bool:

@@ -13,7 +13,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
 from .autoblock import BlockController
-from .capture import FeatureCapture
+from .capture import FeatureCapture, queues_layers
 from .distributed import leader as mirror
 from .models.penalties import Penalties, PenaltyContext, draft_sequential
 from .pair import Pair
@@ -276,7 +276,7 @@ def speculative_stream(
     lookahead = cfg.pipeline and pen is None  # penalties need the committed ids on the host
 
     with (
-        FeatureCapture(pair.target, pair.layer_ids) as cap,
+        FeatureCapture(pair.target, pair.layer_ids, queue=queues_layers()) as cap,
         state.rollback.hooks(),
         mx.stream(generation_stream),
         closing(pair.target, mirror.idle),

@@ -211,3 +211,33 @@ def test_interleaved_streams_share_hooks(tiny_pair, cases):
         out_b += ev.tokens
     assert out_a == ref_a[:30] and out_b == ref_b[:30]
     assert not is_hooked(tiny_pair.target)
+
+
+def test_layer_queueing_keeps_tokens_and_unhooks(tiny_pair, cases, monkeypatch):
+    """Queueing every target layer as it is built (the CPU default) changes no token; the hook
+    queues exactly the layers' outputs, nested captures keep their own setting, and leaving
+    restores every layer."""
+    from dflash_mac import capture, decode
+    from dflash_mac.capture import FeatureCapture, decoder_layers, is_hooked, layer_queue
+
+    ids, ref = cases[3]
+    for queued in (True, False):
+        monkeypatch.setattr(decode, "queues_layers", lambda q=queued: q)
+        tokens, _, _ = run(tiny_pair, ids, max_tokens=40, block_size=4, use_eos=False)
+        assert tokens == ref[:40]
+    queued_outputs = []
+    real = mx.async_eval
+    monkeypatch.setattr(capture.mx, "async_eval", lambda *a: queued_outputs.append(a) or real(*a))
+    n_layers = len(decoder_layers(tiny_pair.target))
+    with FeatureCapture(tiny_pair.target, tiny_pair.layer_ids) as cap:
+        tiny_pair.target(mx.array([ids]))
+        assert queued_outputs == []  # capture alone queues nothing
+        with layer_queue(tiny_pair.target):
+            tiny_pair.target(mx.array([ids]))
+            assert len(queued_outputs) == n_layers
+        tiny_pair.target(mx.array([ids]))
+        assert len(queued_outputs) == n_layers  # the outer capture does not queue
+        assert (
+            cap.features().shape[-1] == len(tiny_pair.layer_ids) * tiny_pair.target.args.hidden_size
+        )
+    assert not is_hooked(tiny_pair.target)

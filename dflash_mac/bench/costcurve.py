@@ -23,7 +23,7 @@ def measure(pair: Pair, max_bs: int = 16, context: int = 128, reps: int = 12) ->
     import mlx.core as mx
     from mlx_lm.generate import generation_stream
 
-    from dflash_mac.capture import FeatureCapture
+    from dflash_mac.capture import FeatureCapture, queues_layers
     from dflash_mac.decode import DecodeState, DraftContext, prefill, queue_cycle, queue_verify
     from dflash_mac.sampling import SamplingParams
 
@@ -34,7 +34,7 @@ def measure(pair: Pair, max_bs: int = 16, context: int = 128, reps: int = 12) ->
     key = mx.random.key(0)
     times: dict[int, list[float]] = {bs: [] for bs in range(1, max_bs + 1)}
     with (
-        FeatureCapture(pair.target, pair.layer_ids) as cap,
+        FeatureCapture(pair.target, pair.layer_ids, queue=queues_layers()) as cap,
         state.rollback.hooks(),
         mx.stream(generation_stream),
     ):

@@ -2,7 +2,9 @@
 (docs/design.md §9).
 
 For every prompt (seeded shuffle per trial) the runner measures plain target decoding
-(`mlx_lm.generate.generate_step` on `pair.target`, no hooks) and DFlash
+(`mlx_lm.generate.generate_step` on `pair.target`, no capture hooks; where the engine queues
+the target's layers as they are built, on MLX's CPU backend, the baseline's layers are queued
+the same way, so the comparison measures DFlash and not that queueing) and DFlash
 (`dflash_mac.generate.stream_generate`) for each block size, alternating which goes first.
 Both are timed identically by the runner:
 
@@ -16,6 +18,7 @@ command in command.py.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import random
 import time
@@ -240,12 +243,13 @@ class Clock:
 def run_baseline(
     pair: Pair, ids: list[int], cfg: BenchConfig, seed: int, max_tokens: int | None = None
 ) -> Run:
-    """Plain target decoding with mlx-lm's `generate_step` (no hooks, same weights)."""
+    """Plain target decoding with mlx-lm's `generate_step` (same weights, no capture; layers
+    queued as the engine queues them, see `capture.queues_layers`)."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
 
-    from dflash_mac.capture import is_hooked
+    from dflash_mac.capture import is_hooked, layer_queue, queues_layers
 
     assert not is_hooked(pair.target), "the baseline must run on an unhooked target"
     max_tokens = max_tokens or cfg.max_tokens
@@ -254,15 +258,16 @@ def run_baseline(
     mx.random.seed(seed)
     tokens, reason = [], "length"
     clock = Clock()
-    steps = generate_step(mx.array(ids), pair.target, max_tokens=max_tokens, sampler=sampler)
-    for tok, _ in steps:
-        if tok in eos:
-            clock.tick(kept=False)
-            reason = "stop"
-            break
-        tokens.append(tok)
-        clock.tick()
-    steps.close()
+    with layer_queue(pair.target) if queues_layers() else contextlib.nullcontext():
+        steps = generate_step(mx.array(ids), pair.target, max_tokens=max_tokens, sampler=sampler)
+        for tok, _ in steps:
+            if tok in eos:
+                clock.tick(kept=False)
+                reason = "stop"
+                break
+            tokens.append(tok)
+            clock.tick()
+        steps.close()
     return clock.result(tokens, len(ids), reason)
 
 
