@@ -34,6 +34,11 @@ def blas_in_use() -> str:
     return "reference BLAS (MLX wheel)"
 
 
+def blas_threads() -> int:
+    """OpenBLAS threads dflash-mac asks for: all cores but one (the host thread's)."""
+    return max(1, (os.cpu_count() or 2) - 1)
+
+
 def maybe_reexec_with_openblas(argv: list[str]) -> None:
     """On Linux, restart the CLI with OpenBLAS preloaded (fp32 matmul ~30x faster).
 
@@ -46,8 +51,10 @@ def maybe_reexec_with_openblas(argv: list[str]) -> None:
     env = dict(os.environ)
     env["LD_PRELOAD"] = ":".join(filter(None, [lib, env.get("LD_PRELOAD")]))
     env["_DFLASH_MAC_REEXEC"] = "1"
-    if argv[:1] == ["chat"]:  # leave a core to the UI thread: BLAS threads would oversubscribe
-        env.setdefault("OPENBLAS_NUM_THREADS", str(max(1, (os.cpu_count() or 2) - 1)))
+    # Leave a core to the host thread: it builds the next pass while the device runs this one
+    # (layers are queued as built, capture.queues_layers) and runs the chat UI; BLAS threads
+    # on every core would oversubscribe the machine (slower, and run-to-run noise of +-15 %).
+    env.setdefault("OPENBLAS_NUM_THREADS", str(blas_threads()))
     script = sys.argv[0]
     if script.endswith("__main__.py") or not Path(script).is_file():
         os.execve(sys.executable, [sys.executable, "-m", "dflash_mac", *argv], env)
@@ -105,5 +112,6 @@ def machine_summary() -> dict:
         "mlx_lm": mlx_lm_version,
         "device": device_name(),
         "blas": blas_in_use(),
+        "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS", "default"),
         "cpu_count": os.cpu_count(),
     }

@@ -343,3 +343,55 @@ def test_a_long_prompt_on_a_losing_pair_decodes_plain_and_exact(tiny_pair, refs,
         tokens, stats = tokens_of(tiny_pair, ids, GenerationConfig(48, use_eos=False))
         assert tokens == ref
         assert stats.block_sizes[:7] == (1,) * 7 and "long context" in stats.block_reason
+
+
+def test_cost_curve_times_plain_steps_as_a_pipelined_run(tiny_pair, monkeypatch):
+    """bs 1 is timed over a run of steps queued ahead of their syncs (the plain decoding a
+    drafting cycle replaces), and every timed cycle is trimmed back to the prompt."""
+    from dflash_mac import decode
+    from dflash_mac.bench import costcurve
+
+    offsets = []
+    real = decode.queue_cycle
+
+    def spy(pair, state, ctx, bs, anchor, *a, **k):
+        offsets.append((bs, state.target_cache[0].offset, isinstance(anchor, mx.array)))
+        return real(pair, state, ctx, bs, anchor, *a, **k)
+
+    monkeypatch.setattr(decode, "queue_cycle", spy)
+    costcurve.measure(tiny_pair, max_bs=2, context=10, reps=1)
+    plain = [o for o in offsets if o[0] == 1]
+    burst = costcurve.PLAIN_BURST
+    assert len(plain) == 3 * burst  # reps + 2 warm-ups, one run of `burst` steps each
+    assert [o[1] for o in plain[:burst]] == list(range(10, 10 + burst))  # one after another
+    assert all(o[2] for o in plain[:burst][1:])  # each on the previous step's lazy token
+    assert all(o[1] == 10 for o in offsets if o[0] == 2)  # trimmed back every time
+
+
+def test_plain_steps_are_timed_only_in_a_run_of_them(tiny_pair):
+    """The first plain step after a drafting cycle waits for its own queueing (nothing was
+    queued ahead of it): untimed, so the one-token cost the controller learns is that of
+    pipelined plain decoding."""
+    sizes = iter([3, 1, 1, 1, 3, 3, 1, 1] + [1] * 50)
+
+    class Scripted:
+        def __init__(self):
+            self.updates, self.last = [], Decision(3, "scripted")
+
+        def choose(self):
+            self.last = Decision(next(sizes), "scripted")
+            return self.last
+
+        def update(self, bs, accepted, seconds):
+            self.updates.append((bs, seconds is not None))
+
+    plan = Scripted()
+    ids = tiny_pair.tokenizer.encode("hello world")
+    cfg = GenerationConfig(14, block_size="auto", use_eos=False)
+    list(speculative_stream(tiny_pair, ids, cfg, controller=plan))
+    timed = [t for bs, t in plan.updates]
+    kinds = [bs for bs, t in plan.updates]
+    assert kinds[:8] == [3, 1, 1, 1, 3, 3, 1, 1][: len(kinds[:8])]
+    for i, (bs, t) in enumerate(plan.updates):
+        if bs == 1:
+            assert t == (i > 0 and kinds[i - 1] == 1), (i, plan.updates)

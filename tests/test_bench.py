@@ -581,3 +581,23 @@ def test_runs_stop_at_the_end_of_the_context(tiny_pair):
     assert len(rec["baseline"].tokens) == 5
     assert [len(r.tokens) for r in rec["dflash"].values()] == [5, 5]
     assert all(r.tokens == rec["baseline"].tokens for r in rec["dflash"].values())
+
+
+def test_cli_leaves_a_core_to_the_host_thread(monkeypatch, tmp_path):
+    """The OpenBLAS re-exec asks for all cores but one (the host thread builds the next pass
+    while the device runs), unless the user chose a thread count."""
+    from dflash_mac import platform as plat
+
+    lib = tmp_path / "libopenblas.so.0"
+    lib.write_bytes(b"")
+    seen = {}
+    monkeypatch.setattr(plat, "find_openblas", lambda: str(lib))
+    monkeypatch.setattr(plat.os, "execve", lambda exe, argv, env: seen.update(env))
+    monkeypatch.setattr(plat.os, "cpu_count", lambda: 8)
+    for key in ("LD_PRELOAD", "_DFLASH_MAC_REEXEC", "OPENBLAS_NUM_THREADS", "DFLASH_MAC_BLAS"):
+        monkeypatch.delenv(key, raising=False)
+    plat.maybe_reexec_with_openblas(["bench"])
+    assert seen["OPENBLAS_NUM_THREADS"] == "7" and str(lib) in seen["LD_PRELOAD"]
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "3")
+    plat.maybe_reexec_with_openblas(["generate"])
+    assert seen["OPENBLAS_NUM_THREADS"] == "3"

@@ -334,3 +334,13 @@ def test_plain_step_runs_between_drafting_cycles_stay_exact(pair, cases):
             assert [t for e in events for t in e.tokens] == ref[:60]
             assert set(events[-1].stats.block_sizes) >= {1, 4, 6}
             assert_cache_equals_fresh_prefill(pair, state)
+
+
+def test_cost_curve_on_a_hybrid(pair):
+    """`bench --cost-curve` times plain steps one at a time on a hybrid (its state cache trims
+    back one verify at most) and leaves no hook behind."""
+    from dflash_mac.bench.costcurve import measure
+
+    curve = measure(pair, max_bs=3, context=12, reps=1)
+    assert curve["ratios"]["1"] == 1.0 and all(curve["seconds"][b] > 0 for b in "123")
+    assert not adapter.is_hooked(pair.target) and not hybrid.is_hooked(pair.target)

@@ -349,7 +349,13 @@ def header_lines(doc: dict) -> list[str]:
     return [
         f"- machine: {h['machine']} · {h.get('cpu', '?')} · {h.get('cpu_count', '?')} CPUs · "
         f"{h['os']}" + (f" · load average {load[0]} → {load[1]}" if load else ""),
-        f"- MLX {h['mlx']} · mlx-lm {h['mlx_lm']} · device {h['device']} · BLAS {h['blas']} · "
+        f"- MLX {h['mlx']} · mlx-lm {h['mlx_lm']} · device {h['device']} · BLAS {h['blas']}"
+        + (
+            f" ({h['blas_threads']} threads)"
+            if h.get("blas_threads", "default") != "default"
+            else ""
+        )
+        + " · "
         f"dflash-mac {h['dflash_mac']}",
         f"- target `{h['target']}` · drafter `{h['draft']}` ({h['drafter_kind']}) · "
         f"dtype {h['dtype']} · quantization: {quant}",
@@ -462,6 +468,7 @@ def flat_rows(doc: dict) -> list[dict]:
         "mlx_lm",
         "device",
         "blas",
+        "blas_threads",
         "target",
         "draft",
         "drafter_kind",
