@@ -389,7 +389,6 @@ def test_plain_steps_are_timed_only_in_a_run_of_them(tiny_pair):
     ids = tiny_pair.tokenizer.encode("hello world")
     cfg = GenerationConfig(14, block_size="auto", use_eos=False)
     list(speculative_stream(tiny_pair, ids, cfg, controller=plan))
-    timed = [t for bs, t in plan.updates]
     kinds = [bs for bs, t in plan.updates]
     assert kinds[:8] == [3, 1, 1, 1, 3, 3, 1, 1][: len(kinds[:8])]
     for i, (bs, t) in enumerate(plan.updates):
