@@ -180,6 +180,9 @@ class BlockController:
         self.current = bs_max  # the drafting size in use
         self.fallback = self.plain_first = plain_first
         self.interval, self.countdown = probe_every, probe_every
+        if plain_first:  # known to lose here: probes start at the usual longest wait, up to 4x it
+            self.interval = self.countdown = probe_max
+            self.probe_max = 4 * probe_max
         self.cycles = 0
         self.timed = timed  # False: decide from the prior costs only (reproducible choices)
         self.calibrate_at = 3 if timed and not cost.calibrated else -1

@@ -394,3 +394,15 @@ def test_plain_steps_are_timed_only_in_a_run_of_them(tiny_pair):
     for i, (bs, t) in enumerate(plan.updates):
         if bs == 1:
             assert t == (i > 0 and kinds[i - 1] == 1), (i, plan.updates)
+
+
+def test_known_losing_contexts_probe_rarely():
+    """Where the registry says the drafter loses (plain_first), the first probe waits the usual
+    longest interval and the back-off goes 4x further; at poor acceptance that keeps probes
+    to a handful per thousand steps."""
+    ctl = controller(plain_first=True)
+    sizes = drive(ctl, geometric(0.2, random.Random(6)), 1500)
+    first = next(i for i, b in enumerate(sizes) if b > 1)
+    assert first >= ctl.probe_base * 8 - 1  # the usual probe_max (64)
+    assert sum(b > 1 for b in sizes[500:]) <= 1000 // 256 + 2
+    assert ctl.interval == ctl.probe_max == 4 * 64
