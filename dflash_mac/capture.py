@@ -158,9 +158,9 @@ class FeatureCapture:
 
 
 def layer_queue(model: nn.Module) -> FeatureCapture:
-    """Queue `model`'s layers as they are built, capturing nothing (plain decoding with the
-    engine's queueing, as the bench's baseline runs)."""
-    return FeatureCapture(model, [], queue=True)
+    """Queue `model`'s layers as they are built where the engine does (`queues_layers`),
+    capturing nothing: plain decoding as the bench's baseline runs it (no hook elsewhere)."""
+    return FeatureCapture(model, [], queue=queues_layers())
 
 
 def is_hooked(model: nn.Module) -> bool:

@@ -185,9 +185,11 @@ def queue_cycle(
         appended = ctx.flush()
         drafts, q = propose(pair, block, ctx.cache, sp, k_draft, penalty)
         c = Cycle(bs, block, drafts, q, k_verify, appended, penalty)
-    if state.rollback.hybrid or (bs > 1 and queues_layers()):  # drafter runs while verify builds
+    if state.rollback.hybrid:  # its verify is queued once the last rollback is done
         mx.async_eval(c.drafts)
-    if not state.rollback.hybrid:
+    else:
+        if bs > 1 and queues_layers():  # the drafter runs while the verify is built
+            mx.async_eval(c.drafts)
         queue_verify(pair, state, c, sp)
     return c
 
@@ -300,7 +302,6 @@ def speculative_stream(
         yield GenerationEvent(text, out.tokens[:], 0, stats, out.finish_reason)
 
         cycle = None  # the next cycle, queued right after the previous sync
-        last_bs = 0  # the previous cycle's size: a plain step is timed only after another one
         while out.finish_reason is None and not (should_stop and should_stop()):
             c = cycle or next_cycle(anchor, cfg.max_tokens - out.count)
             if c.verdict is None:  # a hybrid's verify: queued once the last rollback is done
@@ -322,9 +323,9 @@ def speculative_stream(
                 settle(c, [anchor] + committed[:-1])
             anchor = committed[-1]
             if plan:
-                steady = c.appended <= c.bs and (c.bs > 1 or last_bs == 1)
+                # a plain step is timed only after another one (a run of them is pipelined)
+                steady = c.appended <= c.bs and (c.bs > 1 or stats.block_sizes[-1:] == (1,))
                 plan.update(c.bs, a, seconds if steady else None)
-            last_bs = c.bs
             room = cfg.max_tokens - out.count - len(committed)
             if not ahead:
                 cycle = next_cycle(anchor, room) if cfg.pipeline and room > 0 else None

@@ -337,6 +337,8 @@ def header_lines(doc: dict) -> list[str]:
     h, c = doc["header"], doc["config"]
     load = h.get("load_avg")
     quant = f"target {h['target_quantization']}, drafter {h['draft_quantization']}"
+    threads = h.get("blas_threads", "default")
+    blas = h["blas"] + (f" ({threads} threads)" if threads != "default" else "")
     prompts = c["prompts_file"] or f"suite {c['suite']}"
     sampling = (
         "greedy"
@@ -349,13 +351,7 @@ def header_lines(doc: dict) -> list[str]:
     return [
         f"- machine: {h['machine']} · {h.get('cpu', '?')} · {h.get('cpu_count', '?')} CPUs · "
         f"{h['os']}" + (f" · load average {load[0]} → {load[1]}" if load else ""),
-        f"- MLX {h['mlx']} · mlx-lm {h['mlx_lm']} · device {h['device']} · BLAS {h['blas']}"
-        + (
-            f" ({h['blas_threads']} threads)"
-            if h.get("blas_threads", "default") != "default"
-            else ""
-        )
-        + " · "
+        f"- MLX {h['mlx']} · mlx-lm {h['mlx_lm']} · device {h['device']} · BLAS {blas} · "
         f"dflash-mac {h['dflash_mac']}",
         f"- target `{h['target']}` · drafter `{h['draft']}` ({h['drafter_kind']}) · "
         f"dtype {h['dtype']} · quantization: {quant}",

@@ -18,7 +18,6 @@ command in command.py.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import random
 import time
@@ -249,7 +248,7 @@ def run_baseline(
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
 
-    from dflash_mac.capture import is_hooked, layer_queue, queues_layers
+    from dflash_mac.capture import is_hooked, layer_queue
 
     assert not is_hooked(pair.target), "the baseline must run on an unhooked target"
     max_tokens = max_tokens or cfg.max_tokens
@@ -258,7 +257,7 @@ def run_baseline(
     mx.random.seed(seed)
     tokens, reason = [], "length"
     clock = Clock()
-    with layer_queue(pair.target) if queues_layers() else contextlib.nullcontext():
+    with layer_queue(pair.target):
         steps = generate_step(mx.array(ids), pair.target, max_tokens=max_tokens, sampler=sampler)
         for tok, _ in steps:
             if tok in eos:
