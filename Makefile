@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PROMPT ?= Write a Python function that returns the n-th Fibonacci number.
 
-.PHONY: run test test-fast lint install bundle bundle-v2
+.PHONY: run test test-fast lint install bundle
 
 $(BIN)/dflash-mac: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,15 +30,10 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# Rebuilds the bundled pair from scratch (stdlib corpus -> tokenizer -> target -> drafter).
+# Rebuilds the bundled pair from scratch (models/bundled/MODEL_CARD.md): stdlib corpus ->
+# tokenizer -> v1 target and drafters -> long-context target -> drafters distilled on it. Every
+# long stage resumes from .cache/bundle after an interruption (delete it for a fresh build).
 OPENBLAS := $(firstword $(wildcard /usr/lib/*-linux-gnu/libopenblas.so.0))
 bundle: install
-	LD_PRELOAD=$(OPENBLAS) $(BIN)/python -m dflash_mac.bundle.build --out models/bundled \
-		--stage all --minutes 40
-
-# The v2 pair (issue 15; not committed, see models/bundled/MODEL_CARD.md): the stages of `bundle`,
-# then the extended corpus, the long-context continued pretraining (512 -> 1024 -> 2048) and both
-# drafters distilled on it (KL to p_T). Every long stage resumes from .cache/bundle.
-bundle-v2: install
-	OPENBLAS_NUM_THREADS=1 LD_PRELOAD=$(OPENBLAS) $(BIN)/python -m dflash_mac.bundle.build \
-		--out models/bundled --stage all2 --minutes 40
+	LD_PRELOAD=$(OPENBLAS) $(BIN)/python -m dflash_mac.bundle.build \
+		--out models/bundled --stage all --minutes 40

@@ -41,3 +41,19 @@ def test_long_eval_prompts_come_from_heldout_modules():
         text = r["messages"][0]["content"]
         assert text.startswith(f"Here is part of the Python module `{r['module']}`")
         assert len(text) > 4000 and "write the" in text.rsplit("\n\n", 1)[1]
+
+
+def test_v2_stages_start_from_the_cached_v1_models(tmp_path):
+    import pytest
+
+    from dflash_mac.bundle import build, stages2
+
+    # the v2 stages never take <out>'s (committed v2) models as their v1 starting point
+    with pytest.raises(SystemExit, match=r"target_v1 is missing: .*--stage v1` first\."):
+        stages2.stage_longctx(tmp_path / "out", tmp_path)
+    (tmp_path / "target_v1").mkdir()
+    (tmp_path / "target_v1" / "config.json").write_text("{}")
+    assert stages2.need_v1(tmp_path, "target") == tmp_path / "target_v1"
+    # `all` = the v1 stages (which keep their models in the cache), then the v2 stages
+    assert build.GROUPS["all"][: len(build.GROUPS["v1"])] == build.GROUPS["v1"]
+    assert build.GROUPS["v1"][-2:] == ("drafter", "drafter2")

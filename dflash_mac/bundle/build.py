@@ -34,10 +34,19 @@ from dflash_mac.bundle import corpus, stages2
 from dflash_mac.bundle.tokenizer import build_tokenizer, special_ids, write_token_streams
 
 CACHE = Path(".cache/bundle")
-STAGES = ("corpus", "tokenizer", "target", "drafter", "corpus2", "longctx", "drafters2")
-# `all`: the committed pair (v1). `all2`: v1, then the v2 stages (long-context target, drafters
-# distilled on it); see MODEL_CARD.md for why v2 is not the committed pair yet.
-GROUPS = {"all": STAGES[:4], "all2": STAGES}
+STAGES = (
+    "corpus",
+    "tokenizer",
+    "target",
+    "drafter",
+    "drafter2",
+    "corpus2",
+    "longctx",
+    "drafters2",
+)
+# `v1`: the first pair (short-context target, CE drafters). `all`: v1, then the v2 stages
+# (long-context target, drafters distilled on it), which start from the v1 weights.
+GROUPS = {"v1": STAGES[:5], "all": STAGES}
 console = Console()
 
 
@@ -169,6 +178,42 @@ def stage_drafter(out: Path, cache: Path) -> None:
     )
 
 
+def stage_drafter2(out: Path, cache: Path) -> None:
+    """Train the v1 DFlash 2 drafter: the DFlash 1 recipe and data, 195 steps (MODEL_CARD.md)."""
+    from dflash_mac.train import TrainingArgs, train_drafter
+    from dflash_mac.train.command import ProgressReporter
+
+    data = cache / "drafter-dflash2" / "data"  # the DFlash 1 regeneration, shared
+    if not data.exists():
+        data.parent.mkdir(parents=True, exist_ok=True)
+        (cache / "drafter" / "data").mkdir(parents=True, exist_ok=True)
+        data.symlink_to((cache / "drafter" / "data").resolve(), target_is_directory=True)
+    args = TrainingArgs(
+        target=str(out / "target"),
+        prompts=cache / "train_prompts.jsonl",
+        out_dir=out / "dflash2",
+        arch="dflash2",
+        block_size=8,
+        num_layers=1,
+        target_layer_ids=[1, 3, 5],
+        max_new_tokens=256,
+        limit=600,
+        gen_batch_size=64,
+        lr=2e-3,
+        batch_size=4,
+        anchors=128,
+        steps=195,  # the committed run's length (first fixed by `--minutes 15`)
+        cache_dir=cache / "drafter-dflash2",
+    )
+    train_drafter(args, ProgressReporter(console))
+
+
+def keep_v1(folder: Path, kept: Path) -> None:
+    """Keep a v1 model in the cache: the v2 stages start from it (``<out>`` then holds v2)."""
+    shutil.rmtree(kept, ignore_errors=True)
+    shutil.copytree(folder, kept)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry point."""
     ap = argparse.ArgumentParser(
@@ -213,11 +258,14 @@ def main(argv: list[str] | None = None) -> None:
                 lr=args.lr,
                 recalibrate=args.recalibrate or None,
             )
-        elif st == "drafter":
-            if args.stage == "all2" and (args.cache / "dflash_v1").exists():
-                console.log("v1 drafter cached: kept (the v2 drafters start from it)")
+            keep_v1(args.out / "target", args.cache / "target_v1")
+        elif st in ("drafter", "drafter2"):
+            arch = "dflash" if st == "drafter" else "dflash2"
+            if (args.cache / f"{arch}_v1").exists():
+                console.log(f"v1 {arch} drafter cached in {args.cache}: kept")
                 continue
-            stage_drafter(args.out, args.cache)
+            (stage_drafter if st == "drafter" else stage_drafter2)(args.out, args.cache)
+            keep_v1(args.out / arch, args.cache / f"{arch}_v1")
         elif st == "corpus2":
             stages2.stage_corpus2(args.out, args.cache)
         elif st == "longctx":

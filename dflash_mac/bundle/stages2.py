@@ -27,12 +27,23 @@ from dflash_mac.bundle.tokenizer import write_token_streams
 console = Console()
 RECOMMENDED_TEMP = 0.7  # the temperature the bundled pair is tuned and measured for
 V2 = {
-    "tokens": 180_000,  # continued-pretraining tokens (CPU-sized)
-    "drafter_steps": 60,  # DFlash 1 fine-tune steps
-    "drafter2_steps": 50,  # DFlash 2 fine-tune steps
-    "short_prompts": 160,  # answered greedy and at RECOMMENDED_TEMP
-    "long_prompts": 48,  # idem
+    "tokens": 2_500_000,  # continued-pretraining tokens (~35 min on 2 quiet x86 cores)
+    "drafter_steps": 500,  # DFlash 1 steps (the v1 recipe's length)
+    "drafter2_steps": 500,  # DFlash 2 steps
+    "short_prompts": 400,  # answered greedy and at RECOMMENDED_TEMP
+    "long_prompts": 64,  # idem
 }
+
+
+def need_v1(cache: Path, name: str) -> Path:
+    """The v1 model the v2 stages start from, kept in the cache by the v1 stages."""
+    path = cache / f"{name}_v1"
+    if not (path / "config.json").exists():
+        raise SystemExit(
+            f"{path} is missing: the v2 stages start from the v1 models; run "
+            "`python -m dflash_mac.bundle.build --stage v1` first."
+        )
+    return path
 
 
 def stage_corpus2(out: Path, cache: Path) -> None:
@@ -58,9 +69,7 @@ def stage_longctx(out: Path, cache: Path, tokens: int | None = None) -> None:
     """Continue pretraining the v1 target over its whole context (resumable)."""
     from dflash_mac.bundle import longctx, pretrain
 
-    v1 = cache / "target_v1"
-    if not v1.exists():  # the v1 target, kept as the starting point of a resumed / rerun stage
-        shutil.copytree(out / "target", v1)
+    v1 = need_v1(cache, "target")
     cc = longctx.CurriculumConfig(tokens=tokens or V2["tokens"])
     model, meta = longctx.continue_pretraining(
         v1,
@@ -83,16 +92,15 @@ def stage_drafters2(out: Path, cache: Path, only: str | None = None) -> None:
     from dflash_mac.train.command import ProgressReporter
 
     prompts = cache / "train_prompts2.jsonl"
+    if not (cache / "train_prompts.jsonl").exists():  # written by the v1 corpus stage
+        corpus.train_prompts_jsonl(cache / "train_prompts.jsonl", limit=4000)
     if not prompts.exists():
         rows = [json.loads(x) for x in (cache / "train_prompts.jsonl").read_text().splitlines()]
         rows = [rows[i] for i in np.linspace(0, len(rows) - 1, V2["short_prompts"]).astype(int)]
         longs = (cache / "train_long_prompts.jsonl").read_text().splitlines()
         rows += [json.loads(x) for x in longs[: V2["long_prompts"]]]
         corpus.write_jsonl(prompts, rows)
-    for arch in ("dflash", "dflash2"):
-        v1 = cache / f"{arch}_v1"
-        if not v1.exists():
-            shutil.copytree(out / arch, v1)
+    need_v1(cache, "dflash"), need_v1(cache, "dflash2")
     base = TrainingArgs(
         target=str(out / "target"),
         prompts=prompts,
@@ -103,7 +111,7 @@ def stage_drafters2(out: Path, cache: Path, only: str | None = None) -> None:
         max_new_tokens=160,
         temps=[0.0, RECOMMENDED_TEMP],
         gen_batch_size=32,
-        lr=1e-3,
+        lr=2e-3,
         batch_size=4,
         anchors=96,
         max_length=2048,
