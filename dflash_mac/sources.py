@@ -13,7 +13,7 @@ from .errors import LoadError
 
 PACKAGE_MODELS = Path(_models_pkg.__file__).resolve().parent
 BUNDLED_TARGET = PACKAGE_MODELS / "bundled" / "target"
-BUNDLED_DRAFT = PACKAGE_MODELS / "bundled" / "dflash"
+BUNDLED_DRAFT = PACKAGE_MODELS / "bundled" / "dflash2"  # the default drafter (MODEL_CARD.md)
 DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
 
 

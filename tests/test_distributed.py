@@ -164,8 +164,9 @@ def rank_pid(launcher: int, rank: int) -> int | None:
 def test_killed_rank_stops_the_others(lost, tmp_path):
     """A worker (or the leader) killed mid-generation: the survivor exits non-zero with one
     sentence naming the lost rank, within 10 s, and the launcher says how that rank ended."""
-    # greedy: it runs to the token limit (a sampled text may end early at EOS)
-    args = ["--", "generate", "Hello", "-n", "1500", "--ignore-chat-template", "--temp", "0"]
+    # greedy from a prompt the bundled target writes on from to the token limit (a sampled text,
+    # or greedy from another prompt, may end early at EOS)
+    args = ["--", "generate", "import os", "-n", "1500", "--ignore-chat-template", "--temp", "0"]
     proc = launch(args, tmp_path)
     pid = None
     deadline = time.monotonic() + 90

@@ -29,6 +29,7 @@ RECOMMENDED_TEMP = 0.7  # the temperature the bundled pair is tuned and measured
 V2 = {
     "tokens": 2_500_000,  # continued-pretraining tokens (~35 min on 2 quiet x86 cores)
     "drafter_steps": 500,  # DFlash 1 steps (the v1 recipe's length)
+    "drafter_more_steps": 400,  # then a second DFlash 1 run from the first, lr 1e-3
     "drafter2_steps": 500,  # DFlash 2 steps
     "short_prompts": 400,  # answered greedy and at RECOMMENDED_TEMP
     "long_prompts": 64,  # idem
@@ -128,11 +129,17 @@ def stage_drafters2(out: Path, cache: Path, only: str | None = None) -> None:
         train_drafter(
             replace(base, steps=V2["drafter_steps"], init_from=cache / "dflash_v1"), reporter
         )
+        # DFlash 1 learns slower than DFlash 2 on the same data: a second run (fresh warmup and
+        # cosine, half the peak lr) from the first one's output
+        more = replace(
+            base,
+            steps=V2["drafter_more_steps"],
+            lr=1e-3,
+            init_from=out / "dflash",
+            cache_dir=shared_data(cache, "drafter2-more"),
+        )
+        train_drafter(more, reporter)
     if only in (None, "dflash2"):
-        data2 = cache / "drafter2-dflash2" / "data"
-        if not data2.exists():  # the same regenerated answers (one regeneration for both)
-            data2.parent.mkdir(parents=True, exist_ok=True)
-            data2.symlink_to((cache / "drafter2" / "data").resolve(), target_is_directory=True)
         train_drafter(
             replace(
                 base,
@@ -140,7 +147,17 @@ def stage_drafters2(out: Path, cache: Path, only: str | None = None) -> None:
                 out_dir=out / "dflash2",
                 steps=V2["drafter2_steps"],
                 init_from=cache / "dflash2_v1",
-                cache_dir=cache / "drafter2-dflash2",
+                cache_dir=shared_data(cache, "drafter2-dflash2"),
             ),
             reporter,
         )
+
+
+def shared_data(cache: Path, name: str) -> Path:
+    """A training cache folder of its own (checkpoints) that reads the regenerated answers of
+    ``cache/drafter2`` (one regeneration for every v2 drafter run)."""
+    data = cache / name / "data"
+    if not data.exists():
+        data.parent.mkdir(parents=True, exist_ok=True)
+        data.symlink_to((cache / "drafter2" / "data").resolve(), target_is_directory=True)
+    return cache / name

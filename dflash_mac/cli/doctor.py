@@ -24,9 +24,12 @@ from dflash_mac.registry import PairEntry, load_registry
 PASS, WARN, FAIL = "pass", "warn", "fail"
 MIN_MLX_LM = (0, 30)
 OVERHEAD_GB = 0.5  # runtime, activations of a verify block, Metal buffers
-# A request like those the bundled drafter was trained on (chat template, Python), so τ says
-# something about the pair; raw text makes it fall back to one token per cycle.
-SELFTEST_PROMPT = "Write a Python function add(a, b) that returns the sum of a and b."
+# A request like those the bundled pair was trained on (chat template, a standard-library
+# function), so τ says something about the pair; raw text makes it fall back to plain steps.
+SELFTEST_PROMPT = (
+    "In the Python module `textwrap`, write the function `dedent(text)`: "
+    "Remove any common leading whitespace from every line in text."
+)
 SELFTEST_TOKENS = 24
 out = Console()
 
