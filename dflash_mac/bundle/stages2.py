@@ -28,9 +28,10 @@ console = Console()
 RECOMMENDED_TEMP = 0.7  # the temperature the bundled pair is tuned and measured for
 V2 = {
     "tokens": 2_500_000,  # continued-pretraining tokens (~35 min on 2 quiet x86 cores)
-    "drafter_steps": 500,  # DFlash 1 steps (the v1 recipe's length)
-    "drafter_more_steps": 400,  # then a second DFlash 1 run from the first, lr 1e-3
-    "drafter2_steps": 500,  # DFlash 2 steps
+    "dflash_steps": 500,  # DFlash 1 steps (the v1 recipe's length)
+    "dflash_more_steps": 400,  # then a second run from the first one's output, lr 1e-3
+    "dflash2_steps": 500,  # DFlash 2 steps
+    "dflash2_more_steps": 400,  # idem
     "short_prompts": 400,  # answered greedy and at RECOMMENDED_TEMP
     "long_prompts": 64,  # idem
 }
@@ -125,32 +126,30 @@ def stage_drafters2(out: Path, cache: Path, only: str | None = None) -> None:
         resume=True,
     )
     reporter = ProgressReporter(console)
-    if only in (None, "dflash"):
-        train_drafter(
-            replace(base, steps=V2["drafter_steps"], init_from=cache / "dflash_v1"), reporter
-        )
-        # DFlash 1 learns slower than DFlash 2 on the same data: a second run (fresh warmup and
-        # cosine, half the peak lr) from the first one's output
-        more = replace(
+    for arch in ("dflash", "dflash2"):
+        if only not in (None, arch):
+            continue
+        first = replace(
             base,
-            steps=V2["drafter_more_steps"],
+            arch=arch,
+            out_dir=out / arch,
+            steps=V2[f"{arch}_steps"],
+            init_from=cache / f"{arch}_v1",
+            cache_dir=cache / "drafter2"
+            if arch == "dflash"
+            else shared_data(cache, f"drafter2-{arch}"),
+        )
+        train_drafter(first, reporter)
+        # both still learn after their first run: a second run from its output (fresh warmup
+        # and cosine, half the peak lr; its own checkpoints)
+        more = replace(
+            first,
+            steps=V2[f"{arch}_more_steps"],
             lr=1e-3,
-            init_from=out / "dflash",
-            cache_dir=shared_data(cache, "drafter2-more"),
+            init_from=out / arch,
+            cache_dir=shared_data(cache, f"drafter2-{arch}-more"),
         )
         train_drafter(more, reporter)
-    if only in (None, "dflash2"):
-        train_drafter(
-            replace(
-                base,
-                arch="dflash2",
-                out_dir=out / "dflash2",
-                steps=V2["drafter2_steps"],
-                init_from=cache / "dflash2_v1",
-                cache_dir=shared_data(cache, "drafter2-dflash2"),
-            ),
-            reporter,
-        )
 
 
 def shared_data(cache: Path, name: str) -> Path:
