@@ -144,7 +144,7 @@ def sample_and_time(target: Path, prompts: Path, n: int = 3, max_tokens: int = 9
 
 def stage_drafter(out: Path, cache: Path) -> None:
     """Train the DFlash drafter on the target's own outputs (``dflash_mac.train``)."""
-    from dflash_mac.train import TrainingArgs, train_drafter
+    from dflash_mac.train import train_drafter
     from dflash_mac.train.command import ProgressReporter
 
     prompts = cache / "train_prompts.jsonl"
@@ -154,9 +154,23 @@ def stage_drafter(out: Path, cache: Path) -> None:
     # then two fine-tunes of that drafter (`--init-from`, fresh warmup + cosine each). The step
     # counts are the committed run's (first fixed by `--minutes` budgets on the build machine);
     # data order and anchors follow from the seed and the step, so the schedule is identical.
-    base = TrainingArgs(
+    base = v1_drafter_args(out, cache)
+    reporter = ProgressReporter(console)
+    train_drafter(replace(base, steps=247), reporter)
+    train_drafter(replace(base, steps=110, init_from=out / "dflash"), reporter)
+    train_drafter(
+        replace(base, steps=137, init_from=out / "dflash", eval_prompts=out / "eval_prompts.jsonl"),
+        reporter,
+    )
+
+
+def v1_drafter_args(out: Path, cache: Path):
+    """The v1 drafter recipe (DFlash 1; DFlash 2 changes the arch and the step count)."""
+    from dflash_mac.train import TrainingArgs
+
+    return TrainingArgs(
         target=str(out / "target"),
-        prompts=prompts,
+        prompts=cache / "train_prompts.jsonl",
         out_dir=out / "dflash",
         block_size=8,
         num_layers=1,
@@ -169,18 +183,11 @@ def stage_drafter(out: Path, cache: Path) -> None:
         anchors=128,
         cache_dir=cache / "drafter",
     )
-    reporter = ProgressReporter(console)
-    train_drafter(replace(base, steps=247), reporter)
-    train_drafter(replace(base, steps=110, init_from=out / "dflash"), reporter)
-    train_drafter(
-        replace(base, steps=137, init_from=out / "dflash", eval_prompts=out / "eval_prompts.jsonl"),
-        reporter,
-    )
 
 
 def stage_drafter2(out: Path, cache: Path) -> None:
     """Train the v1 DFlash 2 drafter: the DFlash 1 recipe and data, 195 steps (MODEL_CARD.md)."""
-    from dflash_mac.train import TrainingArgs, train_drafter
+    from dflash_mac.train import train_drafter
     from dflash_mac.train.command import ProgressReporter
 
     data = cache / "drafter-dflash2" / "data"  # the DFlash 1 regeneration, shared
@@ -188,20 +195,10 @@ def stage_drafter2(out: Path, cache: Path) -> None:
         data.parent.mkdir(parents=True, exist_ok=True)
         (cache / "drafter" / "data").mkdir(parents=True, exist_ok=True)
         data.symlink_to((cache / "drafter" / "data").resolve(), target_is_directory=True)
-    args = TrainingArgs(
-        target=str(out / "target"),
-        prompts=cache / "train_prompts.jsonl",
+    args = replace(
+        v1_drafter_args(out, cache),
         out_dir=out / "dflash2",
         arch="dflash2",
-        block_size=8,
-        num_layers=1,
-        target_layer_ids=[1, 3, 5],
-        max_new_tokens=256,
-        limit=600,
-        gen_batch_size=64,
-        lr=2e-3,
-        batch_size=4,
-        anchors=128,
         steps=195,  # the committed run's length (first fixed by `--minutes 15`)
         cache_dir=cache / "drafter-dflash2",
     )
