@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
+from dflash_mac.bundle import build, stages2
 from dflash_mac.bundle.longctx import CurriculumConfig, aligned_windows, lr_at, stage_of
 
 
@@ -44,10 +46,6 @@ def test_long_eval_prompts_come_from_heldout_modules():
 
 
 def test_v2_stages_start_from_the_cached_v1_models(tmp_path):
-    import pytest
-
-    from dflash_mac.bundle import build, stages2
-
     # the v2 stages never take <out>'s (committed v2) models as their v1 starting point
     with pytest.raises(SystemExit, match=r"target_v1 is missing: .*--stage v1` first\."):
         stages2.stage_longctx(tmp_path / "out", tmp_path)

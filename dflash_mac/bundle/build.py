@@ -147,9 +147,6 @@ def stage_drafter(out: Path, cache: Path) -> None:
     from dflash_mac.train import train_drafter
     from dflash_mac.train.command import ProgressReporter
 
-    prompts = cache / "train_prompts.jsonl"
-    if not prompts.exists():
-        corpus.train_prompts_jsonl(prompts, limit=4000)
     # == the three `dflash-mac train` runs listed in MODEL_CARD.md ("Drafter"): from scratch,
     # then two fine-tunes of that drafter (`--init-from`, fresh warmup + cosine each). The step
     # counts are the committed run's (first fixed by `--minutes` budgets on the build machine);
@@ -170,7 +167,7 @@ def v1_drafter_args(out: Path, cache: Path):
 
     return TrainingArgs(
         target=str(out / "target"),
-        prompts=cache / "train_prompts.jsonl",
+        prompts=corpus.cached_train_prompts(cache),
         out_dir=out / "dflash",
         block_size=8,
         num_layers=1,
@@ -190,17 +187,12 @@ def stage_drafter2(out: Path, cache: Path) -> None:
     from dflash_mac.train import train_drafter
     from dflash_mac.train.command import ProgressReporter
 
-    data = cache / "drafter-dflash2" / "data"  # the DFlash 1 regeneration, shared
-    if not data.exists():
-        data.parent.mkdir(parents=True, exist_ok=True)
-        (cache / "drafter" / "data").mkdir(parents=True, exist_ok=True)
-        data.symlink_to((cache / "drafter" / "data").resolve(), target_is_directory=True)
     args = replace(
         v1_drafter_args(out, cache),
         out_dir=out / "dflash2",
         arch="dflash2",
         steps=195,  # the committed run's length (first fixed by `--minutes 15`)
-        cache_dir=cache / "drafter-dflash2",
+        cache_dir=stages2.shared_data(cache, "drafter-dflash2", source="drafter"),
     )
     train_drafter(args, ProgressReporter(console))
 

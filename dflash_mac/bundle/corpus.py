@@ -210,6 +210,14 @@ def train_prompts_jsonl(path: Path, limit: int = 4000) -> int:
     return write_prompts_jsonl(train, path, limit=limit, stride=max(1, total // limit))
 
 
+def cached_train_prompts(cache: Path) -> Path:
+    """``<cache>/train_prompts.jsonl`` (written by the corpus stage; written here if missing)."""
+    path = cache / "train_prompts.jsonl"
+    if not path.exists():
+        train_prompts_jsonl(path)
+    return path
+
+
 def eval_prompts_jsonl(path: Path, limit: int = 32) -> int:
     """Held-out evaluation prompts: chat prompts from HELD-OUT modules, evenly spread."""
     _, heldout = split_modules()

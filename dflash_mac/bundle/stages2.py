@@ -94,15 +94,12 @@ def stage_drafters2(out: Path, cache: Path, only: str | None = None) -> None:
     from dflash_mac.train.command import ProgressReporter
 
     prompts = cache / "train_prompts2.jsonl"
-    if not (cache / "train_prompts.jsonl").exists():  # written by the v1 corpus stage
-        corpus.train_prompts_jsonl(cache / "train_prompts.jsonl", limit=4000)
     if not prompts.exists():
-        rows = [json.loads(x) for x in (cache / "train_prompts.jsonl").read_text().splitlines()]
+        rows = [json.loads(x) for x in corpus.cached_train_prompts(cache).read_text().splitlines()]
         rows = [rows[i] for i in np.linspace(0, len(rows) - 1, V2["short_prompts"]).astype(int)]
         longs = (cache / "train_long_prompts.jsonl").read_text().splitlines()
         rows += [json.loads(x) for x in longs[: V2["long_prompts"]]]
         corpus.write_jsonl(prompts, rows)
-    need_v1(cache, "dflash"), need_v1(cache, "dflash2")
     base = TrainingArgs(
         target=str(out / "target"),
         prompts=prompts,
@@ -134,7 +131,7 @@ def stage_drafters2(out: Path, cache: Path, only: str | None = None) -> None:
             arch=arch,
             out_dir=out / arch,
             steps=V2[f"{arch}_steps"],
-            init_from=cache / f"{arch}_v1",
+            init_from=need_v1(cache, arch),
             cache_dir=cache / "drafter2"
             if arch == "dflash"
             else shared_data(cache, f"drafter2-{arch}"),
@@ -152,11 +149,12 @@ def stage_drafters2(out: Path, cache: Path, only: str | None = None) -> None:
         train_drafter(more, reporter)
 
 
-def shared_data(cache: Path, name: str) -> Path:
-    """A training cache folder of its own (checkpoints) that reads the regenerated answers of
-    ``cache/drafter2`` (one regeneration for every v2 drafter run)."""
-    data = cache / name / "data"
+def shared_data(cache: Path, name: str, source: str = "drafter2") -> Path:
+    """``cache/name``: a training cache folder of its own (checkpoints) whose ``data`` is that of
+    ``cache/source`` (one regeneration serves every drafter run of a version)."""
+    data, shared = cache / name / "data", cache / source / "data"
     if not data.exists():
         data.parent.mkdir(parents=True, exist_ok=True)
-        data.symlink_to((cache / "drafter2" / "data").resolve(), target_is_directory=True)
+        shared.mkdir(parents=True, exist_ok=True)
+        data.symlink_to(shared.resolve(), target_is_directory=True)
     return cache / name
