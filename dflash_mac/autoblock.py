@@ -10,8 +10,9 @@ It maximises expected tokens per second, E[tokens | bs] / cost(bs), where
 
 Block size 1 is plain target decoding (no drafter pass). When drafting does not pay the
 controller falls back to it and probes one drafting cycle now and then (twice as late after
-a probe that did not pay, twice as soon after one that did); it switches only past a
-hysteresis margin, so it does not flap. Pure Python (no MLX): unit-testable with synthetic
+a probe that did not pay, twice as soon after one that did); it falls back 5 % below a plain
+step's rate and resumes only 10 % above it, so it does not flap. Greedy and sampled decoding
+keep apart cost models (policy.auto_controller). Pure Python (no MLX): unit-testable with synthetic
 inputs (docs/bench.md).
 """
 
@@ -47,11 +48,14 @@ class CostCurve:
         return self.ratios[top] + max(slope, 0.0) * (bs - top)
 
     @classmethod
-    def load(cls, path: Path) -> CostCurve | None:
-        """A saved curve (bench/costcurve.py writes it); None when absent or unreadable."""
+    def load(cls, path: Path, sampled: bool = False) -> CostCurve | None:
+        """A saved curve (bench/costcurve.py writes it); None when absent or unreadable.
+        `sampled`: the curve timed at a sampling temperature where the file has one (sampled
+        cycles draw, and verify by rejection, so their ratios differ), else the greedy one."""
         try:
             data = json.loads(Path(path).read_text())
-            ratios = {int(k): float(v) for k, v in data["ratios"].items()}
+            table = data.get("sampled", {}).get("ratios") if sampled else None
+            ratios = {int(k): float(v) for k, v in (table or data["ratios"]).items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
         if ratios.get(1) != 1.0 or any(v <= 0 for v in ratios.values()):
@@ -107,7 +111,7 @@ class CostModel:
 class Acceptance:
     """Running per-position acceptance with exponentially decayed counts."""
 
-    def __init__(self, n_max: int, decay: float = 0.9, prior: float = 0.7, weight: float = 1.0):
+    def __init__(self, n_max: int, decay: float = 0.97, prior: float = 0.7, weight: float = 1.0):
         self.decay, self.prior, self.weight = decay, prior, weight
         self.reached = [0.0] * max(n_max, 1)  # index k-1: draft position k
         self.accepted = [0.0] * max(n_max, 1)
@@ -161,6 +165,9 @@ class Decision:
 class BlockController:
     """Chooses each cycle's block size (1..bs_max); see the module docstring."""
 
+    RESUME = 2  # drafting resumes past twice the hysteresis: a wrong resume costs more than
+    # a late one (its cycles are dearer than their estimate when the machine is busy)
+
     def __init__(
         self,
         bs_max: int,
@@ -207,7 +214,7 @@ class BlockController:
         if self.cycles == self.calibrate_at:
             self.last = Decision(1, "measuring a one-token step", rates)
         elif self.fallback:
-            if rates[cur] > rates[1] * (1 + self.hysteresis):
+            if rates[cur] > rates[1] * (1 + self.RESUME * self.hysteresis):
                 self.fallback = False
                 self.interval = self.probe_base
                 self.last = Decision(cur, f"drafting pays again ({rates[cur]:.2f}×)", rates)
@@ -242,14 +249,16 @@ class BlockController:
             self.countdown = self.interval
 
 
-def cost_model_for(pair: object, prior: CostCurve) -> CostModel:
-    """The pair's cost model, kept on the loaded pair instance (measurements carry over
-    between requests)."""
-    model = getattr(pair, "_dflash_cost_model", None)
-    if model is None:
-        model = CostModel(prior)
+def cost_model_for(pair: object, prior: CostCurve, sampled: bool = False) -> CostModel:
+    """The pair's cost model for greedy or for sampled decoding, kept on the loaded pair
+    instance (measurements carry over between requests). Greedy and sampled cycles are timed
+    apart: a sampled cycle draws its drafts and verifies by rejection, so greedy timings would
+    make sampled drafting look cheaper than it is."""
+    models = getattr(pair, "_dflash_cost_models", None)
+    if models is None:
+        models = {}
         try:
-            object.__setattr__(pair, "_dflash_cost_model", model)
+            object.__setattr__(pair, "_dflash_cost_models", models)
         except (AttributeError, TypeError):  # a pair that takes no attributes: a fresh one
             pass
-    return model
+    return models.setdefault(sampled, CostModel(prior))

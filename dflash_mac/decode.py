@@ -244,7 +244,9 @@ def speculative_stream(
     seeded = cfg.seed is not None and not sp.greedy  # same seed, same text: timing-free sizes
     setting = (sp.temperature, sp.top_p, sp.top_k, sp.min_p)
     plan = controller or (
-        auto_controller(pair, bs_max, not seeded, setting, len(prompt_ids)) if auto else None
+        auto_controller(pair, bs_max, not seeded, setting, len(prompt_ids), not sp.greedy)
+        if auto
+        else None
     )
     rng = random.Random(cfg.seed)  # each cycle's key from the host: no device work for it
     stats = DecodeStats(
@@ -323,8 +325,9 @@ def speculative_stream(
                 settle(c, [anchor] + committed[:-1])
             anchor = committed[-1]
             if plan:
-                # a plain step is timed only after another one (a run of them is pipelined)
-                steady = c.appended <= c.bs and (c.bs > 1 or stats.block_sizes[-1:] == (1,))
+                # a plain step is timed only after another one (a run of them is pipelined);
+                # a probe is timed with the context it appends (what resuming costs)
+                steady = c.bs > 1 or stats.block_sizes[-1:] == (1,)
                 plan.update(c.bs, a, seconds if steady else None)
             room = cfg.max_tokens - out.count - len(committed)
             if not ahead:

@@ -121,10 +121,16 @@ def long_context(pair: Pair, context_tokens: int) -> tuple[bool, bool]:
 
 
 def auto_controller(
-    pair: Pair, bs_max: int, timed: bool = True, setting: tuple = (), context_tokens: int = 0
+    pair: Pair,
+    bs_max: int,
+    timed: bool = True,
+    setting: tuple = (),
+    context_tokens: int = 0,
+    sampled: bool = False,
 ) -> BlockController:
     """The `auto` controller of a request, up to `bs_max`: the pair's saved cost curve as its
-    prior (else a generic guess), refined by what earlier requests measured. Requests with the
+    prior (else a generic guess), refined by what earlier requests measured; greedy and
+    sampled requests (`sampled`) keep apart curves and measurements. Requests with the
     same sampling `setting` and context band (short or long, `long_context`) continue one
     controller (its acceptance and fallback state carry over: a chat at T = 0.7 does not
     relearn each turn that drafting does not pay, and long prompts, where drafters trained on
@@ -137,14 +143,14 @@ def auto_controller(
     kept = getattr(pair, "_dflash_controllers", None)
     if timed and kept is not None and key in kept:
         return kept[key]
-    model = getattr(pair, "_dflash_cost_model", None)
+    model = getattr(pair, "_dflash_cost_models", {}).get(sampled)
     if model is None or not timed:
         try:
-            prior = CostCurve.load(cost_curve_path(pair))
+            prior = CostCurve.load(cost_curve_path(pair), sampled)
         except OSError:
             prior = None
         prior = prior or CostCurve.generic(bs_max)
-        model = cost_model_for(pair, prior) if timed else CostModel(prior)
+        model = cost_model_for(pair, prior, sampled) if timed else CostModel(prior)
     controller = BlockController(bs_max, model, timed=timed, plain_first=loses)
     if timed:
         try:

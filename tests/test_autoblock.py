@@ -231,7 +231,7 @@ def test_cost_curve_is_measured_saved_and_used_by_auto(tiny_pair, tmp_path, monk
     pair = with_drafter(tiny_pair, tiny_pair.drafter)
 
     def forget():
-        for k in ("_dflash_cost_model", "_dflash_controllers"):
+        for k in ("_dflash_cost_models", "_dflash_controllers"):
             pair.__dict__.pop(k, None)
 
     forget()
@@ -245,6 +245,50 @@ def test_cost_curve_is_measured_saved_and_used_by_auto(tiny_pair, tmp_path, monk
     assert path.is_relative_to(tmp_path)
     prior = auto_controller(pair, 3).cost.prior
     assert prior.measured and prior.ratio(3) == pytest.approx(curve["ratios"]["3"])
+
+
+def test_sampled_requests_use_the_sampled_curve_and_own_timings(tiny_pair, tmp_path, monkeypatch):
+    """A saved curve holds a greedy and a sampled table; sampled requests take the sampled one
+    as their prior and keep their own measurements (greedy timings do not leak into them)."""
+    from dflash_mac.bench.costcurve import measure_both, render, save
+    from dflash_mac.policy import auto_controller, cost_curve_path
+
+    monkeypatch.setenv("DFLASH_MAC_HOME", str(tmp_path))
+    pair = with_drafter(tiny_pair, tiny_pair.drafter)
+    for k in ("_dflash_cost_models", "_dflash_controllers"):
+        pair.__dict__.pop(k, None)
+    curve = measure_both(pair, max_bs=3, context=16, reps=1)
+    assert curve["sampled"]["temperature"] == 0.7 and curve["sampled"]["ratios"]["1"] == 1.0
+    assert "T 0.7" in render(curve)
+    curve["sampled"]["ratios"]["3"] = curve["ratios"]["3"] + 1.0  # tell the tables apart
+    save(curve, cost_curve_path(pair))
+    greedy = auto_controller(pair, 3, setting=(0.0,))
+    sampled = auto_controller(pair, 3, setting=(0.7,), sampled=True)
+    assert greedy.cost is not sampled.cost
+    assert greedy.cost.prior.ratio(3) == pytest.approx(curve["ratios"]["3"])
+    assert sampled.cost.prior.ratio(3) == pytest.approx(curve["ratios"]["3"] + 1.0)
+    assert auto_controller(pair, 3, setting=(1.0,), sampled=True).cost is sampled.cost
+    greedy.update(3, 2, 0.5)
+    assert 3 in greedy.cost.seconds and 3 not in sampled.cost.seconds
+
+
+def test_a_saved_curve_without_a_sampled_table_serves_both(tmp_path):
+    p = tmp_path / "c.json"
+    p.write_text('{"ratios": {"1": 1.0, "2": 1.4}}')
+    assert CostCurve.load(p, sampled=True).ratio(2) == 1.4
+
+
+def test_drafting_resumes_only_well_above_break_even():
+    """In fallback, an expected rate 7 % above a plain step's is not enough to resume (it is
+    within what a busy machine's timings get wrong); 15 % above is."""
+    for alpha, resumes in ((0.07, False), (0.15, True)):
+        cost = CostModel(CostCurve({1: 1.0, 2: 1.0}, measured=True))
+        ctl = BlockController(2, cost, Acceptance(1, prior=0.0))
+        ctl.fallback = True
+        ctl.acc.observe(2, 0)  # any estimate: replaced below
+        ctl.acc.alphas = lambda n, a=alpha: [a] * n
+        ctl.countdown = 1000
+        assert (ctl.choose().size == 2) == resumes, alpha
 
 
 def test_seeded_sampling_with_auto_is_reproducible(tiny_pair):
@@ -371,7 +415,7 @@ def test_cost_curve_times_plain_steps_as_a_pipelined_run(tiny_pair, monkeypatch)
 def test_plain_steps_are_timed_only_in_a_run_of_them(tiny_pair):
     """The first plain step after a drafting cycle waits for its own queueing (nothing was
     queued ahead of it): untimed, so the one-token cost the controller learns is that of
-    pipelined plain decoding."""
+    pipelined plain decoding. Drafting cycles are all timed."""
     sizes = iter([3, 1, 1, 1, 3, 3, 1, 1] + [1] * 50)
 
     class Scripted:
@@ -394,6 +438,8 @@ def test_plain_steps_are_timed_only_in_a_run_of_them(tiny_pair):
     for i, (bs, t) in enumerate(plan.updates):
         if bs == 1:
             assert t == (i > 0 and kinds[i - 1] == 1), (i, plan.updates)
+        else:  # drafting cycles always, a probe after plain steps too (what resuming costs)
+            assert t, (i, plan.updates)
 
 
 def test_known_losing_contexts_probe_rarely():

@@ -120,7 +120,7 @@ def cost_curve_command(
     from dflash_mac.cli.terminal import load_pair
     from dflash_mac.policy import cost_curve_path
 
-    from .costcurve import measure, render, save
+    from .costcurve import measure_both, render, save
     from .shapes import random_pair
 
     if shape:
@@ -128,8 +128,8 @@ def cost_curve_command(
             pair = random_pair(shape, shape_dtype)
     else:
         pair = load_pair(model, draft, draft_bits=draft_bits)
-    with err.status("Timing cycles at block size 1..16…", spinner="dots"):
-        curve = measure(pair)
+    with err.status("Timing cycles at block size 1..16, greedy and at T 0.7…", spinner="dots"):
+        curve = measure_both(pair)
     curve |= {"header": header(pair) | {"load_avg": [load_average()]}}
     typer.echo(render(curve), nl=False)
     path = save(curve, cost_curve_path(pair))

@@ -8,8 +8,10 @@ runs a run of them (`PLAIN_BURST` steps, each queued on the previous one's still
 before its sync, as mlx-lm's `generate_step` does), so the ratios compare a drafting cycle with
 the plain decoding it replaces, not with a stalled single step. Each size is timed
 `reps` times, round robin over the sizes, after a warm-up on a prompt of `context` tokens, the
-target cache trimmed back after every cycle, and the median kept. The ratios are saved where
-`--block-size auto` reads its prior (`policy.cost_curve_path`)."""
+target cache trimmed back after every cycle, and the median kept. The whole curve is timed
+greedy and again at T = 0.7 (`measure_both`: sampled cycles draw their drafts and verify by
+rejection); both are saved where `--block-size auto` reads its prior
+(`policy.cost_curve_path`), the sampled one for requests with a temperature."""
 
 from __future__ import annotations
 
@@ -21,10 +23,14 @@ from pathlib import Path
 from dflash_mac.pair import Pair
 
 PLAIN_BURST = 8  # plain steps timed as a run, each queued before the previous one's sync
+SAMPLED_TEMP = 0.7  # the sampled curve's temperature (the chat default of most pairs)
 
 
-def measure(pair: Pair, max_bs: int = 16, context: int = 128, reps: int = 12) -> dict:
-    """Median seconds per cycle for bs = 1..max_bs and the ratios to bs = 1."""
+def measure(
+    pair: Pair, max_bs: int = 16, context: int = 128, reps: int = 12, temperature: float = 0.0
+) -> dict:
+    """Median seconds per cycle for bs = 1..max_bs and the ratios to bs = 1, greedy or (with
+    `temperature`) sampled: drafts drawn, verified by rejection, plain steps drawn too."""
     import mlx.core as mx
     from mlx_lm.generate import generation_stream
 
@@ -36,7 +42,7 @@ def measure(pair: Pair, max_bs: int = 16, context: int = 128, reps: int = 12) ->
     ids = [(7919 * i + 11) % vocab for i in range(context)]
     state = DecodeState(pair)
     burst = 1 if state.rollback.hybrid else PLAIN_BURST  # a hybrid trims one verify at most
-    sp = SamplingParams()
+    sp = SamplingParams(temperature)
     key = mx.random.key(0)
     times: dict[int, list[float]] = {bs: [] for bs in range(1, max_bs + 1)}
     with (
@@ -75,6 +81,14 @@ def measure(pair: Pair, max_bs: int = 16, context: int = 128, reps: int = 12) ->
     }
 
 
+def measure_both(pair: Pair, max_bs: int = 16, context: int = 128, reps: int = 12) -> dict:
+    """The greedy curve, with the curve at SAMPLED_TEMP under "sampled" (what `auto` uses as
+    its prior for requests with a temperature)."""
+    curve = measure(pair, max_bs, context, reps)
+    sampled = measure(pair, max_bs, context, reps, SAMPLED_TEMP)
+    return curve | {"sampled": {"temperature": SAMPLED_TEMP} | sampled}
+
+
 def save(curve: dict, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(curve, indent=1) + "\n")
@@ -83,16 +97,22 @@ def save(curve: dict, path: Path) -> Path:
 
 def render(curve: dict, width: int = 40) -> str:
     """A table and a terminal plot of the ratios; the break-even column is the tokens a cycle
-    must commit on average to match plain decoding."""
+    must commit on average to match plain decoding. A sampled curve adds its own columns."""
     ratios = {int(b): r for b, r in curve["ratios"].items()}
     secs = {int(b): s for b, s in curve["seconds"].items()}
-    top = max(ratios.values())
-    lines = [
-        "bs   ms/cycle   × plain step   break-even τ",
-        *(
-            f"{b:>2} {1000 * secs[b]:>10.2f} {r:>14.2f} {r:>14.2f}  "
-            f"{'█' * max(1, round(width * r / top))}"
-            for b, r in sorted(ratios.items())
-        ),
-    ]
+    sampled = curve.get("sampled")
+    s_ratios = {int(b): r for b, r in sampled["ratios"].items()} if sampled else {}
+    s_secs = {int(b): s for b, s in sampled["seconds"].items()} if sampled else {}
+    top = max([*ratios.values(), *s_ratios.values()])
+    head = "bs   ms/cycle   × plain step   break-even τ"
+    if sampled:
+        head += f"   T {sampled['temperature']:g}: ms   × plain step"
+
+    def row(b: int, r: float) -> str:
+        line = f"{b:>2} {1000 * secs[b]:>10.2f} {r:>14.2f} {r:>14.2f}"
+        if b in s_ratios:
+            line += f" {1000 * s_secs[b]:>12.2f} {s_ratios[b]:>14.2f}"
+        return f"{line}  {'█' * max(1, round(width * r / top))}"
+
+    lines = [head, *(row(b, r) for b, r in sorted(ratios.items()))]
     return "\n".join(lines) + "\n"
