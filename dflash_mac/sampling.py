@@ -1,5 +1,6 @@
 """Lossless verification: greedy longest prefix and rejection sampling with the residual
-(docs/design.md §7). The transforms themselves live in models/distribution.py."""
+(docs/design.md §7), compiled (one fused graph per block size). The transforms themselves live
+in models/distribution.py."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dflash_mac.models.distribution import (  # noqa: F401  (re-exported)
 )
 
 
+@mx.compile
 def accept_greedy(drafts: mx.array, target_logits: mx.array) -> tuple[mx.array, mx.array]:
     """Longest prefix of `drafts` [n] equal to the target's argmax, and the bonus token.
 
@@ -23,6 +25,7 @@ def accept_greedy(drafts: mx.array, target_logits: mx.array) -> tuple[mx.array, 
     return acc, posterior[acc]
 
 
+@mx.compile
 def accept_sampled(
     drafts: mx.array, q: mx.array, p: mx.array, key: mx.array
 ) -> tuple[mx.array, mx.array]:
@@ -42,7 +45,7 @@ def accept_sampled(
     residual = mx.maximum(p[acc] - q_ext[acc], 0.0)
     mass = residual.sum()
     dist = mx.where(mass > 0, residual / mx.maximum(mass, 1e-30), p[acc])
-    return acc, sample(dist, key=k_bonus)
+    return acc, mx.random.categorical(mx.log(dist), key=k_bonus)
 
 
 def accept_sample_match(drafts: mx.array, p: mx.array, key: mx.array) -> tuple[mx.array, mx.array]:
