@@ -45,7 +45,7 @@ def accept_sampled(
     residual = mx.maximum(p[acc] - q_ext[acc], 0.0)
     mass = residual.sum()
     dist = mx.where(mass > 0, residual / mx.maximum(mass, 1e-30), p[acc])
-    return acc, mx.random.categorical(mx.log(dist), key=k_bonus)
+    return acc, sample(dist, key=k_bonus)
 
 
 def accept_sample_match(drafts: mx.array, p: mx.array, key: mx.array) -> tuple[mx.array, mx.array]:

@@ -88,11 +88,11 @@ def sample(probs: mx.array, key: mx.array | None = None) -> mx.array:
 def sample_logits(logits: mx.array, sp: SamplingParams, key: mx.array | None = None) -> mx.array:
     """Draw from the distribution `probabilities(logits, sp)` describes; with temperature alone
     straight from the scaled logits (a plain step's few ops, as mlx-lm samples)."""
-    if temperature_only(sp) and key is not None:
-        return _categorical_scaled(logits, mx.array(1 / sp.temperature, mx.float32), key)
-    if temperature_only(sp):
+    if not temperature_only(sp):
+        return sample(probabilities(logits, sp), key=key)
+    if key is None:  # the global generator (its state is not an input of the compiled op)
         return mx.random.categorical(logits.astype(mx.float32) * (1 / sp.temperature))
-    return sample(probabilities(logits, sp), key=key)
+    return _categorical_scaled(logits, mx.array(1 / sp.temperature, mx.float32), key)
 
 
 def scatter_candidates(cand: mx.array, q_cand: mx.array, vocab: int) -> mx.array:

@@ -4,6 +4,7 @@ command in fresh processes, exit codes and what they print."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -58,6 +59,23 @@ def test_bench_tiny_run(cli):
         assert sum(auto["block_mix"].values()) == auto["cycles"]
     assert report["lossless"]["checked"] == report["lossless"]["equal"] == 2
     assert sampled["lossless"]["checked"] is None  # sampling: nothing to compare token by token
+
+
+def test_bench_cost_curve_saves_a_greedy_and_a_sampled_table(cli):
+    """`bench --cost-curve` as a user runs it: the table shows both curves and the file `auto`
+    reads holds both (the sampled one is the prior of requests with a temperature)."""
+    r = cli("bench", "--cost-curve")
+    assert r.returncode == 0, r.stderr
+    head = r.stdout.splitlines()[0]
+    assert "break-even τ" in head and "T 0.7: ms" in head
+    assert len(r.stdout.splitlines()) == 1 + 16  # bs 1..16
+    saved = list(Path(cli.env["DFLASH_MAC_HOME"]).rglob("cost-curves/*/*.json"))
+    assert len(saved) == 1, saved
+    curve = json.loads(saved[0].read_text())
+    assert curve["ratios"]["1"] == curve["sampled"]["ratios"]["1"] == 1.0
+    assert curve["sampled"]["temperature"] == 0.7 and len(curve["sampled"]["ratios"]) == 16
+    r = cli("generate", "hi", "-n", str(N), "--temp", "0.7", "--json")  # auto on that prior
+    assert r.returncode == 0, r.stderr
 
 
 def test_doctor_self_test_passes(cli):
