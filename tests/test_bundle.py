@@ -6,8 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
+from dflash_mac.models.config import DraftConfig
 
 from dflash_mac.bundle import corpus
+from dflash_mac.bundle.stages2 import V2, set_candidates
 
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLED = ROOT / "models" / "bundled"
@@ -120,3 +122,15 @@ def test_target_loads_and_greedy_decodes() -> None:
             break
     assert out and all(0 <= t < cfg["vocab_size"] for t in out)
     assert isinstance(tok.decode(out), str)
+
+
+def test_set_candidates_widens_the_walk_and_the_bundled_config_has_it(tmp_path: Path) -> None:
+    """The build's last DFlash 2 step sets the walk's candidates and nothing else; the committed
+    drafter carries the build's figure, and the runtime walks over that many."""
+    bundled = Path(__file__).resolve().parents[1] / "models" / "bundled" / "dflash2"
+    cfg = json.loads((bundled / "config.json").read_text())
+    trained = dict(cfg, dflash_config=dict(cfg["dflash_config"], selector_top_k=16))
+    (tmp_path / "config.json").write_text(json.dumps(trained))
+    set_candidates(tmp_path, V2["dflash2_candidates"])
+    assert json.loads((tmp_path / "config.json").read_text()) == cfg
+    assert DraftConfig.from_dict(cfg).selector_top_k == V2["dflash2_candidates"] > 16
