@@ -46,6 +46,7 @@ SEL_CASES = [
     (3, 15, 16, 256, 1000, mx.bfloat16),
     (2, 6, 5, 40, 50, mx.float16),
     (2, 3, 37, 33, 60, mx.float32),
+    (1, 7, 128, 32, 4096, mx.float32),  # the bundled DFlash 2 at block 8 (128 candidates)
 ]
 TEMPS = [None, 0.7]
 
