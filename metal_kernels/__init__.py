@@ -81,12 +81,12 @@ def _compiled_conv(group_size: int) -> Any:
 
 
 def _walk_greedy(*args: mx.array) -> tuple[mx.array, mx.array]:
-    path, index, _ = reference.walk_steps(*args)
+    path, index, _ = reference.selector_walk(*args)
     return path, index
 
 
 _compiled_walk_greedy = mx.compile(_walk_greedy)
-_compiled_walk_sample = mx.compile(reference.walk_steps)  # temperature as a scalar array
+_compiled_walk_sample = mx.compile(reference.selector_walk)  # temperature as a scalar array
 
 
 def dynamic_conv(x: mx.array, base: mx.array, dyn: mx.array, group_size: int) -> mx.array:

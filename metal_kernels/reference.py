@@ -50,7 +50,7 @@ def selector_walk(
     pred_codebook: mx.array,
     succ_codebook: mx.array,
     anchor: mx.array,
-    temperature: float | None = None,
+    temperature: float | mx.array | None = None,
     uniforms: mx.array | None = None,
 ) -> tuple[mx.array, mx.array, mx.array | None]:
     """Sequential candidate-selector walk over one block.
@@ -64,30 +64,14 @@ def selector_walk(
         ``(path [B, P] int32 tokens, index [B, P] int32 into cand, q [B, P, k] float32 or
         None)``; ``q`` only when sampling. ``uniforms`` is required when sampling.
     """
-    if temperature and uniforms is None:
-        raise ValueError("selector_walk needs uniforms [B, P] when sampling.")
-    if not temperature:
-        return walk_steps(unary, cand, g, pred_codebook, succ_codebook, anchor)
-    return walk_steps(unary, cand, g, pred_codebook, succ_codebook, anchor, temperature, uniforms)
-
-
-def walk_steps(
-    unary: mx.array,
-    cand: mx.array,
-    g: mx.array,
-    pred_codebook: mx.array,
-    succ_codebook: mx.array,
-    anchor: mx.array,
-    temperature: float | mx.array | None = None,
-    uniforms: mx.array | None = None,
-) -> tuple[mx.array, mx.array, mx.array | None]:
-    """`selector_walk`'s steps: greedy when `temperature` is None, else sampling at it (a
-    float or a scalar array, so one compiled walk serves every temperature)."""
     B, P, k = unary.shape
     unary = unary.astype(mx.float32)
     g = g.astype(mx.float32)
     cand = cand.astype(mx.int32)
-    sample = temperature is not None
+    # a scalar array temperature samples (one compiled walk serves every temperature)
+    sample = isinstance(temperature, mx.array) or bool(temperature)
+    if sample and uniforms is None:
+        raise ValueError("selector_walk needs uniforms [B, P] when sampling.")
     sc_rows = succ_codebook[cand].astype(mx.float32)  # [B, P, k, R]
     pred = anchor.astype(mx.int32).reshape(B)
     paths, indices, qs = [], [], []
