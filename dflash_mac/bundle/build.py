@@ -18,6 +18,7 @@ import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from rich.console import Console
@@ -33,6 +34,9 @@ from rich.progress import (
 from dflash_mac.bundle import corpus, stages2
 from dflash_mac.bundle.tokenizer import build_tokenizer, special_ids, write_token_streams
 
+if TYPE_CHECKING:  # the training stack loads lazily (MLX), only when a stage trains
+    from dflash_mac.train import TrainingArgs
+
 CACHE = Path(".cache/bundle")
 STAGES = (
     "corpus",
@@ -47,6 +51,7 @@ STAGES = (
 # `v1`: the first pair (short-context target, CE drafters). `all`: v1, then the v2 stages
 # (long-context target, drafters distilled on it), which start from the v1 weights.
 GROUPS = {"v1": STAGES[:5], "all": STAGES}
+
 console = Console()
 
 
@@ -161,7 +166,7 @@ def stage_drafter(out: Path, cache: Path) -> None:
     )
 
 
-def v1_drafter_args(out: Path, cache: Path):
+def v1_drafter_args(out: Path, cache: Path) -> TrainingArgs:
     """The v1 drafter recipe (DFlash 1; DFlash 2 changes the arch and the step count)."""
     from dflash_mac.train import TrainingArgs
 
