@@ -55,3 +55,53 @@ def test_v2_stages_start_from_the_cached_v1_models(tmp_path):
     # `all` = the v1 stages (which keep their models in the cache), then the v2 stages
     assert build.GROUPS["all"][: len(build.GROUPS["v1"])] == build.GROUPS["v1"]
     assert build.GROUPS["v1"][-2:] == ("drafter", "drafter2")
+
+
+def copy_model(lag: int, vocab: int):
+    """A fake model that predicts the token `lag` positions back (uniform before that)."""
+    import mlx.core as mx
+
+    def model(x):  # x: [1, n] -> logits [1, n, vocab]
+        back = mx.concatenate([mx.full((1, lag - 1), -1, x.dtype), x[:, : -(lag - 1)]], axis=1)
+        return 100.0 * (mx.arange(vocab)[None, None] == back[..., None]).astype(mx.float32)
+
+    return model
+
+
+def test_context_control_tells_whether_long_prefixes_help():
+    import math
+
+    from dflash_mac.bundle.longctx import context_control
+
+    V, period = 50, 300
+    rng = np.random.default_rng(0)
+    toks = np.tile(rng.integers(1, V, period), 8)[:2200]  # no document ends: one long text
+    # copying from 300 back needs more than 256 tokens of context: with 256 only, the first 43
+    # targets of every 256-target chunk are guesses (uniform: log V)
+    res = context_control(copy_model(period, V), toks, 2048, n_windows=None)
+    assert res["windows"] == 1
+    assert res["full"]["1024-2048"] == pytest.approx(0.0, abs=1e-4)
+    assert res["short"]["1024-2048"] == pytest.approx((period - 257) / 256 * math.log(V), 1e-3)
+    assert res["short"]["0-256"] == res["full"]["0-256"] == pytest.approx(math.log(V), 1e-3)
+    # negative control: a model that looks 100 back loses nothing to a 256-token context
+    near = context_control(copy_model(100, V), toks, 2048, n_windows=None)
+    assert near["short"] == near["full"]
+
+
+def test_positions_stage_scores_the_built_target(tmp_path, tiny_dirs):
+    import json
+    import shutil
+
+    target, _ = tiny_dirs
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    shutil.copytree(target, out / "target")
+    cache.mkdir()
+    config = out / "target" / "config.json"
+    short_context = {**json.loads(config.read_text()), "max_position_embeddings": 2048}
+    config.write_text(json.dumps(short_context))
+    np.save(cache / "eval2_tokens.npy", np.random.default_rng(1).integers(1, 256, 2100))
+    res = stages2.stage_positions(out, cache, windows=1)
+    assert res == json.loads((cache / "target2_positions.json").read_text())
+    assert res["windows"] == 1 and list(res["full"]) == ["0-256", "256-1024", "1024-2048"]
+    assert res["short"]["0-256"] == res["full"]["0-256"]
+    assert res["short"]["1024-2048"] != res["full"]["1024-2048"]  # a random model: not equal

@@ -8,6 +8,9 @@ lives in ``.cache/bundle/`` (gitignored): the tokenised train/eval streams, the 
 prompts ``.cache/bundle/train_prompts.jsonl`` and the resumable target checkpoint
 ``.cache/bundle/target_ckpt/``. Committed outputs: ``<out>/target/``,
 ``<out>/eval_prompts.jsonl`` and ``<out>/dflash/`` (after the drafter stage).
+
+``--stage positions`` (not part of ``all``) measures the built target: its held-out loss by
+position with the whole window as context and with 256 tokens (``stages2.stage_positions``).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ STAGES = (
 # `v1`: the first pair (short-context target, CE drafters). `all`: v1, then the v2 stages
 # (long-context target, drafters distilled on it), which start from the v1 weights.
 GROUPS = {"v1": STAGES[:5], "all": STAGES}
+MEASURE = ("positions",)  # measurements of the built pair, run on their own
 
 console = Console()
 
@@ -216,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--out", type=Path, default=Path("models/bundled"))
-    ap.add_argument("--stage", choices=(*STAGES, *GROUPS), default="all")
+    ap.add_argument("--stage", choices=(*STAGES, *GROUPS, *MEASURE), default="all")
     ap.add_argument(
         "--minutes", type=float, default=30.0, help="wall-clock training budget of the target"
     )
@@ -231,6 +235,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--tokens", type=int, default=None, help="longctx: tokens of the run")
     ap.add_argument("--only", choices=("dflash", "dflash2"), default=None, help="drafters2")
+    ap.add_argument(
+        "--windows", type=int, default=None, help="positions: held-out windows (default: all)"
+    )
     args = ap.parse_args(argv)
     args.cache.mkdir(parents=True, exist_ok=True)
     if args.fresh:
@@ -264,6 +271,8 @@ def main(argv: list[str] | None = None) -> None:
             stages2.stage_corpus2(args.out, args.cache)
         elif st == "longctx":
             stages2.stage_longctx(args.out, args.cache, args.tokens)
+        elif st == "positions":
+            stages2.stage_positions(args.out, args.cache, args.windows)
         else:
             stages2.stage_drafters2(args.out, args.cache, args.only)
     console.log(f"done in {time.perf_counter() - t0:.0f}s")

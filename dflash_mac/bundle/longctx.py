@@ -7,7 +7,8 @@ model learns to use long prefixes. The token budget is fixed up front (`--tokens
 over the stages by fraction; the learning rate warms up, then decays by cosine over the whole
 run. Checkpoints (weights, optimizer, meta) make every stage resumable. `position_losses`
 measures the held-out loss per position bucket (0-256, 256-1k, 1k-2k), which tells whether
-the long positions are learnt.
+the long positions are learnt; `context_control` scores the same tokens with a short context
+too, which tells whether the long prefixes help.
 """
 
 from __future__ import annotations
@@ -90,20 +91,72 @@ def stage_of(tokens: int, cc: CurriculumConfig) -> int:
     return len(cc.stages) - 1
 
 
+def eval_windows(tokens: np.ndarray, seq_len: int, n_windows: int | None, eot: int = 0):
+    """Start offsets of ``n_windows`` aligned windows spread evenly over the stream (all of
+    them when None or when there are fewer)."""
+    starts = aligned_windows(tokens, seq_len, eot)
+    if n_windows is not None and len(starts) > n_windows:
+        starts = starts[np.linspace(0, len(starts) - 1, n_windows).round().astype(int)]
+    return starts
+
+
+def token_losses(model: nn.Module, window: mx.array) -> np.ndarray:
+    """Next-token losses of a ``[1, n + 1]`` window (n values)."""
+    ce = nn.losses.cross_entropy(model(window[:, :-1]), window[:, 1:], reduction="none")
+    return np.array(ce[0].astype(mx.float32))
+
+
+def bucket_means(per_pos: np.ndarray, seq_len: int) -> dict[str, float]:
+    return {f"{a}-{b}": round(float(per_pos[a:b].mean()), 4) for a, b in BUCKETS if b <= seq_len}
+
+
 def position_losses(
-    model: nn.Module, tokens: np.ndarray, seq_len: int = 2048, n_windows: int = 8, eot: int = 0
+    model: nn.Module,
+    tokens: np.ndarray,
+    seq_len: int = 2048,
+    n_windows: int | None = 8,
+    eot: int = 0,
 ) -> dict[str, float]:
     """Held-out next-token loss per position bucket over ``n_windows`` aligned windows."""
-    starts = aligned_windows(tokens, seq_len, eot)
-    if len(starts) > n_windows:
-        starts = starts[np.linspace(0, len(starts) - 1, n_windows).round().astype(int)]
+    starts = eval_windows(tokens, seq_len, n_windows, eot)
     sums = np.zeros(seq_len)
     for s in starts:
-        batch = get_batch(tokens, np.array([s]), seq_len)
-        ce = nn.losses.cross_entropy(model(batch[:, :-1]), batch[:, 1:], reduction="none")
-        sums += np.array(ce[0].astype(mx.float32))
-    per_pos = sums / max(len(starts), 1)
-    return {f"{a}-{b}": round(float(per_pos[a:b].mean()), 4) for a, b in BUCKETS if b <= seq_len}
+        sums += token_losses(model, get_batch(tokens, np.array([s]), seq_len))
+    return bucket_means(sums / max(len(starts), 1), seq_len)
+
+
+def context_control(
+    model: nn.Module,
+    tokens: np.ndarray,
+    seq_len: int = 2048,
+    n_windows: int | None = None,
+    short: int = 256,
+    eot: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict:
+    """Loss per position bucket with the whole window as context (`full`) and, for the same
+    tokens, with only the ``short`` tokens before each chunk of ``short`` targets (`short`).
+
+    The buckets differ in what they hold (a window's first tokens are a document's opening),
+    so `full` alone does not say whether long prefixes help; `short - full` at 1k-2k does
+    (positive: the model uses its long context; negative: it is hurt by it)."""
+    starts = eval_windows(tokens, seq_len, n_windows, eot)
+    full, cut = np.zeros(seq_len), np.zeros(seq_len)
+    for i, s in enumerate(starts):
+        window = get_batch(tokens, np.array([s]), seq_len)  # [1, seq_len + 1]
+        losses = token_losses(model, window)
+        full += losses
+        cut[:short] += losses[:short]  # these have no longer context to cut
+        for p in range(short, seq_len, short):
+            cut[p : p + short] += token_losses(model, window[:, p - short : p + short + 1])[short:]
+        if progress:
+            progress(i + 1, len(starts))
+    n = max(len(starts), 1)
+    return {
+        "full": bucket_means(full / n, seq_len),
+        "short": bucket_means(cut / n, seq_len),
+        "windows": len(starts),
+    }
 
 
 def continue_pretraining(

@@ -92,6 +92,41 @@ def stage_longctx(out: Path, cache: Path, tokens: int | None = None) -> None:
     longctx.write_meta(cache / "target2_train.json", meta)
 
 
+def stage_positions(out: Path, cache: Path, windows: int | None = None) -> dict:
+    """The bundled target's held-out loss by position, with its whole window as context and
+    with 256 tokens (`longctx.context_control`); writes ``<cache>/target2_positions.json``."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from rich.progress import Progress
+
+    from dflash_mac.bundle import longctx
+
+    path = cache / "eval2_tokens.npy"
+    if not path.exists():  # the held-out stream alone (what corpus2 writes with the rest)
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(out / "target" / "tokenizer.json"))
+        write_token_streams(tok, {"eval2": corpus.split_modules(extended=True)[1]}, cache)
+    model, _ = load(str(out / "target"))
+    model.set_dtype(mx.float32)  # as trained (fp16 matmuls are slow and coarse on a CPU)
+    seq_len = json.loads((out / "target" / "config.json").read_text())["max_position_embeddings"]
+    with Progress(console=console) as bar:
+        task = bar.add_task("held-out windows", total=None)
+        res = longctx.context_control(
+            model,
+            np.load(path),
+            seq_len,
+            windows,
+            progress=lambda i, n: bar.update(task, completed=i, total=n),
+        )
+    (cache / "target2_positions.json").write_text(json.dumps(res, indent=1) + "\n")
+    console.log(f"{res['windows']} windows of {seq_len} tokens")
+    for bucket in res["full"]:
+        full, short = res["full"][bucket], res["short"][bucket]
+        console.log(f"{bucket:>9}: {full:.4f} (whole window), {short:.4f} (256-token context)")
+    return res
+
+
 def stage_drafters2(out: Path, cache: Path, only: str | None = None) -> None:
     """Fine-tune both drafters on the v2 target with the distribution-matching loss."""
     from dflash_mac.train import TrainingArgs, train_drafter
