@@ -88,6 +88,33 @@ def test_run_decode_tps_excludes_first_token():
     assert run(1, 0.0).decode_tps == 0.0
 
 
+def test_speedup_interval_separates_a_speedup_from_noise():
+    import random
+
+    rng = random.Random(1)
+
+    def records(speedup: float, noise: float) -> list[dict]:
+        out = []
+        for i in range(30):  # baseline 100 tok/s; both runs of a pair share the pair's mood
+            mood = rng.uniform(0.8, 1.2)
+            d = mood / speedup * rng.uniform(1 - noise, 1 + noise)
+            out.append(record(f"p{i}", 0, run(101, mood), {4: run(101, d, bs=4)}))
+        return out
+
+    lo, hi = summary.speedup_interval(same := records(1.0, 0.05), 4)
+    assert lo < 1.0 < hi and hi - lo < 0.05
+    assert summary.speedup_interval(same, 4) == [lo, hi]  # seeded
+    lo, hi = summary.speedup_interval(records(2.0, 0.05), 4)
+    assert 1.9 < lo < 2.0 < hi < 2.1  # excludes 1 and brackets the true 2
+    # with 20 % noise per run it still holds the true speedup in most of 40 experiments
+    # (95 % nominal)
+    held = 0
+    for _ in range(40):
+        lo, hi = summary.speedup_interval(records(1.5, 0.2), 4, resamples=400)
+        held += lo <= 1.5 <= hi
+    assert held >= 32
+
+
 def test_trial_tps_is_token_weighted():
     assert summary.trial_tps([run(11, 1.0), run(101, 1.0)]) == pytest.approx(55.0)
 
@@ -193,7 +220,8 @@ def test_one_trial_shows_no_spread():
     one = [r for r in synthetic_records() if r["trial"] == 0]
     doc = bench_report.build_report(HEADER, {**CONFIG, "trials": 1}, one, [4], greedy=True)
     md = bench_report.render(doc, "md")
-    assert "| 4 | s | 2 | 100.0 | 200.0 | 2.00× | 2.38 |" in md and "± 0.0" not in md
+    # no spread over trials to show; the interval over the prompts is all 2.00
+    assert "| 4 | s | 2 | 100.0 | 200.0 | 2.00× [2.00, 2.00] | 2.38 |" in md and "± 0.0" not in md
 
 
 def test_live_view_progress_bar_has_its_own_line():
@@ -234,7 +262,8 @@ def test_schema_validator_catches_errors(doc):
 def test_markdown_report(doc):
     md = bench_report.render(doc, "md")
     assert "| bs | suite | prompts | baseline t/s | DFlash t/s | speedup | τ |" in md
-    assert "| 4 | s | 2 | 75.0 ± 35.4 | 200.0 ± 0.0 | 3.00× ± 1.41 | 2.38 |" in md
+    assert "| 4 | s | 2 | 75.0 ± 35.4 | 200.0 ± 0.0 | 3.00× ± 1.41 [2.00, 4.00] | 2.38 |" in md
+    assert "95 % bootstrap interval of the pooled speedup" in md
     assert "| 4/4 |" in md and "BLAS OpenBLAS" in md and "tokens after the first" in md
     assert "  1 │" in md and "P(A ≥ k)" in md
 
@@ -247,6 +276,7 @@ def test_jsonl_and_csv_reports(doc):
     rows = list(csv.DictReader(io.StringIO(bench_report.render(doc, "csv"))))
     assert len(rows) == 1
     assert float(rows[0]["speedup_mean"]) == pytest.approx(3.0)
+    assert (flat["speedup_ci_low"], flat["speedup_ci_high"]) == (2.0, 4.0)
     assert rows[0]["histogram"] == "4 2 2 4" and rows[0]["lossless_equal"] == "4"
 
 

@@ -20,6 +20,8 @@ DEFINITIONS = {
     "taken on the host by the bench for baseline and DFlash alike; per trial "
     "Σ tokens ÷ Σ seconds over the prompts, then mean ± sample std over trials",
     "speedup": "DFlash decode tok/s ÷ baseline decode tok/s, per trial, then mean ± std",
+    "speedup_ci": "95 % bootstrap interval of the pooled speedup, resampling (trial, prompt) "
+    "pairs of back-to-back baseline and DFlash runs (2,000 resamples, seeded)",
     "tau": "tokens committed per DFlash cycle incl. the bonus (1..block size); mean per "
     "request, then mean ± std over requests",
     "ttft": "seconds from the call to the first token on the host (prefill + first sample)",
@@ -110,6 +112,7 @@ _ROW = {
         "baseline_tps": _PAIR,
         "dflash_tps": _PAIR,
         "speedup": _PAIR,
+        "speedup_ci": _PAIR,
         "tau": _PAIR,
         "histogram": _INTS,
         "survival": _NUMS,
@@ -300,6 +303,14 @@ def _pm(pair: list[float], trials: int, digits: int = 1, unit: str = "") -> str:
     return mean if trials < 2 else f"{mean} ± {pair[1]:.{digits}f}"
 
 
+def speedup_cell(row: dict) -> str:
+    """mean ± std over trials, then the 95 % interval where there is one (older reports have
+    none)."""
+    cell = _pm(row["speedup"], row["trials"], 2, "×")
+    ci = row.get("speedup_ci")
+    return cell if not ci or row["runs"] < 2 else f"{cell} [{ci[0]:.2f}, {ci[1]:.2f}]"
+
+
 def _gb(n: float) -> str:
     return f"{n / 1e9:.3f}" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
@@ -320,7 +331,7 @@ def table_cells(row: dict, drafter_bytes: int) -> dict[str, str]:
         "prompts": str(row["prompts"]),
         "baseline t/s": _pm(row["baseline_tps"], row["trials"]),
         "DFlash t/s": _pm(row["dflash_tps"], row["trials"]),
-        "speedup": _pm(row["speedup"], row["trials"], 2, "×"),
+        "speedup": speedup_cell(row),
         "τ": f"{row['tau'][0]:.2f}",
         "prefill t/s (base / DFlash)": (
             f"{row['baseline_prefill_tps']:.0f} / {row['dflash_prefill_tps']:.0f}"
@@ -359,6 +370,11 @@ def header_lines(doc: dict) -> list[str]:
         f"EOS {'on' if c['use_eos'] else 'off'} · seed {c['seed']} · cooldown "
         f"{c['cooldown_s']} s · {h['date']}",
         f"- decode tok/s: {h['definitions']['decode_tps']}.",
+        *(
+            [f"- speedup: mean ± std over trials [{h['definitions']['speedup_ci']}]."]
+            if "speedup_ci" in h["definitions"]
+            else []
+        ),
         f"- peak memory: {h['definitions']['peak_memory']} ({_gb(h['drafter_weight_bytes'])}).",
         *(
             [
@@ -482,6 +498,8 @@ def flat_rows(doc: dict) -> list[dict]:
         for k, v in r.items():
             if k in ("baseline_tps", "dflash_tps", "speedup", "tau"):
                 flat[f"{k}_mean"], flat[f"{k}_std"] = v
+            elif k == "speedup_ci":
+                flat["speedup_ci_low"], flat["speedup_ci_high"] = v
             else:
                 flat[k] = v
         out.append(flat)

@@ -1,7 +1,10 @@
 """Aggregation of bench records (pure functions on plain records, tested on synthetic
-data): token-weighted tok/s per trial, mean ± std over trials, the lossless check."""
+data): token-weighted tok/s per trial, mean ± std over trials, a bootstrap interval of the
+speedup, the lossless check."""
 
 from __future__ import annotations
+
+import random
 
 from dflash_mac.stats import histogram, mean_std, position_acceptance, survival
 
@@ -22,12 +25,36 @@ def trial_tps(runs: list[Run]) -> float:
     return sum(r.decode_tokens for r in runs) / t if t > 0 else 0.0
 
 
+def speedup_interval(
+    records: list[dict], block_size: int, level: float = 0.95, resamples: int = 2000
+) -> list[float]:
+    """A bootstrap interval of the pooled speedup (Σ tokens ÷ Σ seconds, DFlash over baseline):
+    the (trial, prompt) records resampled with replacement, each keeping its baseline and
+    DFlash runs together (they ran back to back, so they share the machine's mood). Seeded:
+    the same records give the same interval."""
+    pairs = []
+    for r in records:
+        b, d = r["baseline"], r["dflash"][block_size]
+        pairs.append((b.decode_tokens, b.decode_time, d.decode_tokens, d.decode_time))
+    if not pairs:
+        return [0.0, 0.0]
+    rng = random.Random(0)
+    out = []
+    for _ in range(resamples if len(pairs) > 1 else 1):
+        bn, bt, dn, dt = (sum(col) for col in zip(*rng.choices(pairs, k=len(pairs))))
+        out.append(dn * bt / (dt * bn) if bn > 0 and dt > 0 else 0.0)
+    out.sort()
+    tail = (1 - level) / 2
+    return [out[int(tail * len(out))], out[min(int((1 - tail) * len(out)), len(out) - 1)]]
+
+
 def summarize(records: list[dict], block_size: int, suite: str, greedy: bool) -> dict:
     """One report row: the records' baseline vs DFlash at `block_size`.
 
     Speeds are token-weighted per trial, then mean ± sample std over trials; speedup is
     DFlash ÷ baseline per trial. τ is the mean per request, then the mean over requests. The
-    histogram, survival and per-position acceptance pool all cycles."""
+    histogram, survival and per-position acceptance pool all cycles; `speedup_ci` is a 95 %
+    bootstrap interval over the (trial, prompt) pairs (`speedup_interval`)."""
     trials = sorted({r["trial"] for r in records})
     base_t, dfl_t, speed_t = [], [], []
     for t in trials:
@@ -57,6 +84,7 @@ def summarize(records: list[dict], block_size: int, suite: str, greedy: bool) ->
         "baseline_tps": list(mean_std(base_t)),
         "dflash_tps": list(mean_std(dfl_t)),
         "speedup": list(mean_std(speed_t)),
+        "speedup_ci": speedup_interval(records, block_size),
         "tau": list(mean_std(taus)),
         "cycles": len(lengths),
         "histogram": histogram(lengths, width),
