@@ -119,7 +119,7 @@ def stage_positions(out: Path, cache: Path, windows: int | None = None) -> dict:
             windows,
             progress=lambda i, n: bar.update(task, completed=i, total=n),
         )
-    (cache / "target2_positions.json").write_text(json.dumps(res, indent=1) + "\n")
+    longctx.write_meta(cache / "target2_positions.json", res)
     console.log(f"{res['windows']} windows of {seq_len} tokens")
     for bucket in res["full"]:
         full, short = res["full"][bucket], res["short"][bucket]
