@@ -262,12 +262,14 @@ def speculative_stream(
 
     queue_time = 0.0  # spent queueing device work (blocks where MLX throttles, as on CPU)
 
-    def next_cycle(anchor: int | mx.array, room: int) -> Cycle:
+    def next_size(room: int) -> int:
+        return max(1, min(plan.choose().size if plan else bs_max, room))
+
+    def start(bs: int, anchor: int | mx.array) -> Cycle:
         nonlocal queue_time
         t = time.perf_counter()
         key = mx.random.key(rng.getrandbits(32))
-        bs = plan.choose().size if plan else bs_max
-        c = queue_cycle(pair, state, ctx, max(1, min(bs, room)), anchor, sp, key, pen)
+        c = queue_cycle(pair, state, ctx, bs, anchor, sp, key, pen)
         queue_time += time.perf_counter() - t
         return c
 
@@ -305,16 +307,19 @@ def speculative_stream(
 
         cycle = None  # the next cycle, queued right after the previous sync
         while out.finish_reason is None and not (should_stop and should_stop()):
-            c = cycle or next_cycle(anchor, cfg.max_tokens - out.count)
+            c = cycle or start(next_size(cfg.max_tokens - out.count), anchor)
             if c.verdict is None:  # a hybrid's verify: queued once the last rollback is done
                 queue_verify(pair, state, c, sp)
             bonus = c.verdict[1]
-            # A plain step keeps its one position whatever it samples: settle it and queue the
-            # next cycle on the still-lazy token, before the sync (as mlx-lm's generate_step).
+            # A plain step keeps its one position whatever it samples: settle it and, when the
+            # next cycle is a plain step too, queue it on the still-lazy token before the sync
+            # (as mlx-lm's generate_step). A drafting cycle waits for the sync: queued ahead it
+            # would run inside this step's interval, and both would be timed wrong.
             ahead = lookahead and c.bs == 1 and cfg.max_tokens - out.count > 1
             if ahead:
                 settle(c, [anchor])
-                cycle = next_cycle(bonus, cfg.max_tokens - out.count - 1)
+                bs_next = next_size(cfg.max_tokens - out.count - 1)
+                cycle = start(1, bonus) if bs_next == 1 else None
             t_host = time.perf_counter()
             a, bonus, *drafted = c.outcome.tolist()
             committed = drafted[:a] + [bonus]  # the one host sync of the cycle, above
@@ -331,7 +336,9 @@ def speculative_stream(
                 plan.update(c.bs, a, seconds if steady else None)
             room = cfg.max_tokens - out.count - len(committed)
             if not ahead:
-                cycle = next_cycle(anchor, room) if cfg.pipeline and room > 0 else None
+                cycle = start(next_size(room), anchor) if cfg.pipeline and room > 0 else None
+            elif cycle is None:  # a drafting cycle after a plain step
+                cycle = start(bs_next, anchor)
             before = out.count
             text = out.push(committed, cfg.max_tokens)
             stats = replace(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import mlx.core as mx
 import pytest
@@ -452,3 +453,54 @@ def test_known_losing_contexts_probe_rarely():
     assert first >= ctl.probe_base * 8 - 1  # the usual probe_max (64)
     assert sum(b > 1 for b in sizes[500:]) <= 1000 // 256 + 2
     assert ctl.interval == ctl.probe_max == 4 * 64
+
+
+class SlowDrafter:
+    """The real drafter plus `work` (a lazy chain of matmuls) in every drafting pass: device
+    time a cycle's timing must see."""
+
+    def __init__(self, real, work):
+        self.real, self.work = real, work
+        self.config = real.config
+
+    def make_cache(self):
+        return self.real.make_cache()
+
+    def extend_context(self, features, cache):
+        self.real.extend_context(features, cache)
+
+    def __call__(self, block, cache):
+        return self.real(block, cache) + 0.0 * self.work().sum()
+
+
+def test_a_probe_after_plain_steps_is_timed_with_its_own_work(tiny_pair):
+    """A drafting cycle after a plain step is queued after that step's sync: queued ahead, its
+    work ran inside the plain step's interval, so the one-token step looked dear and the probe
+    nearly free (and `auto` resumed drafting that did not pay)."""
+    m = mx.random.normal((384, 384), key=mx.random.key(0)) / 20
+
+    def work():
+        x = m
+        for _ in range(12):
+            x = x @ m
+        return x
+
+    mx.eval(work())
+    t0 = time.perf_counter()
+    mx.eval(work())
+    slow = time.perf_counter() - t0
+    pair = with_drafter(tiny_pair, SlowDrafter(tiny_pair.drafter, work))
+    timed = []
+
+    class Recording(Scripted):
+        def update(self, bs, accepted, seconds):
+            timed.append((bs, seconds))
+
+    ids = tiny_pair.tokenizer.encode("hello world")
+    cfg = GenerationConfig(40, block_size="auto", use_eos=False)
+    list(speculative_stream(pair, ids, cfg, controller=Recording([1, 1, 1, 1, 2])))
+    probes = [s for (b, s), (b0, _) in zip(timed[1:], timed) if b == 2 and b0 == 1]
+    plain = [s for (b, s), (b1, _) in zip(timed, timed[1:]) if b == 1 and b1 == 2 and s]
+    assert len(probes) >= 5 and len(plain) >= 5
+    assert min(probes) > 0.7 * slow, (slow, probes)
+    assert max(plain) < 0.5 * slow, (slow, plain)
