@@ -3,7 +3,8 @@
 It maximises expected tokens per second, E[tokens | bs] / cost(bs), where
 - cost(bs) is the time of a cycle at block size bs relative to a one-token target step: a prior
   curve (measured once per pair and machine by `dflash-mac bench --cost-curve`, else a generic
-  guess) scaled and refined online by the measured cycle times (exponential moving averages);
+  guess) scaled and refined online by the measured cycle times (exponential moving averages;
+  the first cycle at each size, which compiles its graphs, is not used);
 - E[tokens | bs] = 1 + sum_j prod_{k<=j} alpha_k comes from the running acceptance curve:
   per-position conditional acceptance alpha_k with exponentially decayed counts; a position not
   yet observed inherits the estimate of the one before it.
@@ -75,19 +76,31 @@ class CostModel:
         self.seconds: dict[int, float] = {}
         self.counts: dict[int, int] = {}
         self.unit: float | None = None  # estimated seconds of a one-token step
+        self.units = 0  # drafting cycles the unit was estimated from (while no plain step is)
+        self.first_seen: set[int] = set()
 
     def observe(self, bs: int, seconds: float) -> None:
+        """Feed one cycle's time. The first cycle at each size is not used: it builds and
+        compiles that size's graphs, a one-off that would make the size look dear for long."""
         if seconds <= 0:
+            return
+        if bs not in self.first_seen:
+            self.first_seen.add(bs)
             return
         if (old := self.seconds.get(bs)) is not None:  # a hiccup of a shared machine: damp it
             seconds = min(max(seconds, old / self.SPIKE), old * self.SPIKE)
-        ema = lambda old, new: new if old is None else old + self.alpha * (new - old)  # noqa: E731
-        self.seconds[bs] = ema(self.seconds.get(bs), seconds)
-        self.counts[bs] = self.counts.get(bs, 0) + 1
+        n = self.counts[bs] = self.counts.get(bs, 0) + 1
+        self.seconds[bs] = self.average(self.seconds.get(bs), seconds, n)
         if 1 in self.seconds:
             self.unit = self.seconds[1]
         else:
-            self.unit = ema(self.unit, seconds / self.prior.ratio(bs))
+            self.units += 1
+            self.unit = self.average(self.unit, seconds / self.prior.ratio(bs), self.units)
+
+    def average(self, old: float | None, new: float, n: int) -> float:
+        """An exponential moving average that is the plain mean of its first 1/alpha values
+        (so no single early value weighs more than the later ones)."""
+        return new if old is None else old + max(self.alpha, 1 / n) * (new - old)
 
     def cost(self, bs: int) -> float:
         """Relative cost of a cycle at `bs` (1.0 for a one-token step); its overhead over a
@@ -111,15 +124,22 @@ class CostModel:
 class Acceptance:
     """Running per-position acceptance with exponentially decayed counts."""
 
+    AGE_MAX = 8  # cycles between two drafting ones that age the counts, at most
+
     def __init__(self, n_max: int, decay: float = 0.97, prior: float = 0.7, weight: float = 1.0):
         self.decay, self.prior, self.weight = decay, prior, weight
         self.reached = [0.0] * max(n_max, 1)  # index k-1: draft position k
         self.accepted = [0.0] * max(n_max, 1)
 
-    def observe(self, bs: int, a: int) -> None:
-        """A drafting cycle at `bs` accepted `a` of its bs-1 drafts."""
-        self.reached = [r * self.decay for r in self.reached]
-        self.accepted = [x * self.decay for x in self.accepted]
+    def observe(self, bs: int, a: int, elapsed: int = 1) -> None:
+        """A drafting cycle at `bs` accepted `a` of its bs-1 drafts, `elapsed` cycles after the
+        last one observed. Plain steps in between age the estimate as drafting cycles do (the
+        text moved on: after a poor stretch, probes on good text bring drafting back sooner),
+        up to AGE_MAX of them (one probe must not outweigh the history: a lucky block at
+        sampling-like acceptance would bring the probes back)."""
+        fade = self.decay ** min(elapsed, self.AGE_MAX)
+        self.reached = [r * fade for r in self.reached]
+        self.accepted = [x * fade for x in self.accepted]
         for k in range(1, min(bs - 1, len(self.reached)) + 1):
             if k > a + 1:
                 break
@@ -165,6 +185,7 @@ class Decision:
 class BlockController:
     """Chooses each cycle's block size (1..bs_max); see the module docstring."""
 
+    CALIBRATION = 3  # plain steps at most that measure a one-token step (no measured curve)
     RESUME = 2  # drafting resumes past twice the hysteresis: a wrong resume costs more than
     # a late one (its cycles are dearer than their estimate when the machine is busy)
 
@@ -191,14 +212,24 @@ class BlockController:
             self.interval = self.countdown = probe_max
             self.probe_max = 4 * probe_max
         self.cycles = 0
+        self.idle = 0  # cycles since the last drafting one was observed
         self.timed = timed  # False: decide from the prior costs only (reproducible choices)
-        self.calibrate_at = 3 if timed and not cost.calibrated else -1
+        self.calibrate_from = 3 if timed and not cost.calibrated else None
         self.last = Decision(1 if plain_first else bs_max, "start")
 
     def rates(self) -> dict[int, float]:
         return {
             b: self.acc.expected_tokens(b) / self.cost.cost(b) for b in range(1, self.bs_max + 1)
         }
+
+    def calibrating(self) -> bool:
+        """Without a measured curve, a short run of plain steps from cycle 3 measures one: its
+        first step waits for its own queueing and its first timing is not used (CostModel),
+        so up to CALIBRATION steps, until one is timed."""
+        start = self.calibrate_from
+        if start is None or self.cost.calibrated:
+            return False
+        return start <= self.cycles < start + self.CALIBRATION
 
     def choose(self) -> Decision:
         """The block size of the next cycle."""
@@ -211,7 +242,7 @@ class BlockController:
         if rates[best] > rates[self.current] * (1 + self.hysteresis / 2):
             self.current = best
         cur = self.current
-        if self.cycles == self.calibrate_at:
+        if self.calibrating():
             self.last = Decision(1, "measuring a one-token step", rates)
         elif self.fallback:
             if rates[cur] > rates[1] * (1 + self.RESUME * self.hysteresis):
@@ -237,11 +268,13 @@ class BlockController:
     def update(self, bs: int, accepted: int, seconds: float | None) -> None:
         """Feed back a finished cycle: `accepted` drafts of bs-1, its time (None: not timed)."""
         self.cycles += 1
+        self.idle += 1
         if seconds is not None and self.timed:
             self.cost.observe(bs, seconds)
         if bs < 2:
             return
-        self.acc.observe(bs, accepted)
+        self.acc.observe(bs, accepted, self.idle)
+        self.idle = 0
         if self.fallback:  # a probe: sooner next time if it paid, else later
             paid = (accepted + 1) / self.cost.cost(bs) >= 1.0
             grown = self.interval // 2 if paid else 2 * self.interval

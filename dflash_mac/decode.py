@@ -330,9 +330,14 @@ def speculative_stream(
                 settle(c, [anchor] + committed[:-1])
             anchor = committed[-1]
             if plan:
-                # a plain step is timed only after another one (a run of them is pipelined);
-                # a probe is timed with the context it appends (what resuming costs)
-                steady = c.bs > 1 or stats.block_sizes[-1:] == (1,)
+                # a cycle is timed only amid its kind: a plain step between plain steps (in a
+                # pipelined run each interval is one step; the last one before a drafting cycle
+                # builds nothing ahead, so its interval comes out short), a drafting cycle after
+                # a drafting one (the first after plain steps also appends their context and
+                # restarts the pipeline, a one-off that would make drafting look dearer than it
+                # is once resumed)
+                steady = stats.block_sizes and (c.bs > 1) == (stats.block_sizes[-1] > 1)
+                steady = steady and not (ahead and cycle is None)
                 plan.update(c.bs, a, seconds if steady else None)
             room = cfg.max_tokens - out.count - len(committed)
             if not ahead:
