@@ -185,6 +185,8 @@ class Decision:
 class BlockController:
     """Chooses each cycle's block size (1..bs_max); see the module docstring."""
 
+    PROBE_SCALE = 16  # the probe cap where drafting ran at twice a plain step's rate
+    UPSIDE_DECAY = 0.995  # per cycle: drafting's gain is forgotten in a few hundred cycles
     CALIBRATION = 3  # plain steps at most that measure a one-token step (no measured curve)
     RESUME = 2  # drafting resumes past twice the hysteresis: a wrong resume costs more than
     # a late one (its cycles are dearer than their estimate when the machine is busy)
@@ -211,6 +213,7 @@ class BlockController:
         if plain_first:  # known to lose here: probes start at the usual longest wait, up to 4x it
             self.interval = self.countdown = probe_max
             self.probe_max = 4 * probe_max
+        self.upside = 0.0  # how much faster than plain steps drafting ran lately (decaying)
         self.cycles = 0
         self.idle = 0  # cycles since the last drafting one was observed
         self.timed = timed  # False: decide from the prior costs only (reproducible choices)
@@ -230,6 +233,15 @@ class BlockController:
         if start is None or self.cost.calibrated:
             return False
         return start <= self.cycles < start + self.CALIBRATION
+
+    def probe_cap(self) -> int:
+        """The longest wait between probes: shorter the more drafting gained lately. A late
+        resume loses `upside` per cycle, a failed probe about one plain step, so the wait that
+        balances them grows as 1/sqrt(upside) (PROBE_SCALE at twice a plain step's rate)."""
+        if self.upside <= 0:
+            return self.probe_max
+        cap = round(self.PROBE_SCALE / self.upside**0.5)
+        return min(max(cap, self.probe_base), self.probe_max)
 
     def choose(self) -> Decision:
         """The block size of the next cycle."""
@@ -261,6 +273,7 @@ class BlockController:
             self.last = Decision(1, f"drafting does not pay ({rates[cur]:.2f}×)", rates)
         else:
             self.last = Decision(cur, f"expected {rates[cur]:.2f}× a plain step", rates)
+            self.upside = max(self.upside, rates[cur] / rates[1] - 1.0)
         if self.plain_first and self.last.size == 1:
             self.last = replace(self.last, reason=f"long context, {self.last.reason}")
         return self.last
@@ -269,6 +282,7 @@ class BlockController:
         """Feed back a finished cycle: `accepted` drafts of bs-1, its time (None: not timed)."""
         self.cycles += 1
         self.idle += 1
+        self.upside *= self.UPSIDE_DECAY
         if seconds is not None and self.timed:
             self.cost.observe(bs, seconds)
         if bs < 2:
@@ -278,7 +292,7 @@ class BlockController:
         if self.fallback:  # a probe: sooner next time if it paid, else later
             paid = (accepted + 1) / self.cost.cost(bs) >= 1.0
             grown = self.interval // 2 if paid else 2 * self.interval
-            self.interval = min(max(grown, self.probe_base), self.probe_max)
+            self.interval = min(max(grown, self.probe_base), self.probe_cap())
             self.countdown = self.interval
 
 
