@@ -389,6 +389,24 @@ def test_seeded_shuffle_is_reproducible(tiny_pair):
     assert orders[0][:4] != list("abcd") or orders[0][4:] != list("abcd")
 
 
+def test_every_configuration_runs_first_second_and_last_equally_often(tiny_pair):
+    """A run right after another one on the same prompt comes out a little faster: the order
+    of baseline and block sizes rotates so that no configuration always follows another."""
+    ids = [tiny_pair.tokenizer.encode(s) for s in ("a", "b", "c")]
+    prompts = [BenchPrompt(s, "s", s) for s in "abc"]
+    cfg = BenchConfig([2, 3], max_tokens=2, trials=1, warmup_tokens=1)
+    starts = []
+
+    class Order(bench.Observer):
+        def start(self, bp, trial, index, bs):
+            starts.append(bs)
+
+    bench.run_bench(tiny_pair, prompts, ids, cfg, Order())
+    by_prompt = [starts[i : i + 3] for i in range(0, 9, 3)]
+    for slot in range(3):
+        assert sorted(p[slot] or 0 for p in by_prompt) == [0, 2, 3], by_prompt
+
+
 # -- the command --------------------------------------------------------------------------
 
 runner = CliRunner()
