@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import json
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -389,22 +391,31 @@ def test_seeded_shuffle_is_reproducible(tiny_pair):
     assert orders[0][:4] != list("abcd") or orders[0][4:] != list("abcd")
 
 
-def test_every_configuration_runs_first_second_and_last_equally_often(tiny_pair):
-    """A run right after another one on the same prompt comes out a little faster: the order
-    of baseline and block sizes rotates so that no configuration always follows another."""
-    ids = [tiny_pair.tokenizer.encode(s) for s in ("a", "b", "c")]
-    prompts = [BenchPrompt(s, "s", s) for s in "abc"]
+@pytest.mark.parametrize("n", [2, 3, 4, 7])
+def test_run_orders_are_balanced_for_slot_and_predecessor(n):
+    rows = bench.balanced_orders(n)
+    assert all(sorted(r) == list(range(n)) for r in rows)
+    for slot in range(n):  # every configuration in every slot equally often
+        assert Counter(r[slot] for r in rows) == Counter({c: len(rows) // n for c in range(n)})
+    follows = Counter((a, b) for r in rows for a, b in zip(r, r[1:]))
+    assert len(follows) == n * (n - 1) and len(set(follows.values())) == 1
+
+
+def test_the_bench_runs_configurations_in_balanced_orders(tiny_pair):
+    """A run right after another one on the same prompt comes out a little faster: baseline
+    and block sizes run in balanced orders, so that no configuration always follows another."""
+    ids = [tiny_pair.tokenizer.encode(s) for s in "abcdef"]
+    prompts = [BenchPrompt(s, "s", s) for s in "abcdef"]
     cfg = BenchConfig([2, 3], max_tokens=2, trials=1, warmup_tokens=1)
     starts = []
 
     class Order(bench.Observer):
         def start(self, bp, trial, index, bs):
-            starts.append(bs)
+            starts.append(bs or 0)
 
     bench.run_bench(tiny_pair, prompts, ids, cfg, Order())
-    by_prompt = [starts[i : i + 3] for i in range(0, 9, 3)]
-    for slot in range(3):
-        assert sorted(p[slot] or 0 for p in by_prompt) == [0, 2, 3], by_prompt
+    runs = [tuple(starts[i : i + 3]) for i in range(0, 18, 3)]
+    assert sorted(runs) == sorted(itertools.permutations([0, 2, 3]))
 
 
 # -- the command --------------------------------------------------------------------------

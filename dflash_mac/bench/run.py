@@ -5,8 +5,8 @@ For every prompt (seeded shuffle per trial) the runner measures plain target dec
 (`mlx_lm.generate.generate_step` on `pair.target`, no capture hooks; where the engine queues
 the target's layers as they are built, on MLX's CPU backend, the baseline's layers are queued
 the same way, so the comparison measures DFlash and not that queueing) and DFlash
-(`dflash_mac.generate.stream_generate`) for each block size, the order rotating from prompt to
-prompt.
+(`dflash_mac.generate.stream_generate`) for each block size, in orders balanced over the
+prompts (`balanced_orders`).
 Both are timed identically by the runner:
 
 - TTFT: from the call to the first token on the host (prefill + first sample);
@@ -320,6 +320,22 @@ def dflash_seed(cfg: BenchConfig, seed: int) -> int | None:
     return seed if cfg.greedy or cfg.seeded_dflash else None
 
 
+def balanced_orders(n: int) -> list[list[int]]:
+    """Run orders of n configurations balanced for what runs just before (a Williams design):
+    over the rows every configuration runs in every slot, and right after every other one,
+    equally often (n rows for even n, 2n for odd). On the CPU a run right after another one on
+    the same prompt comes out ~1 % faster, so a fixed order would favour one configuration."""
+    base, lo, hi = [0], 1, n - 1
+    while lo <= hi:
+        base.append(lo)
+        lo += 1
+        if lo <= hi:
+            base.append(hi)
+            hi -= 1
+    rows = [[(b + r) % n for b in base] for r in range(n)]
+    return rows + [row[::-1] for row in rows] if n % 2 else rows
+
+
 class Observer:
     """Callbacks of a bench run (the live view implements them); all optional."""
 
@@ -370,10 +386,8 @@ def run_bench(
                 "dflash": {},
             }
             jobs: list[int | None] = [None, *cfg.block_sizes]
-            # rotate the order so that every configuration runs first, second, ... equally
-            # often: a run right after another one on the same prompt comes out ~1 % faster
-            k = (trial + pos) % len(jobs)
-            jobs = jobs[k:] + jobs[:k]
+            orders = balanced_orders(len(jobs))
+            jobs = [jobs[j] for j in orders[(trial * len(order) + pos) % len(orders)]]
             for bs in jobs:
                 if cfg.cooldown > 0:
                     time.sleep(cfg.cooldown)
