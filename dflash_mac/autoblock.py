@@ -11,7 +11,8 @@ It maximises expected tokens per second, E[tokens | bs] / cost(bs), where
 
 Block size 1 is plain target decoding (no drafter pass). When drafting does not pay the
 controller falls back to it and probes one drafting cycle now and then (twice as late after
-a probe that did not pay, twice as soon after one that did); it falls back 5 % below a plain
+a probe that did not pay, judged on its measured time, twice as soon after one that did; at
+most 128 steps apart, fewer the more drafting gained lately); it falls back 5 % below a plain
 step's rate and resumes only 10 % above it, so it does not flap. Greedy and sampled decoding
 keep apart cost models (policy.auto_controller). Pure Python (no MLX): unit-testable with synthetic
 inputs (docs/bench.md).
@@ -198,7 +199,7 @@ class BlockController:
         acceptance: Acceptance | None = None,
         hysteresis: float = 0.05,
         probe_every: int = 8,
-        probe_max: int = 64,
+        probe_max: int = 128,
         timed: bool = True,
         plain_first: bool = False,
     ):
@@ -210,9 +211,9 @@ class BlockController:
         self.current = bs_max  # the drafting size in use
         self.fallback = self.plain_first = plain_first
         self.interval, self.countdown = probe_every, probe_every
-        if plain_first:  # known to lose here: probes start at the usual longest wait, up to 4x it
-            self.interval = self.countdown = probe_max
-            self.probe_max = 4 * probe_max
+        if plain_first:  # known to lose here: the first probe after 64 steps, up to 256 apart
+            self.interval = self.countdown = 8 * probe_every
+            self.probe_max = 32 * probe_every
         self.upside = 0.0  # how much faster than plain steps drafting ran lately (decaying)
         self.cycles = 0
         self.idle = 0  # cycles since the last drafting one was observed
@@ -278,19 +279,25 @@ class BlockController:
             self.last = replace(self.last, reason=f"long context, {self.last.reason}")
         return self.last
 
-    def update(self, bs: int, accepted: int, seconds: float | None) -> None:
-        """Feed back a finished cycle: `accepted` drafts of bs-1, its time (None: not timed)."""
+    def update(self, bs: int, accepted: int, seconds: float | None, steady: bool = True) -> None:
+        """Feed back a finished cycle: `accepted` drafts of bs-1 and its time (None: not
+        timed); `steady`: the time is that of a cycle amid its kind, which the cost model
+        learns from (a probe's is not: it also appends the waiting context and restarts the
+        pipeline, but whether it paid is judged on what it really cost)."""
         self.cycles += 1
         self.idle += 1
         self.upside *= self.UPSIDE_DECAY
-        if seconds is not None and self.timed:
+        if seconds is not None and steady and self.timed:
             self.cost.observe(bs, seconds)
         if bs < 2:
             return
         self.acc.observe(bs, accepted, self.idle)
         self.idle = 0
         if self.fallback:  # a probe: sooner next time if it paid, else later
-            paid = (accepted + 1) / self.cost.cost(bs) >= 1.0
+            spent = self.cost.cost(bs)
+            if seconds is not None and self.timed and self.cost.unit:
+                spent = max(spent, seconds / self.cost.unit)
+            paid = accepted + 1 >= spent
             grown = self.interval // 2 if paid else 2 * self.interval
             self.interval = min(max(grown, self.probe_base), self.probe_cap())
             self.countdown = self.interval

@@ -317,7 +317,7 @@ class Sizes:
         self.i += 1
         return self.last
 
-    def update(self, bs, accepted, seconds) -> None:
+    def update(self, bs, accepted, seconds, steady=True) -> None:
         pass
 
 
