@@ -12,7 +12,7 @@ It maximises expected tokens per second, E[tokens | bs] / cost(bs), where
 Block size 1 is plain target decoding (no drafter pass). When drafting does not pay the
 controller falls back to it and probes one drafting cycle now and then (twice as late after
 a probe that did not pay, judged on its measured time, twice as soon after one that did; at
-most 128 steps apart, fewer the more drafting gained lately); it falls back 5 % below a plain
+most 256 steps apart, fewer the more drafting gained lately); it falls back 5 % below a plain
 step's rate and resumes only 10 % above it, so it does not flap. Greedy and sampled decoding
 keep apart cost models (policy.auto_controller). Pure Python (no MLX): unit-testable with synthetic
 inputs (docs/bench.md).
@@ -199,7 +199,7 @@ class BlockController:
         acceptance: Acceptance | None = None,
         hysteresis: float = 0.05,
         probe_every: int = 8,
-        probe_max: int = 128,
+        probe_max: int = 256,
         timed: bool = True,
         plain_first: bool = False,
     ):
