@@ -117,6 +117,28 @@ def test_speedup_interval_separates_a_speedup_from_noise():
     assert held >= 32
 
 
+def test_auto_against_each_fixed_size_on_the_same_runs():
+    """The report compares auto with every fixed size pair by pair: a ratio and its interval
+    (a clear 10 % loss is not within noise; a tie brackets 1); nothing without auto."""
+    import random
+
+    rng = random.Random(2)
+    recs = []
+    for i in range(30):
+        mood = rng.uniform(0.8, 1.2)  # the three runs of a prompt share the machine's mood
+        a, b, c = (mood * rng.uniform(0.97, 1.03) for _ in range(3))
+        runs = {0: run(101, a * 0.5, bs=0), 5: run(101, b * 0.45, bs=5), 8: run(101, c * 0.5, bs=8)}
+        recs.append(record(f"p{i}", 0, run(101, mood), runs))
+    five, eight = summary.auto_vs_fixed(recs, [bench.AUTO_BS, 5, 8])
+    assert five["block_size"] == 5 and 0.85 < five["ci"][0] < five["ratio"] < five["ci"][1] < 0.95
+    assert eight["ci"][0] < 1.0 < eight["ci"][1] and eight["ratio"] == pytest.approx(1.0, abs=0.02)
+    assert summary.auto_vs_fixed(recs, [5, 8]) == []
+    config = {**CONFIG, "block_sizes": [0, 5, 8]}
+    doc = bench_report.build_report(HEADER, config, recs, [bench.AUTO_BS, 5, 8], greedy=False)
+    assert doc["auto_vs_fixed"] == [five, eight] and bench_report.validate(doc) == []
+    assert "auto ÷ block 5 on the same runs: **0.9" in bench_report.to_markdown(doc)
+
+
 def test_trial_tps_is_token_weighted():
     assert summary.trial_tps([run(11, 1.0), run(101, 1.0)]) == pytest.approx(55.0)
 

@@ -172,6 +172,14 @@ SCHEMA: dict = {
         },
         "rows": {"type": "array", "items": _ROW, "minItems": 1},
         "best_block_size": {"type": ["integer", "null"]},
+        "auto_vs_fixed": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["block_size", "ratio", "ci"],
+                "properties": {"block_size": _INT, "ratio": {"type": "number"}, "ci": _PAIR},
+            },
+        },
         "lossless": {
             "type": "object",
             "required": ["checked", "equal", "mismatches"],
@@ -271,7 +279,7 @@ def build_report(
     header: dict, config: dict, records: list[dict], block_sizes: list[int], greedy: bool
 ) -> dict:
     """The whole report document (validates against SCHEMA)."""
-    from .summary import best_block_size, length_rows, mismatches, summary_rows
+    from .summary import auto_vs_fixed, best_block_size, length_rows, mismatches, summary_rows
 
     rows = summary_rows(records, block_sizes, greedy)
     by_length = length_rows(records, block_sizes)
@@ -283,6 +291,7 @@ def build_report(
         "config": config,
         "rows": rows,
         "best_block_size": best_block_size(rows),
+        "auto_vs_fixed": auto_vs_fixed(records, block_sizes),
         "lossless": {
             "checked": checked,
             "equal": None if checked is None else checked - len(bad),
@@ -430,6 +439,14 @@ def to_markdown(doc: dict) -> str:
             "",
             f"Best block size on this machine: **{size_label(doc['best_block_size'])}** "
             "(highest DFlash decode tok/s).",
+        ]
+    for c in doc.get("auto_vs_fixed", []):
+        lo, hi = c["ci"]
+        lines += [
+            "",
+            f"auto ÷ block {c['block_size']} on the same runs: **{c['ratio']:.3f}×** "
+            f"[{lo:.3f}, {hi:.3f}] (pooled decode tok/s; 95 % bootstrap over the (trial, "
+            "prompt) pairs).",
         ]
     lines += length_table(doc)
     lossless = doc["lossless"]

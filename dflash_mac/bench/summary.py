@@ -8,7 +8,7 @@ import random
 
 from dflash_mac.stats import histogram, mean_std, position_acceptance, survival
 
-from .run import Run
+from .run import AUTO_BS, Run
 
 
 def first_diff(a: list[int], b: list[int]) -> int | None:
@@ -26,15 +26,20 @@ def trial_tps(runs: list[Run]) -> float:
 
 
 def speedup_interval(
-    records: list[dict], block_size: int, level: float = 0.95, resamples: int = 2000
+    records: list[dict],
+    block_size: int,
+    level: float = 0.95,
+    resamples: int = 2000,
+    over: int | None = None,
 ) -> list[float]:
-    """A bootstrap interval of the pooled speedup (Σ tokens ÷ Σ seconds, DFlash over baseline):
-    the (trial, prompt) records resampled with replacement, each keeping its baseline and
-    DFlash runs together (they ran back to back, so they share the machine's mood). Seeded:
-    the same records give the same interval."""
+    """A bootstrap interval of the pooled speedup (Σ tokens ÷ Σ seconds, DFlash at
+    `block_size` over the baseline, or over DFlash at block size `over`): the (trial, prompt)
+    records resampled with replacement, each keeping its runs together (they ran back to back,
+    so they share the machine's mood). Seeded: the same records give the same interval."""
     pairs = []
     for r in records:
-        b, d = r["baseline"], r["dflash"][block_size]
+        b = r["baseline"] if over is None else r["dflash"][over]
+        d = r["dflash"][block_size]
         pairs.append((b.decode_tokens, b.decode_time, d.decode_tokens, d.decode_time))
     if not pairs:
         return [0.0, 0.0]
@@ -142,6 +147,26 @@ def length_rows(records: list[dict], block_sizes: list[int]) -> list[dict]:
                     "plain_share": sizes.count(1) / len(sizes) if sizes else 0.0,
                 }
             )
+    return out
+
+
+def auto_vs_fixed(records: list[dict], block_sizes: list[int]) -> list[dict]:
+    """`auto` against each fixed size on the same (trial, prompt) runs: the pooled ratio of
+    decode tok/s (auto ÷ fixed) and its 95 % bootstrap interval. Empty without auto and a
+    fixed size."""
+    if AUTO_BS not in block_sizes:
+        return []
+    auto = trial_tps([r["dflash"][AUTO_BS] for r in records])
+    out = []
+    for bs in (b for b in block_sizes if b != AUTO_BS):
+        fixed = trial_tps([r["dflash"][bs] for r in records])
+        out.append(
+            {
+                "block_size": bs,
+                "ratio": auto / fixed if fixed > 0 else 0.0,
+                "ci": speedup_interval(records, AUTO_BS, over=bs),
+            }
+        )
     return out
 
 
