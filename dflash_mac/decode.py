@@ -331,15 +331,16 @@ def speculative_stream(
             anchor = committed[-1]
             if plan:
                 # the cost model learns from cycles amid their kind: a plain step between plain
-                # steps (in a
-                # pipelined run each interval is one step; the last one before a drafting cycle
-                # builds nothing ahead, so its interval comes out short), a drafting cycle after
-                # a drafting one (the first after plain steps also appends their context and
-                # restarts the pipeline, a one-off that would make drafting look dearer than it
-                # is once resumed)
-                steady = stats.block_sizes and (c.bs > 1) == (stats.block_sizes[-1] > 1)
-                steady = steady and not (ahead and cycle is None)
-                plan.update(c.bs, a, seconds, bool(steady))
+                # steps (in a pipelined run each interval is one step; the last one before a
+                # drafting cycle builds nothing ahead, so its interval comes out short), a
+                # drafting cycle after a drafting one (the first after plain steps also appends
+                # their context and restarts the pipeline, a one-off that would make drafting
+                # look dearer than it is once resumed)
+                after_own_kind = bool(stats.block_sizes) and (c.bs > 1) == (
+                    stats.block_sizes[-1] > 1
+                )
+                steady = after_own_kind and not (ahead and cycle is None)
+                plan.update(c.bs, a, seconds, steady)
             room = cfg.max_tokens - out.count - len(committed)
             if not ahead:
                 cycle = start(next_size(room), anchor) if cfg.pipeline and room > 0 else None

@@ -370,6 +370,8 @@ def run_bench(
     for bs in cfg.block_sizes:
         run_dflash(pair, ids[0], cfg, bs, dflash_seed(cfg, cfg.seed), max_tokens=w)
 
+    configs: list[int | None] = [None, *cfg.block_sizes]  # None: the baseline
+    orders = balanced_orders(len(configs))
     records = []
     for trial in range(cfg.trials):
         order = list(range(len(prompts)))
@@ -385,9 +387,7 @@ def run_bench(
                 "baseline": None,
                 "dflash": {},
             }
-            jobs: list[int | None] = [None, *cfg.block_sizes]
-            orders = balanced_orders(len(jobs))
-            jobs = [jobs[j] for j in orders[(trial * len(order) + pos) % len(orders)]]
+            jobs = [configs[j] for j in orders[(trial * len(order) + pos) % len(orders)]]
             for bs in jobs:
                 if cfg.cooldown > 0:
                     time.sleep(cfg.cooldown)
