@@ -212,11 +212,17 @@ def measure_plain_tps(target: Any, tokenizer: Any, tokens: int = 32) -> float:
     return 1.0 / median if median > 0 else 0.0
 
 
-def load_backend(opts: ChatOptions) -> Backend:
-    """Load the pair, measure the plain baseline and open a session (runs in a worker)."""
+Status = Callable[[str, float | None], None]  # a loading step's text and fraction done
+
+
+def load_backend(opts: ChatOptions, status: Status | None = None) -> Backend:
+    """Load the pair, measure its cost curve when `auto` has none on this machine (once), the
+    plain baseline, and open a session (runs in a worker; `status` hears each step)."""
+    from dflash_mac import calibrate
     from dflash_mac.cli.terminal import block_size_policy, load_ranked, warn_thinking_mismatch
     from dflash_mac.distributed.group import world
     from dflash_mac.loading import load, quantize_drafter
+    from dflash_mac.policy import AUTO
     from dflash_mac.session import Session
 
     group = world()  # under `dflash-mac launch`: this is rank 0, the target is sharded
@@ -228,6 +234,17 @@ def load_backend(opts: ChatOptions) -> Backend:
     if opts.reasoning is not None:
         reasoning_args(pair.tokenizer, opts.reasoning)  # a clear error before the first turn
     warn_thinking_mismatch(pair, opts.reasoning, warn=warnings.append)
+    if opts.block_size in (None, AUTO) and calibrate.missing(pair, pair.block_size):
+        done, total = 0, calibrate.rounds(calibrate.QUICK_REPS)
+        what = f"Timing block sizes 1..{pair.block_size} on this machine (once for this pair)…"
+
+        def step() -> None:
+            nonlocal done
+            done += 1
+            if status:
+                status(what, done / total)
+
+        calibrate.calibrate(pair, pair.block_size, step)
     info = EngineInfo(
         model=str(opts.model or "bundled"),
         kind=pair.kind,

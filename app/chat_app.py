@@ -40,6 +40,14 @@ class Loaded(Message):
         self.backend, self.error = backend, error
 
 
+class Loading(Message):
+    """A loading step (the cost curve's timing) and how far it is (None: unknown)."""
+
+    def __init__(self, text: str, fraction: float | None) -> None:
+        super().__init__()
+        self.text, self.fraction = text, fraction
+
+
 class TurnStarted(Message):
     def __init__(self, thinking: bool, skip: int = 0, capped: int | None = None) -> None:
         super().__init__()
@@ -148,7 +156,7 @@ class ChatApp(ChatCommands, App):
     ) -> None:
         super().__init__()
         self.opts = opts or ChatOptions()
-        self.loader = loader or partial(load_backend, self.opts)
+        self.loader = loader or partial(load_backend, self.opts, status=self.post_loading)
         self.store = store or Store()
         self.backend: Backend | None = None
         self.reasoning = self.opts.reasoning
@@ -198,6 +206,9 @@ class ChatApp(ChatCommands, App):
             return
         warm_highlighter()
         self.post_message(Loaded(backend))
+
+    def post_loading(self, text: str, fraction: float | None) -> None:
+        self.post_message(Loading(text, fraction))
 
     def _generate(self, turn: Turn, system: str, reasoning: str | None) -> None:
         backend, stats, finish = self.backend, None, None
@@ -269,6 +280,10 @@ class ChatApp(ChatCommands, App):
         self.query_one("#status-text", Label).update(text)
         self.query_one("#status").set_class(error, "error")
         self.query_one(ProgressBar).display = busy
+
+    def on_loading(self, message: Loading) -> None:
+        self.set_status(message.text, busy=True)
+        self.query_one(ProgressBar).update(total=1.0, progress=message.fraction or 0.0)
 
     def on_loaded(self, message: Loaded) -> None:
         if message.error:

@@ -226,7 +226,8 @@ def test_auto_runs_on_a_worker_thread(tiny_pair, refs):
 
 
 def test_cost_curve_is_measured_saved_and_used_by_auto(tiny_pair, tmp_path, monkeypatch):
-    from dflash_mac.bench.costcurve import measure, render, save
+    from dflash_mac.bench.costcurve import render
+    from dflash_mac.calibrate import measure, save
     from dflash_mac.policy import auto_controller, cost_curve_path
 
     monkeypatch.setenv("DFLASH_MAC_HOME", str(tmp_path))
@@ -252,7 +253,8 @@ def test_cost_curve_is_measured_saved_and_used_by_auto(tiny_pair, tmp_path, monk
 def test_sampled_requests_use_the_sampled_curve_and_own_timings(tiny_pair, tmp_path, monkeypatch):
     """A saved curve holds a greedy and a sampled table; sampled requests take the sampled one
     as their prior and keep their own measurements (greedy timings do not leak into them)."""
-    from dflash_mac.bench.costcurve import measure_both, render, save
+    from dflash_mac.bench.costcurve import render
+    from dflash_mac.calibrate import measure_both, save
     from dflash_mac.policy import auto_controller, cost_curve_path
 
     monkeypatch.setenv("DFLASH_MAC_HOME", str(tmp_path))
@@ -314,8 +316,8 @@ def test_requests_with_the_same_setting_continue_one_controller(tiny_pair):
 
 @pytest.mark.parametrize("dtype", ["bf16", "4bit"])
 def test_cost_curve_on_a_random_shape(dtype):
-    from dflash_mac.bench.costcurve import measure
     from dflash_mac.bench.shapes import random_pair
+    from dflash_mac.calibrate import measure
 
     pair = random_pair("tiny", dtype)
     assert pair.quantized == (dtype == "4bit")
@@ -395,8 +397,7 @@ def test_a_long_prompt_on_a_losing_pair_decodes_plain_and_exact(tiny_pair, refs,
 def test_cost_curve_times_plain_steps_as_a_pipelined_run(tiny_pair, monkeypatch):
     """bs 1 is timed over a run of steps queued ahead of their syncs (the plain decoding a
     drafting cycle replaces), and every timed cycle is trimmed back to the prompt."""
-    from dflash_mac import decode
-    from dflash_mac.bench import costcurve
+    from dflash_mac import calibrate, decode
 
     offsets = []
     real = decode.queue_cycle
@@ -405,10 +406,10 @@ def test_cost_curve_times_plain_steps_as_a_pipelined_run(tiny_pair, monkeypatch)
         offsets.append((bs, state.target_cache[0].offset, isinstance(anchor, mx.array)))
         return real(pair, state, ctx, bs, anchor, *a, **k)
 
-    monkeypatch.setattr(decode, "queue_cycle", spy)
-    costcurve.measure(tiny_pair, max_bs=2, context=10, reps=1)
+    monkeypatch.setattr(calibrate, "queue_cycle", spy)
+    calibrate.measure(tiny_pair, max_bs=2, context=10, reps=1)
     plain = [o for o in offsets if o[0] == 1]
-    burst = costcurve.PLAIN_BURST
+    burst = calibrate.PLAIN_BURST
     assert len(plain) == 3 * burst  # reps + 2 warm-ups, one run of `burst` steps each
     assert [o[1] for o in plain[:burst]] == list(range(10, 10 + burst))  # one after another
     assert all(o[2] for o in plain[:burst][1:])  # each on the previous step's lazy token

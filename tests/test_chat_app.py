@@ -327,6 +327,30 @@ async def test_load_error_is_shown_in_the_app():
 
 
 @pytest.mark.anyio
+async def test_loading_steps_show_in_the_status_bar():
+    """The cost curve's timing at first use reports its progress from the engine thread."""
+    import threading
+
+    go = threading.Event()
+    app: ChatApp
+
+    def slow_loader():
+        app.post_loading("Timing block sizes 1..8 on this machine (once for this pair)…", 0.25)
+        go.wait(10)
+        return fake_backend(None)
+
+    app = ChatApp(ChatOptions(), loader=slow_loader)
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: "Timing" in str(app.query_one("#status-text").render()))
+        bar = app.query_one("#status ProgressBar")
+        assert bar.display and bar.percentage == pytest.approx(0.25)
+        go.set()
+        await loaded(pilot)
+        assert str(app.query_one("#status-text").render()).startswith("Ready")
+        assert not bar.display
+
+
+@pytest.mark.anyio
 async def test_prompt_error_is_shown_and_the_question_forgotten():
     class TooLong(FakeSession):
         def stream(self, prompt, should_stop=None, **kwargs):
@@ -473,12 +497,14 @@ def real_dirs(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.anyio
-async def test_real_pair_end_to_end_second_turn_prefills_only_new_tokens(real_dirs):
+async def test_real_pair_end_to_end_second_turn_prefills_only_new_tokens(real_dirs, home):
     model, draft = real_dirs
     app = ChatApp(ChatOptions(str(model), str(draft), max_tokens=12))
     async with app.run_test(size=SIZE) as pilot:
         await until(pilot, lambda: app.backend is not None, timeout=60)
         assert app.backend.info.plain_tps > 0
+        # auto's cost curve was measured on the engine thread, once: the turns below run there
+        assert len(list(home.glob("cost-curves/*/*.json"))) == 1
         await ask(pilot, "def add(a, b):")
         await ask(pilot, "and subtract?")
         first, second = [m.stats for m in app.store.messages(app.chat_id)[1::2]]

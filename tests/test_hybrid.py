@@ -339,7 +339,7 @@ def test_plain_step_runs_between_drafting_cycles_stay_exact(pair, cases):
 def test_cost_curve_on_a_hybrid(pair):
     """`bench --cost-curve` times plain steps one at a time on a hybrid (its state cache trims
     back one verify at most) and leaves no hook behind."""
-    from dflash_mac.bench.costcurve import measure
+    from dflash_mac.calibrate import measure
 
     curve = measure(pair, max_bs=3, context=12, reps=1)
     assert curve["ratios"]["1"] == 1.0 and all(curve["seconds"][b] > 0 for b in "123")

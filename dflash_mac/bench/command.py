@@ -49,6 +49,7 @@ def header(pair: Pair) -> dict:
     from mlx.utils import tree_flatten
 
     from dflash_mac import __version__
+    from dflash_mac.calibrate import prior_name
     from dflash_mac.distributed.leader import facts as distributed_facts
     from dflash_mac.platform import cpu_name, machine_summary
 
@@ -74,6 +75,7 @@ def header(pair: Pair) -> dict:
         "target_weight_bytes": nbytes(pair.target),
         "drafter_weight_bytes": nbytes(pair.drafter),
         **distributed_facts(pair.target),  # ranks, parallel, collectives (a sharded target)
+        "auto_prior": prior_name(pair),
     }
 
 
@@ -117,19 +119,20 @@ def cost_curve_command(
     model: str | None, draft: str | None, draft_bits, err, shape=None, shape_dtype="bf16"
 ) -> None:
     """`bench --cost-curve`: measure, print, save where `auto` finds it."""
-    from dflash_mac.cli.terminal import load_pair
+    from dflash_mac.calibrate import FULL_REPS, measure_both, save
+    from dflash_mac.cli.terminal import load_pair, progress_bar
     from dflash_mac.policy import cost_curve_path
 
-    from .costcurve import measure_both, render, save
+    from .costcurve import render
     from .shapes import random_pair
 
     if shape:
         with err.status(f"Building a random {shape} ({shape_dtype})…", spinner="dots"):
             pair = random_pair(shape, shape_dtype)
     else:
-        pair = load_pair(model, draft, draft_bits=draft_bits)
-    with err.status("Timing cycles at block size 1..16, greedy and at T 0.7…", spinner="dots"):
-        curve = measure_both(pair)
+        pair = load_pair(model, draft, draft_bits=draft_bits, calibrate=False)
+    with progress_bar("Timing cycles at block size 1..16, greedy and at T 0.7", FULL_REPS) as step:
+        curve = measure_both(pair, progress=step)
     curve |= {"header": header(pair) | {"load_avg": [load_average()]}}
     typer.echo(render(curve), nl=False)
     path = save(curve, cost_curve_path(pair))
@@ -249,7 +252,10 @@ def bench_command(
     warn = lambda m: err.print(f"[yellow]warning:[/] {m}", highlight=False)  # noqa: E731
     prompts = read_prompts(prompts_file) if prompts_file else suite_prompts(suite, warn)
     prompts = limit_per_suite(prompts, limit)
-    pair = load_pair(model, draft, draft_bits=draft_bits, reasoning=reasoning)
+    pair = load_pair(
+        model, draft, draft_bits=draft_bits, reasoning=reasoning,
+        calibrate=sizes is None or AUTO_BS in sizes,
+    )  # fmt: skip
     fixed = [s for s in sizes or [] if s != AUTO_BS]
     fixed = [block_size_policy(pair, s, warn=err.print) for s in fixed]
     auto = [AUTO_BS] if sizes is None or AUTO_BS in sizes else []

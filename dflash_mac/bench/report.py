@@ -374,7 +374,8 @@ def header_lines(doc: dict) -> list[str]:
         f"- MLX {h['mlx']} · mlx-lm {h['mlx_lm']} · device {h['device']} · BLAS {blas} · "
         f"dflash-mac {h['dflash_mac']}",
         f"- target `{h['target']}` · drafter `{h['draft']}` ({h['drafter_kind']}) · "
-        f"dtype {h['dtype']} · quantization: {quant}",
+        f"dtype {h['dtype']} · quantization: {quant}"
+        + (f" · auto's cost prior: {h['auto_prior']}" if "auto_prior" in h else ""),
         f"- {prompts} · {c['trials']} trial(s) · max tokens {c['max_tokens']} · {sampling} · "
         f"EOS {'on' if c['use_eos'] else 'off'} · seed {c['seed']} · cooldown "
         f"{c['cooldown_s']} s · {h['date']}",
@@ -507,6 +508,7 @@ def flat_rows(doc: dict) -> list[dict]:
         "date",
         "dflash_mac",
         "load_avg",
+        "auto_prior",
     )
     out = []
     for r in doc["rows"]:

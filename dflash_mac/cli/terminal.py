@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
+from dflash_mac import calibrate as calibration
 from dflash_mac.distributed.group import world
 from dflash_mac.errors import LoadError
 from dflash_mac.generate import GenerationResult, stream_generate
@@ -38,7 +42,10 @@ def load_pair(
     block_size: int | str | None = None,
     draft_bits: int | None = None,
     reasoning: str | None = None,
+    calibrate: bool | None = None,
 ) -> Pair:
+    """Load the pair with a spinner, apply the block-size policy and warnings; with `auto`
+    (or `calibrate=True`), measure the pair's cost curve first if this machine has none."""
     group = world()
     with err.status("Loading model pair…", spinner="dots"):
         pair = load_ranked(group, model, draft) if group is not None else load(model, draft)
@@ -46,7 +53,30 @@ def load_pair(
             quantize_drafter(pair.drafter, draft_bits)
     pair.block_size = block_size_policy(pair, block_size)
     warn_thinking_mismatch(pair, reasoning)
+    if block_size in (None, AUTO) if calibrate is None else calibrate:
+        calibrate_auto(pair)
     return pair
+
+
+@contextmanager
+def progress_bar(description: str, reps: int) -> Iterator[Callable[[], None]]:
+    """A transient progress bar on stderr over `calibrate.measure_both`'s rounds; yields the
+    step to pass as its `progress`."""
+    columns = (TextColumn("{task.description}"), BarColumn(), TaskProgressColumn())
+    with Progress(*columns, TimeElapsedColumn(), console=err, transient=True) as bar:
+        task = bar.add_task(description, total=calibration.rounds(reps))
+        yield lambda: bar.advance(task)
+
+
+def calibrate_auto(pair: Pair, warn: Callable[[str], None] = warn_line) -> None:
+    """Before the first `--block-size auto` run of a pair on this machine: measure its quick
+    cost curve once and save it (calibrate.py), with a progress bar."""
+    if not calibration.missing(pair, pair.block_size):
+        return
+    what = f"Timing block sizes 1..{pair.block_size} on this machine (once for this pair)"
+    with progress_bar(what, calibration.QUICK_REPS) as step:
+        path = calibration.calibrate(pair, pair.block_size, step)
+    warn(f"saved the cost curve of --block-size auto to {path}")
 
 
 def load_ranked(group: Any, model: str | None, draft: str | None) -> Pair:

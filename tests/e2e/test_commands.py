@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from .conftest import Cli, installed_command, user_env
+
 pytestmark = pytest.mark.slow  # starts the installed command in subprocesses
 
 N = 8
@@ -60,6 +62,7 @@ def test_bench_tiny_run(cli):
         (vs,) = doc["auto_vs_fixed"]  # auto against the fixed size on the same runs
         assert vs["block_size"] == fixed["block_size"] and vs["ci"][0] <= vs["ci"][1]
     assert report["lossless"]["checked"] == report["lossless"]["equal"] == 2
+    assert "curve" in report["header"]["auto_prior"]  # measured at first use if not before
     assert sampled["lossless"]["checked"] is None  # sampling: nothing to compare token by token
 
 
@@ -78,6 +81,34 @@ def test_bench_cost_curve_saves_a_greedy_and_a_sampled_table(cli):
     assert curve["sampled"]["temperature"] == 0.7 and len(curve["sampled"]["ratios"]) == 16
     r = cli("generate", "hi", "-n", str(N), "--temp", "0.7", "--json")  # auto on that prior
     assert r.returncode == 0, r.stderr
+
+
+def test_auto_measures_the_cost_curve_once_at_first_use(tmp_path):
+    """A user who never ran `bench --cost-curve`: the first `auto` run times the block sizes
+    (a progress bar, one line saying where the curve went) and saves a greedy and a sampled
+    table; later runs reuse it; a fixed block size or DFLASH_MAC_CALIBRATE=0 measures nothing."""
+    cli = Cli(installed_command(), user_env(tmp_path))
+    curves = lambda: list(tmp_path.rglob("cost-curves/*/*.json"))  # noqa: E731
+    r = cli("generate", "hi", "-n", str(N), "--block-size", "4", "--json")
+    assert r.returncode == 0, r.stderr
+    assert curves() == [] and "cost curve" not in r.stderr
+    off = Cli(cli.command, cli.env | {"DFLASH_MAC_CALIBRATE": "0"})
+    r = off("generate", "hi", "-n", str(N), "--json")
+    assert r.returncode == 0, r.stderr
+    assert curves() == [] and "cost curve" not in r.stderr
+    r = cli("generate", "hi", "-n", str(N), "--json")
+    assert r.returncode == 0, r.stderr
+    (path,) = curves()
+    assert f"saved the cost curve of --block-size auto to {path}" in r.stderr
+    curve = json.loads(path.read_text())
+    bs = json.loads(r.stdout)["block_size"]
+    for table in (curve["ratios"], curve["sampled"]["ratios"]):
+        ratios = [table[str(b)] for b in range(1, bs + 1)]
+        assert ratios[0] == 1.0 and ratios == sorted(ratios) and len(table) == bs
+    assert curve["quick"]
+    r = cli("generate", "hi", "-n", str(N), "--temp", "0.7", "--json")
+    assert r.returncode == 0, r.stderr
+    assert "cost curve" not in r.stderr and path.read_text() == json.dumps(curve, indent=1) + "\n"
 
 
 def test_doctor_self_test_passes(cli):

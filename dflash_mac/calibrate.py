@@ -1,0 +1,177 @@
+"""The pair's cost curve on this machine: the time of one decode cycle at block size 1..N
+relative to a plain one-token step, the prior of `--block-size auto` (docs/bench.md).
+
+A cycle at block size bs is the drafter pass for `[anchor, MASK × bs-1]` plus the target's
+verify of bs tokens and the one host sync, exactly as the decode loop runs it
+(`decode.queue_cycle` / `decode.verify`); bs = 1 is a plain target step, timed as the loop
+runs a run of them (`PLAIN_BURST` steps, each queued on the previous one's still-lazy token
+before its sync, as mlx-lm's `generate_step` does), so the ratios compare a drafting cycle with
+the plain decoding it replaces, not with a stalled single step. Each size is timed `reps`
+times, round robin over the sizes, after two warm-up rounds on a prompt of `context` tokens,
+the target cache trimmed back after every cycle; the median is kept, and the ratios are made
+non-decreasing in bs (a wider verify never costs less: a dip is noise). The whole curve is timed
+greedy and again at T = 0.7 (`measure_both`: sampled cycles draw their drafts and verify by
+rejection); both are saved where `auto` reads its prior (`policy.cost_curve_path`), the
+sampled one for requests with a temperature.
+
+`dflash-mac bench --cost-curve` measures the full curve (`reps` 12). Front ends that run
+`auto` call `missing` / `calibrate` first: a pair without a saved curve on this machine gets a
+quick one (`QUICK_REPS`, sizes up to auto's largest) measured once and saved, because `auto`
+on the generic guess alone lands ~5 % behind the best fixed choice. `DFLASH_MAC_CALIBRATE=0`
+turns that off."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+
+from .capture import FeatureCapture, queues_layers
+from .decode import DecodeState, DraftContext, prefill, queue_cycle, queue_verify
+from .distributed.group import world
+from .pair import Pair
+from .policy import cost_curve_path
+from .sampling import SamplingParams
+
+PLAIN_BURST = 8  # plain steps timed as a run, each queued before the previous one's sync
+SAMPLED_TEMP = 0.7  # the sampled curve's temperature (the chat default of most pairs)
+FULL_REPS = 12  # `bench --cost-curve`
+QUICK_REPS = 4  # the curve measured at first use of `auto`
+WARMUP_ROUNDS = 2
+CALIBRATE_ENV = "DFLASH_MAC_CALIBRATE"  # "0": no quick curve at first use
+
+Progress = Callable[[], None]  # called after each round over the sizes
+
+
+def measure(
+    pair: Pair,
+    max_bs: int = 16,
+    context: int = 128,
+    reps: int = FULL_REPS,
+    temperature: float = 0.0,
+    progress: Progress | None = None,
+) -> dict:
+    """Median seconds per cycle for bs = 1..max_bs and the ratios to bs = 1, greedy or (with
+    `temperature`) sampled: drafts drawn, verified by rejection, plain steps drawn too."""
+    vocab = pair.drafter.config.vocab_size
+    ids = [(7919 * i + 11) % vocab for i in range(context)]
+    state = DecodeState(pair)
+    burst = 1 if state.rollback.hybrid else PLAIN_BURST  # a hybrid trims one verify at most
+    sp = SamplingParams(temperature)
+    key = mx.random.key(0)
+    times: dict[int, list[float]] = {bs: [] for bs in range(1, max_bs + 1)}
+    with (
+        FeatureCapture(pair.target, pair.layer_ids, queue=queues_layers()) as cap,
+        state.rollback.hooks(),
+        mx.stream(generation_stream),
+    ):
+        prefill(pair, state, ids, cap, 2048)
+        ctx = DraftContext(pair.drafter, state.draft_cache)
+        for _ in range(reps + WARMUP_ROUNDS):  # round robin: load drifts hit all sizes alike
+            for bs in times:
+                n = burst if bs == 1 else 1
+                t = time.perf_counter()
+                c = queue_cycle(pair, state, ctx, bs, ids[-1], sp, key)
+                for i in range(n):
+                    if c.outcome is None:
+                        queue_verify(pair, state, c, sp)
+                    nxt = (
+                        queue_cycle(pair, state, ctx, 1, c.verdict[1], sp, key)
+                        if i < n - 1
+                        else None
+                    )
+                    c.outcome.tolist()  # the cycle's one host sync
+                    c = nxt
+                times[bs].append((time.perf_counter() - t) / n)
+                if state.rollback.hybrid:  # keep the pass whole: its window can then be cut
+                    state.rollback.rollback(0, bs - 1)
+                state.rollback.trim(bs * n)  # back to the prompt
+            if progress:
+                progress()
+    seconds = {bs: statistics.median(ts[WARMUP_ROUNDS:]) for bs, ts in times.items()}
+    ratios = non_decreasing([seconds[bs] / seconds[1] for bs in range(2, max_bs + 1)])
+    return {
+        "seconds": {str(b): s for b, s in seconds.items()},
+        "ratios": {"1": 1.0} | {str(b): r for b, r in enumerate(ratios, start=2)},
+        "context": context,
+        "reps": reps,
+    }
+
+
+def non_decreasing(values: list[float]) -> list[float]:
+    """The least-squares non-decreasing fit (pool adjacent violators): runs that dip are
+    replaced by their mean."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, n1), (m2, n2) = blocks.pop(-2), blocks.pop()
+            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    return [m for m, n in blocks for _ in range(n)]
+
+
+def measure_both(
+    pair: Pair,
+    max_bs: int = 16,
+    context: int = 128,
+    reps: int = FULL_REPS,
+    progress: Progress | None = None,
+) -> dict:
+    """The greedy curve, with the curve at SAMPLED_TEMP under "sampled" (what `auto` uses as
+    its prior for requests with a temperature)."""
+    curve = measure(pair, max_bs, context, reps, progress=progress)
+    sampled = measure(pair, max_bs, context, reps, SAMPLED_TEMP, progress)
+    return curve | {"sampled": {"temperature": SAMPLED_TEMP} | sampled}
+
+
+def rounds(reps: int) -> int:
+    """How many times `measure_both` calls its `progress`."""
+    return 2 * (reps + WARMUP_ROUNDS)
+
+
+def save(curve: dict, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(curve, indent=1) + "\n")
+    tmp.replace(path)  # never a half-written curve for a process reading it
+    return path
+
+
+def missing(pair: Pair, bs_max: int) -> bool:
+    """True when `auto` up to `bs_max` would run on the generic guess and a quick curve should
+    be measured first: no readable curve is saved for the pair on this machine, or it stops
+    short of `bs_max`. False with `DFLASH_MAC_CALIBRATE=0` and in a distributed job (rank 0
+    alone cannot time the sharded forward the same way)."""
+    if os.environ.get(CALIBRATE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    if bs_max < 2 or world() is not None:
+        return False
+    try:
+        data = json.loads(cost_curve_path(pair).read_text())
+        sizes = {int(b) for b in data["ratios"]} & {int(b) for b in data["sampled"]["ratios"]}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return True
+    return max(sizes, default=0) < bs_max
+
+
+def prior_name(pair: Pair) -> str:
+    """What `auto` starts from for the pair on this machine, in words (the bench's header)."""
+    try:
+        data = json.loads(cost_curve_path(pair).read_text())
+        top, reps = max(int(b) for b in data["ratios"]), data.get("reps", "?")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return "the generic guess (no cost curve saved on this machine)"
+    kind = "quick curve (first use)" if data.get("quick") else "curve (bench --cost-curve)"
+    return f"{kind}, bs 1..{top}, {reps} timings per size"
+
+
+def calibrate(pair: Pair, bs_max: int, progress: Progress | None = None) -> Path:
+    """Measure the quick curve up to `bs_max`, greedy and sampled, and save it for `auto`."""
+    curve = measure_both(pair, bs_max, reps=QUICK_REPS, progress=progress)
+    return save(curve | {"quick": True}, cost_curve_path(pair))

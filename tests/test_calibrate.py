@@ -1,0 +1,96 @@
+"""The quick cost curve measured at the first use of `--block-size auto` (dflash_mac/calibrate.py):
+when it is measured, what it saves, that `auto` takes it as its prior, and that it leaves the
+pair decoding exactly, on worker threads."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+from dflash_mac import calibrate
+from dflash_mac.decode import GenerationConfig, speculative_stream
+from dflash_mac.policy import auto_controller, cost_curve_path
+from dflash_mac.testing.oracle import with_drafter
+
+
+@pytest.fixture
+def pair(tiny_pair, tmp_path, monkeypatch):
+    """The tiny pair with nothing learnt and a fresh data directory."""
+    monkeypatch.setenv("DFLASH_MAC_HOME", str(tmp_path))
+    monkeypatch.delenv(calibrate.CALIBRATE_ENV, raising=False)
+    return with_drafter(tiny_pair, tiny_pair.drafter)
+
+
+def test_non_decreasing_pools_the_dips():
+    assert calibrate.non_decreasing([1.7, 1.9, 1.8, 2.2]) == pytest.approx([1.7, 1.85, 1.85, 2.2])
+    assert calibrate.non_decreasing([2.0, 1.0, 1.5]) == pytest.approx([1.5, 1.5, 1.5])
+    rising = [1.5, 1.6, 1.6, 2.0]
+    assert calibrate.non_decreasing(rising) == rising
+
+
+def test_measured_ratios_never_fall_with_the_block_size(pair):
+    curve = calibrate.measure(pair, max_bs=6, context=16, reps=1)
+    ratios = [curve["ratios"][str(b)] for b in range(1, 7)]
+    assert ratios[0] == 1.0
+    assert all(b >= a for a, b in zip(ratios[1:], ratios[2:]))
+
+
+def test_first_use_measures_and_saves_a_quick_curve_that_auto_takes(pair):
+    bs = 3
+    assert calibrate.missing(pair, bs)
+    assert not auto_controller(pair, bs).cost.prior.measured  # before: the generic guess
+    for k in ("_dflash_cost_models", "_dflash_controllers"):
+        pair.__dict__.pop(k, None)
+    steps = []
+    path = calibrate.calibrate(pair, bs, progress=lambda: steps.append(1))
+    assert path == cost_curve_path(pair) and path.exists()
+    assert len(steps) == calibrate.rounds(calibrate.QUICK_REPS)
+    saved = json.loads(path.read_text())
+    assert saved["quick"] and saved["reps"] == calibrate.QUICK_REPS
+    assert set(saved["ratios"]) == set(saved["sampled"]["ratios"]) == {"1", "2", "3"}
+    assert not calibrate.missing(pair, bs)  # once per pair and machine
+    assert calibrate.missing(pair, bs + 1)  # auto may now pick wider than the curve reaches
+    for sampled in (False, True):
+        prior = auto_controller(pair, bs, setting=(sampled,), sampled=sampled).cost.prior
+        table = saved["sampled"]["ratios"] if sampled else saved["ratios"]
+        assert prior.measured and prior.ratio(3) == pytest.approx(table["3"])
+
+
+def test_no_curve_is_measured_when_turned_off_or_for_plain_decoding(pair, monkeypatch):
+    assert not calibrate.missing(pair, 1)  # auto up to 1 is plain decoding: nothing to time
+    monkeypatch.setenv(calibrate.CALIBRATE_ENV, "0")
+    assert not calibrate.missing(pair, 3)
+
+
+def test_an_unreadable_or_greedy_only_curve_is_measured_again(pair):
+    path = cost_curve_path(pair)
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    assert calibrate.missing(pair, 3)
+    path.write_text(json.dumps({"ratios": {"1": 1.0, "2": 1.5, "3": 1.6}}))
+    assert calibrate.missing(pair, 3)  # no sampled table: sampled requests would guess
+
+
+def test_calibrating_on_one_thread_then_decoding_on_another_stays_exact(pair):
+    """The chat app measures the curve on its engine thread and serve on the main thread; the
+    pair must then decode exactly on whichever thread runs the requests."""
+    ids = pair.tokenizer.encode("def add(a, b):")
+    ref = [int(t) for (t, _), _ in zip(generate_step(mx.array(ids), pair.target), range(32))]
+    out: dict = {}
+
+    def measure():
+        out["path"] = calibrate.calibrate(pair, 3)
+
+    def decode():
+        events = list(speculative_stream(pair, ids, GenerationConfig(32, use_eos=False)))
+        out["tokens"] = [t for e in events for t in e.tokens]
+
+    for job in (measure, decode):
+        t = threading.Thread(target=job)
+        t.start()
+        t.join(120)
+    assert out["path"].exists() and out["tokens"] == ref
