@@ -94,3 +94,44 @@ def test_calibrating_on_one_thread_then_decoding_on_another_stays_exact(pair):
         t.start()
         t.join(120)
     assert out["path"].exists() and out["tokens"] == ref
+
+
+@pytest.mark.parametrize("fast", [1, 2])
+def test_the_faster_openblas_thread_count_is_chosen_saved_and_set(pair, monkeypatch, fast):
+    """Timed alternately on a plain run and a widest cycle; the count with the least time wins
+    whichever of the two it is (each case is the other's negative control)."""
+    from dflash_mac import platform as plat
+
+    current, order = {"n": 0}, []
+    monkeypatch.setattr(calibrate, "set_blas_threads", lambda n: current.update(n=n))
+
+    def fake_measure(p, bs_max, reps, progress, sizes):
+        order.append(current["n"])
+        assert sizes == (1, bs_max) and reps == calibrate.THREAD_TIMINGS
+        return {"seconds": {"1": 0.010, str(bs_max): 0.020 if current["n"] == fast else 0.03}}
+
+    monkeypatch.setattr(calibrate, "measure", fake_measure)
+    assert calibrate.choose_blas_threads(pair, 4, [1, 2]) == fast
+    assert order == [1, 2] * calibrate.THREAD_REPS  # alternating: drifts hit both alike
+    assert current["n"] == fast and plat.saved_blas_threads() == fast
+    assert plat.blas_threads() == fast
+
+
+def test_the_thread_count_is_timed_only_when_it_is_ours_to_choose(pair, monkeypatch):
+    from dflash_mac import platform as plat
+
+    monkeypatch.setattr(calibrate, "blas_in_use", lambda: "OpenBLAS")
+    monkeypatch.setattr(calibrate.os, "cpu_count", lambda: 4)
+    monkeypatch.delenv(plat.CHOSEN_ENV, raising=False)
+    assert calibrate.thread_candidates() == []  # you set OPENBLAS_NUM_THREADS (no re-exec)
+    monkeypatch.setenv(plat.CHOSEN_ENV, "1")
+    assert calibrate.thread_candidates() == [3, 4]
+    assert calibrate.steps() == calibrate.thread_rounds([3, 4]) + calibrate.rounds(
+        calibrate.QUICK_REPS
+    )
+    plat.save_blas_threads(3, {3: 0.01, 4: 0.02})
+    assert calibrate.thread_candidates() == []  # chosen once per CPU
+    monkeypatch.setattr(calibrate, "blas_in_use", lambda: "reference BLAS (MLX wheel)")
+    (plat.data_dir() / plat.THREADS_FILE).unlink()
+    assert calibrate.thread_candidates() == []
+    assert not plat.set_blas_threads(2) or plat.blas_in_use() == "OpenBLAS"
