@@ -235,7 +235,7 @@ def load_backend(opts: ChatOptions, status: Status | None = None) -> Backend:
         reasoning_args(pair.tokenizer, opts.reasoning)  # a clear error before the first turn
     warn_thinking_mismatch(pair, opts.reasoning, warn=warnings.append)
     if opts.block_size in (None, AUTO) and calibrate.missing(pair, pair.block_size):
-        done, total = 0, calibrate.steps()
+        done, total = 0, calibrate.rounds(calibrate.QUICK_REPS)
         what = f"Timing block sizes 1..{pair.block_size} on this machine (once for this pair)…"
 
         def step() -> None:

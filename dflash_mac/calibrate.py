@@ -36,13 +36,6 @@ from .capture import FeatureCapture, queues_layers
 from .decode import DecodeState, DraftContext, prefill, queue_cycle, queue_verify
 from .distributed.group import world
 from .pair import Pair
-from .platform import (
-    CHOSEN_ENV,
-    blas_in_use,
-    save_blas_threads,
-    saved_blas_threads,
-    set_blas_threads,
-)
 from .policy import cost_curve_path
 from .sampling import SamplingParams
 
@@ -51,8 +44,6 @@ SAMPLED_TEMP = 0.7  # the sampled curve's temperature (the chat default of most 
 FULL_REPS = 12  # `bench --cost-curve`
 QUICK_REPS = 4  # the curve measured at first use of `auto`
 WARMUP_ROUNDS = 2
-THREAD_REPS = 2  # alternations of the OpenBLAS thread counts timed at first use
-THREAD_TIMINGS = 2  # timings per size and thread count in each alternation
 CALIBRATE_ENV = "DFLASH_MAC_CALIBRATE"  # "0": no quick curve at first use
 
 Progress = Callable[[], None]  # called after each round over the sizes
@@ -65,18 +56,16 @@ def measure(
     reps: int = FULL_REPS,
     temperature: float = 0.0,
     progress: Progress | None = None,
-    sizes: tuple[int, ...] | None = None,
 ) -> dict:
-    """Median seconds per cycle for bs = 1..max_bs (or just `sizes`, 1 among them) and the
-    ratios to bs = 1, greedy or (with `temperature`) sampled: drafts drawn, verified by
-    rejection, plain steps drawn too."""
+    """Median seconds per cycle for bs = 1..max_bs and the ratios to bs = 1, greedy or (with
+    `temperature`) sampled: drafts drawn, verified by rejection, plain steps drawn too."""
     vocab = pair.drafter.config.vocab_size
     ids = [(7919 * i + 11) % vocab for i in range(context)]
     state = DecodeState(pair)
     burst = 1 if state.rollback.hybrid else PLAIN_BURST  # a hybrid trims one verify at most
     sp = SamplingParams(temperature)
     key = mx.random.key(0)
-    times: dict[int, list[float]] = {bs: [] for bs in sizes or range(1, max_bs + 1)}
+    times: dict[int, list[float]] = {bs: [] for bs in range(1, max_bs + 1)}
     with (
         FeatureCapture(pair.target, pair.layer_ids, queue=queues_layers()) as cap,
         state.rollback.hooks(),
@@ -106,11 +95,10 @@ def measure(
             if progress:
                 progress()
     seconds = {bs: statistics.median(ts[WARMUP_ROUNDS:]) for bs, ts in times.items()}
-    wide = sorted(b for b in seconds if b > 1)
-    ratios = non_decreasing([seconds[bs] / seconds[1] for bs in wide])
+    ratios = non_decreasing([seconds[bs] / seconds[1] for bs in range(2, max_bs + 1)])
     return {
         "seconds": {str(b): s for b, s in seconds.items()},
-        "ratios": {"1": 1.0} | {str(b): r for b, r in zip(wide, ratios)},
+        "ratios": {"1": 1.0} | {str(b): r for b, r in enumerate(ratios, start=2)},
         "context": context,
         "reps": reps,
     }
@@ -145,43 +133,6 @@ def measure_both(
 def rounds(reps: int) -> int:
     """How many times `measure_both` calls its `progress`."""
     return 2 * (reps + WARMUP_ROUNDS)
-
-
-def thread_candidates() -> list[int]:
-    """The OpenBLAS thread counts to time: all cores but one, and all cores. None when the
-    count is not ours to choose (you set OPENBLAS_NUM_THREADS, or OpenBLAS is not in use),
-    when there is one core, or when this CPU's choice is saved already."""
-    cores = os.cpu_count() or 1
-    if os.environ.get(CHOSEN_ENV) != "1" or blas_in_use() != "OpenBLAS" or cores < 2:
-        return []
-    return [] if saved_blas_threads() else [cores - 1, cores]
-
-
-def thread_rounds(candidates: list[int]) -> int:
-    """How many times `choose_blas_threads` calls its `progress`."""
-    return THREAD_REPS * len(candidates) * (THREAD_TIMINGS + WARMUP_ROUNDS)
-
-
-def choose_blas_threads(
-    pair: Pair, bs_max: int, candidates: list[int], progress: Progress | None = None
-) -> int | None:
-    """Time a run of plain steps and a cycle at `bs_max` with each OpenBLAS thread count in
-    `candidates` (alternating, THREAD_REPS times), keep the count with the least summed
-    median, set it in this process and save it for later launches. The choice is made before
-    the curve is timed, so the curve holds for the threads decoding runs on."""
-    if not candidates:
-        return None
-    sums: dict[int, list[float]] = {n: [] for n in candidates}
-    for _ in range(THREAD_REPS):
-        for n in candidates:
-            set_blas_threads(n)
-            m = measure(pair, bs_max, reps=THREAD_TIMINGS, progress=progress, sizes=(1, bs_max))
-            sums[n].append(sum(m["seconds"].values()))
-    seconds = {n: statistics.median(ts) for n, ts in sums.items()}
-    best = min(candidates, key=seconds.get)
-    set_blas_threads(best)
-    save_blas_threads(best, seconds)
-    return best
 
 
 def save(curve: dict, path: Path) -> Path:
@@ -220,15 +171,7 @@ def prior_name(pair: Pair) -> str:
     return f"{kind}, bs 1..{top}, {reps} timings per size"
 
 
-def steps() -> int:
-    """How many times `calibrate` calls its `progress` (a progress bar's total)."""
-    return thread_rounds(thread_candidates()) + rounds(QUICK_REPS)
-
-
 def calibrate(pair: Pair, bs_max: int, progress: Progress | None = None) -> Path:
-    """Choose the OpenBLAS thread count where that is ours to do, then measure the quick
-    curve up to `bs_max`, greedy and sampled, and save it for `auto`."""
-    threads = choose_blas_threads(pair, bs_max, thread_candidates(), progress)
+    """Measure the quick curve up to `bs_max`, greedy and sampled, and save it for `auto`."""
     curve = measure_both(pair, bs_max, reps=QUICK_REPS, progress=progress)
-    curve |= {"quick": True} | ({"blas_threads": threads} if threads else {})
-    return save(curve, cost_curve_path(pair))
+    return save(curve | {"quick": True}, cost_curve_path(pair))

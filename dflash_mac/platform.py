@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
-import json
 import os
 import platform
 import sys
@@ -36,46 +34,9 @@ def blas_in_use() -> str:
     return "reference BLAS (MLX wheel)"
 
 
-THREADS_FILE = "blas-threads.json"  # in the data dir: {cpu name: {"threads": n, ...}}
-CHOSEN_ENV = "_DFLASH_MAC_BLAS_THREADS"  # "1": the re-exec chose OPENBLAS_NUM_THREADS, not you
-
-
 def blas_threads() -> int:
-    """OpenBLAS threads dflash-mac asks for: the count measured faster on this CPU at the first
-    `auto` run (`calibrate.choose_blas_threads`, saved), else all cores but one (the host
-    thread's: it builds the next pass while BLAS runs this one)."""
-    return saved_blas_threads() or max(1, (os.cpu_count() or 2) - 1)
-
-
-def saved_blas_threads() -> int | None:
-    try:
-        n = int(json.loads((data_dir() / THREADS_FILE).read_text())[cpu_name()]["threads"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return n if 1 <= n <= (os.cpu_count() or 1) else None
-
-
-def save_blas_threads(threads: int, seconds: dict[int, float]) -> Path:
-    """Keep the measured choice for this CPU (later launches start with it)."""
-    path = data_dir() / THREADS_FILE
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        data = {}
-    data[cpu_name()] = {"threads": threads, "seconds": {str(n): s for n, s in seconds.items()}}
-    path.write_text(json.dumps(data, indent=1) + "\n")
-    return path
-
-
-def set_blas_threads(threads: int) -> bool:
-    """Set OpenBLAS's thread count in this running process (False where OpenBLAS is not the
-    BLAS in use); OPENBLAS_NUM_THREADS follows, so reports show the count."""
-    lib = find_openblas()
-    if not lib or blas_in_use() != "OpenBLAS":
-        return False
-    ctypes.CDLL(lib).openblas_set_num_threads(int(threads))
-    os.environ["OPENBLAS_NUM_THREADS"] = str(threads)
-    return True
+    """OpenBLAS threads dflash-mac asks for: all cores but one (the host thread's)."""
+    return max(1, (os.cpu_count() or 2) - 1)
 
 
 def maybe_reexec_with_openblas(argv: list[str]) -> None:
@@ -90,13 +51,10 @@ def maybe_reexec_with_openblas(argv: list[str]) -> None:
     env = dict(os.environ)
     env["LD_PRELOAD"] = ":".join(filter(None, [lib, env.get("LD_PRELOAD")]))
     env["_DFLASH_MAC_REEXEC"] = "1"
-    # How many BLAS threads pay depends on the CPU: leaving a core to the host thread (which
-    # builds the next pass while BLAS runs this one, and runs the chat UI) was faster and
-    # steadier on a 2-core AMD EPYC, two threads 37 % faster for drafting on a 2-core Xeon; the
-    # first `auto` run times both and saves the faster (calibrate.choose_blas_threads).
-    if "OPENBLAS_NUM_THREADS" not in env:  # yours wins; else ours, measured where it can be
-        env["OPENBLAS_NUM_THREADS"] = str(blas_threads())
-        env[CHOSEN_ENV] = "1"
+    # Leave a core to the host thread: it builds the next pass while the device runs this one
+    # (layers are queued as built, capture.queues_layers) and runs the chat UI; BLAS threads
+    # on every core would oversubscribe the machine (slower, and run-to-run noise of +-15 %).
+    env.setdefault("OPENBLAS_NUM_THREADS", str(blas_threads()))
     script = sys.argv[0]
     if script.endswith("__main__.py") or not Path(script).is_file():
         os.execve(sys.executable, [sys.executable, "-m", "dflash_mac", *argv], env)

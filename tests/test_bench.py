@@ -664,32 +664,21 @@ def test_runs_stop_at_the_end_of_the_context(tiny_pair):
     assert all(r.tokens == rec["baseline"].tokens for r in rec["dflash"].values())
 
 
-def test_cli_openblas_threads_measured_else_a_core_left_to_the_host(monkeypatch, tmp_path):
-    """The OpenBLAS re-exec asks for the thread count measured faster on this CPU (saved at
-    the first auto run), before that for all cores but one (the host thread builds the next
-    pass while the device runs), and never overrides a count the user chose."""
+def test_cli_leaves_a_core_to_the_host_thread(monkeypatch, tmp_path):
+    """The OpenBLAS re-exec asks for all cores but one (the host thread builds the next pass
+    while the device runs), unless the user chose a thread count."""
     from dflash_mac import platform as plat
 
     lib = tmp_path / "libopenblas.so.0"
     lib.write_bytes(b"")
-    seen: dict = {}
-    monkeypatch.setenv("DFLASH_MAC_HOME", str(tmp_path / "home"))
+    seen = {}
     monkeypatch.setattr(plat, "find_openblas", lambda: str(lib))
     monkeypatch.setattr(plat.os, "execve", lambda exe, argv, env: seen.update(env))
     monkeypatch.setattr(plat.os, "cpu_count", lambda: 8)
-    keys = ("LD_PRELOAD", "_DFLASH_MAC_REEXEC", "OPENBLAS_NUM_THREADS", "DFLASH_MAC_BLAS")
-    for key in (*keys, plat.CHOSEN_ENV):
+    for key in ("LD_PRELOAD", "_DFLASH_MAC_REEXEC", "OPENBLAS_NUM_THREADS", "DFLASH_MAC_BLAS"):
         monkeypatch.delenv(key, raising=False)
     plat.maybe_reexec_with_openblas(["bench"])
     assert seen["OPENBLAS_NUM_THREADS"] == "7" and str(lib) in seen["LD_PRELOAD"]
-    assert seen[plat.CHOSEN_ENV] == "1"  # ours to measure at the first auto run
-    plat.save_blas_threads(8, {7: 0.02, 8: 0.015})
-    seen.clear()
-    plat.maybe_reexec_with_openblas(["chat"])
-    assert seen["OPENBLAS_NUM_THREADS"] == "8"  # the measured choice for this CPU
-    plat.save_blas_threads(99, {})  # not a count this machine has: ignored
-    assert plat.blas_threads() == 7
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "3")
-    seen.clear()
     plat.maybe_reexec_with_openblas(["generate"])
-    assert seen["OPENBLAS_NUM_THREADS"] == "3" and plat.CHOSEN_ENV not in seen
+    assert seen["OPENBLAS_NUM_THREADS"] == "3"

@@ -59,12 +59,12 @@ def load_pair(
 
 
 @contextmanager
-def progress_bar(description: str, total: int) -> Iterator[Callable[[], None]]:
-    """A transient progress bar on stderr over `total` steps (calibrate.py's rounds); yields
-    the step to pass as their `progress`."""
+def progress_bar(description: str, reps: int) -> Iterator[Callable[[], None]]:
+    """A transient progress bar on stderr over `calibrate.measure_both`'s rounds; yields the
+    step to pass as its `progress`."""
     columns = (TextColumn("{task.description}"), BarColumn(), TaskProgressColumn())
     with Progress(*columns, TimeElapsedColumn(), console=err, transient=True) as bar:
-        task = bar.add_task(description, total=total)
+        task = bar.add_task(description, total=calibration.rounds(reps))
         yield lambda: bar.advance(task)
 
 
@@ -74,7 +74,7 @@ def calibrate_auto(pair: Pair, warn: Callable[[str], None] = warn_line) -> None:
     if not calibration.missing(pair, pair.block_size):
         return
     what = f"Timing block sizes 1..{pair.block_size} on this machine (once for this pair)"
-    with progress_bar(what, calibration.steps()) as step:
+    with progress_bar(what, calibration.QUICK_REPS) as step:
         path = calibration.calibrate(pair, pair.block_size, step)
     warn(f"saved the cost curve of --block-size auto to {path}")
 
