@@ -35,8 +35,8 @@ def blas_in_use() -> str:
 
 
 def blas_threads() -> int:
-    """OpenBLAS threads dflash-mac asks for: all cores but one (the host thread's)."""
-    return max(1, (os.cpu_count() or 2) - 1)
+    """OpenBLAS threads dflash-mac asks for: one per core (see the re-exec's comment)."""
+    return max(1, os.cpu_count() or 1)
 
 
 def maybe_reexec_with_openblas(argv: list[str]) -> None:
@@ -51,9 +51,11 @@ def maybe_reexec_with_openblas(argv: list[str]) -> None:
     env = dict(os.environ)
     env["LD_PRELOAD"] = ":".join(filter(None, [lib, env.get("LD_PRELOAD")]))
     env["_DFLASH_MAC_REEXEC"] = "1"
-    # Leave a core to the host thread: it builds the next pass while the device runs this one
-    # (layers are queued as built, capture.queues_layers) and runs the chat UI; BLAS threads
-    # on every core would oversubscribe the machine (slower, and run-to-run noise of +-15 %).
+    # One BLAS thread per core. Leaving a core to the host thread (which builds the next pass
+    # while BLAS runs this one) steadied runs on a 2-core AMD EPYC (spread +-5 % against
+    # +-15 %), but on a 2-core Intel Xeon two threads decode 37 % faster with drafting and 10 %
+    # faster plain (bench/results/linux-x86_64-2core-intel-xeon-threads.md). A count you set
+    # in OPENBLAS_NUM_THREADS is kept.
     env.setdefault("OPENBLAS_NUM_THREADS", str(blas_threads()))
     script = sys.argv[0]
     if script.endswith("__main__.py") or not Path(script).is_file():
