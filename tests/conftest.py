@@ -8,6 +8,16 @@ from dflash_mac.loading import load
 from dflash_mac.testing.tiny import build_tiny_pair
 
 
+@pytest.fixture(scope="session", autouse=True)
+def data_home(tmp_path_factory):
+    """Tests never read or write your data directory (cost curves, chats, logs): the whole
+    session, and the commands it starts, use a temporary one (tests may set their own)."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("DFLASH_MAC_HOME", str(tmp_path_factory.mktemp("data-home")))
+    yield
+    patch.undo()
+
+
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory):
     return build_tiny_pair(tmp_path_factory.mktemp("tiny"), seed=0, target_layers=4)

@@ -130,7 +130,7 @@ def cost_curve_command(
         with err.status(f"Building a random {shape} ({shape_dtype})…", spinner="dots"):
             pair = random_pair(shape, shape_dtype)
     else:
-        pair = load_pair(model, draft, draft_bits=draft_bits, calibrate=False)
+        pair = load_pair(model, draft, draft_bits=draft_bits)
     with progress_bar("Timing cycles at block size 1..16, greedy and at T 0.7", FULL_REPS) as step:
         curve = measure_both(pair, progress=step)
     curve |= {"header": header(pair) | {"load_avg": [load_average()]}}
@@ -225,8 +225,14 @@ def bench_command(
     """Benchmark DFlash against plain decoding of the same target, in one process."""
     from rich.console import Console
 
-    from dflash_mac.cli.terminal import block_size_policy, follow_if_worker, load_pair
+    from dflash_mac.cli.terminal import (
+        block_size_policy,
+        calibrate_auto,
+        follow_if_worker,
+        load_pair,
+    )
     from dflash_mac.generate import check_context, make_config, prompt_ids
+    from dflash_mac.policy import AUTO
 
     follow_if_worker(model, draft)  # a distributed job's other ranks follow rank 0
 
@@ -252,10 +258,7 @@ def bench_command(
     warn = lambda m: err.print(f"[yellow]warning:[/] {m}", highlight=False)  # noqa: E731
     prompts = read_prompts(prompts_file) if prompts_file else suite_prompts(suite, warn)
     prompts = limit_per_suite(prompts, limit)
-    pair = load_pair(
-        model, draft, draft_bits=draft_bits, reasoning=reasoning,
-        calibrate=sizes is None or AUTO_BS in sizes,
-    )  # fmt: skip
+    pair = load_pair(model, draft, draft_bits=draft_bits, reasoning=reasoning)
     fixed = [s for s in sizes or [] if s != AUTO_BS]
     fixed = [block_size_policy(pair, s, warn=err.print) for s in fixed]
     auto = [AUTO_BS] if sizes is None or AUTO_BS in sizes else []
@@ -267,6 +270,8 @@ def bench_command(
             f"{capped} prompt(s) leave room for fewer than {max_tokens} new tokens in the "
             f"model's {pair.context_length}-token context; they generate up to its end."
         )
+    if auto:
+        calibrate_auto(pair, AUTO)
     common = {
         "suite": None if prompts_file else suite,
         "prompts_file": str(prompts_file) if prompts_file else None,

@@ -241,7 +241,7 @@ def generate(
     """Generate text for PROMPT with DFlash speculative decoding."""
     from dflash_mac.generate import fit_max_tokens, make_config, prompt_ids
 
-    from .terminal import load_pair, print_stats, stream_to_terminal, warn_line
+    from .terminal import calibrate_auto, load_pair, print_stats, stream_to_terminal, warn_line
 
     text = read_prompt(prompt)
     template_args = parse_template_args(chat_template_args)
@@ -251,7 +251,8 @@ def generate(
         repetition_penalty=repetition_penalty,
         logit_bias=parse_logit_bias(logit_bias),
     )
-    make_config(**penalties)  # bad values fail before the slow load
+    sampling = dict(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
+    make_config(**sampling, **penalties)  # bad values fail before the slow load
     pair = load_pair(
         model, draft, block_size=block_size, draft_bits=draft_bits, reasoning=reasoning
     )
@@ -269,6 +270,7 @@ def generate(
             f"[yellow]warning:[/] the prompt has {len(ids)} tokens and the model's "
             f"context is {pair.context_length}: --max-tokens capped to {budget.max_tokens}."
         )
+    calibrate_auto(pair, block_size)
     result = stream_to_terminal(
         pair,
         ids,

@@ -42,10 +42,9 @@ def load_pair(
     block_size: int | str | None = None,
     draft_bits: int | None = None,
     reasoning: str | None = None,
-    calibrate: bool | None = None,
 ) -> Pair:
-    """Load the pair with a spinner, apply the block-size policy and warnings; with `auto`
-    (or `calibrate=True`), measure the pair's cost curve first if this machine has none."""
+    """Load the pair with a spinner, apply the block-size policy and its warnings. Commands
+    that run `auto` call `calibrate_auto` next, once their other inputs are checked."""
     group = world()
     with err.status("Loading model pair…", spinner="dots"):
         pair = load_ranked(group, model, draft) if group is not None else load(model, draft)
@@ -53,8 +52,6 @@ def load_pair(
             quantize_drafter(pair.drafter, draft_bits)
     pair.block_size = block_size_policy(pair, block_size)
     warn_thinking_mismatch(pair, reasoning)
-    if block_size in (None, AUTO) if calibrate is None else calibrate:
-        calibrate_auto(pair)
     return pair
 
 
@@ -68,10 +65,13 @@ def progress_bar(description: str, reps: int) -> Iterator[Callable[[], None]]:
         yield lambda: bar.advance(task)
 
 
-def calibrate_auto(pair: Pair, warn: Callable[[str], None] = warn_line) -> None:
-    """Before the first `--block-size auto` run of a pair on this machine: measure its quick
-    cost curve once and save it (calibrate.py), with a progress bar."""
-    if not calibration.missing(pair, pair.block_size):
+def calibrate_auto(
+    pair: Pair, block_size: int | str | None, warn: Callable[[str], None] = warn_line
+) -> None:
+    """Before the first `--block-size auto` run of a pair on this machine (`block_size` None or
+    "auto"): measure its quick cost curve once and save it (calibrate.py), with a progress
+    bar. Call it after the command's inputs are checked: a typo must not wait for it."""
+    if block_size not in (None, AUTO) or not calibration.missing(pair, pair.block_size):
         return
     what = f"Timing block sizes 1..{pair.block_size} on this machine (once for this pair)"
     with progress_bar(what, calibration.QUICK_REPS) as step:

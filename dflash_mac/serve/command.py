@@ -176,7 +176,7 @@ def serve(
     ),
 ) -> None:
     """Serve the pair as an OpenAI-compatible API (for Continue, Cline, Aider, Zed, ...)."""
-    from dflash_mac.cli.terminal import follow_if_worker, load_pair
+    from dflash_mac.cli.terminal import calibrate_auto, follow_if_worker, load_pair
 
     follow_if_worker(model, draft)  # a distributed job's other ranks: no server, no PID file
 
@@ -198,6 +198,7 @@ def serve(
         )
     with PidFile(home, url, port):  # during loading too: a launcher sees "starting"
         pair = load_pair(model, draft, block_size=block_size, draft_bits=draft_bits)
+        calibrate_auto(pair, block_size)  # before the first request: once per pair and machine
         fixed = pair.block_size if block_size not in (None, "auto") else None  # else auto
         app = create_app(
             pair,
