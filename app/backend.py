@@ -222,7 +222,6 @@ def load_backend(opts: ChatOptions, status: Status | None = None) -> Backend:
     from dflash_mac.cli.terminal import block_size_policy, load_ranked, warn_thinking_mismatch
     from dflash_mac.distributed.group import world
     from dflash_mac.loading import load, quantize_drafter
-    from dflash_mac.policy import AUTO
     from dflash_mac.session import Session
 
     group = world()  # under `dflash-mac launch`: this is rank 0, the target is sharded
@@ -234,9 +233,8 @@ def load_backend(opts: ChatOptions, status: Status | None = None) -> Backend:
     if opts.reasoning is not None:
         reasoning_args(pair.tokenizer, opts.reasoning)  # a clear error before the first turn
     warn_thinking_mismatch(pair, opts.reasoning, warn=warnings.append)
-    if opts.block_size in (None, AUTO) and calibrate.missing(pair, pair.block_size):
-        done, total = 0, calibrate.rounds(calibrate.QUICK_REPS)
-        what = f"Timing block sizes 1..{pair.block_size} on this machine (once for this pair)…"
+    if calibrate.needed(pair, opts.block_size):
+        done, total, what = 0, calibrate.steps(), calibrate.title(pair) + "…"
 
         def step() -> None:
             nonlocal done

@@ -36,7 +36,7 @@ from .capture import FeatureCapture, queues_layers
 from .decode import DecodeState, DraftContext, prefill, queue_cycle, queue_verify
 from .distributed.group import world
 from .pair import Pair
-from .policy import cost_curve_path
+from .policy import AUTO, cost_curve_path
 from .sampling import SamplingParams
 
 PLAIN_BURST = 8  # plain steps timed as a run, each queued before the previous one's sync
@@ -169,6 +169,22 @@ def prior_name(pair: Pair) -> str:
         return "the generic guess (no cost curve saved on this machine)"
     kind = "quick curve (first use)" if data.get("quick") else "curve (bench --cost-curve)"
     return f"{kind}, bs 1..{top}, {reps} timings per size"
+
+
+def needed(pair: Pair, requested: int | str | None) -> bool:
+    """Whether a command run with `--block-size requested` measures the quick curve first:
+    `auto` (None or "auto", up to `pair.block_size`) and `missing`."""
+    return requested in (None, AUTO) and missing(pair, pair.block_size)
+
+
+def title(pair: Pair) -> str:
+    """What the front ends show while `calibrate` runs."""
+    return f"Timing block sizes 1..{pair.block_size} on this machine (once for this pair)"
+
+
+def steps() -> int:
+    """How many times `calibrate` calls its `progress`."""
+    return rounds(QUICK_REPS)
 
 
 def calibrate(pair: Pair, bs_max: int, progress: Progress | None = None) -> Path:

@@ -61,6 +61,8 @@ def test_first_use_measures_and_saves_a_quick_curve_that_auto_takes(pair):
 
 
 def test_no_curve_is_measured_when_turned_off_or_for_plain_decoding(pair, monkeypatch):
+    assert calibrate.needed(pair, None) and calibrate.needed(pair, "auto")
+    assert not calibrate.needed(pair, 4)  # a fixed size does not use the curve
     assert not calibrate.missing(pair, 1)  # auto up to 1 is plain decoding: nothing to time
     monkeypatch.setenv(calibrate.CALIBRATE_ENV, "0")
     assert not calibrate.missing(pair, 3)

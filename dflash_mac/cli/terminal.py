@@ -56,12 +56,12 @@ def load_pair(
 
 
 @contextmanager
-def progress_bar(description: str, reps: int) -> Iterator[Callable[[], None]]:
-    """A transient progress bar on stderr over `calibrate.measure_both`'s rounds; yields the
-    step to pass as its `progress`."""
+def progress_bar(description: str, total: int) -> Iterator[Callable[[], None]]:
+    """A transient progress bar on stderr over `total` steps (calibrate.py's rounds); yields
+    the step to pass as their `progress`."""
     columns = (TextColumn("{task.description}"), BarColumn(), TaskProgressColumn())
     with Progress(*columns, TimeElapsedColumn(), console=err, transient=True) as bar:
-        task = bar.add_task(description, total=calibration.rounds(reps))
+        task = bar.add_task(description, total=total)
         yield lambda: bar.advance(task)
 
 
@@ -71,10 +71,9 @@ def calibrate_auto(
     """Before the first `--block-size auto` run of a pair on this machine (`block_size` None or
     "auto"): measure its quick cost curve once and save it (calibrate.py), with a progress
     bar. Call it after the command's inputs are checked: a typo must not wait for it."""
-    if block_size not in (None, AUTO) or not calibration.missing(pair, pair.block_size):
+    if not calibration.needed(pair, block_size):
         return
-    what = f"Timing block sizes 1..{pair.block_size} on this machine (once for this pair)"
-    with progress_bar(what, calibration.QUICK_REPS) as step:
+    with progress_bar(calibration.title(pair), calibration.steps()) as step:
         path = calibration.calibrate(pair, pair.block_size, step)
     warn(f"saved the cost curve of --block-size auto to {path}")
 
