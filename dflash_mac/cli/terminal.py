@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -167,6 +168,9 @@ def print_stats(pair: Pair, result: GenerationResult, console: Console = err) ->
     from dflash_mac.platform import blas_in_use, device_name
 
     s = result.stats
+    blas = blas_in_use()
+    if blas == "OpenBLAS" and (threads := os.environ.get("OPENBLAS_NUM_THREADS")):
+        blas += f" ({threads} threads)"
     from dflash_mac.metal_kernels import kernels_in_use
 
     kernels = (
@@ -190,7 +194,7 @@ def print_stats(pair: Pair, result: GenerationResult, console: Console = err) ->
     )
     console.print(
         f"[dim]drafter[/] {pair.kind} · kernels {kernels} · {device_name()} · "
-        f"BLAS {blas_in_use()} · peak memory {s.peak_memory_gb:.3f} GB"
+        f"BLAS {blas} · peak memory {s.peak_memory_gb:.3f} GB"
     )
     if s.ranks > 1:
         console.print(distributed_line(s))

@@ -4,6 +4,7 @@ command in fresh processes, exit codes and what they print."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from .conftest import Cli, installed_command, user_env
 pytestmark = pytest.mark.slow  # starts the installed command in subprocesses
 
 N = 8
+OPENBLAS = any(Path("/usr/lib").glob("*-linux-gnu/libopenblas.so.0"))
 
 
 def test_generate_json(cli):
@@ -87,7 +89,8 @@ def test_auto_measures_the_cost_curve_once_at_first_use(tmp_path):
     """A user who never ran `bench --cost-curve`: the first `auto` run times the block sizes
     (a progress bar, one line saying where the curve went) and saves a greedy and a sampled
     table; later runs reuse it; a fixed block size or DFLASH_MAC_CALIBRATE=0 measures nothing."""
-    cli = Cli(installed_command(), user_env(tmp_path))
+    env = {k: v for k, v in user_env(tmp_path).items() if k != "OPENBLAS_NUM_THREADS"}
+    cli = Cli(installed_command(), env)
     curves = lambda: list(tmp_path.rglob("cost-curves/*/*.json"))  # noqa: E731
     r = cli("generate", "hi", "-n", str(N), "--block-size", "4", "--json")
     assert r.returncode == 0, r.stderr
@@ -106,9 +109,11 @@ def test_auto_measures_the_cost_curve_once_at_first_use(tmp_path):
         ratios = [table[str(b)] for b in range(1, bs + 1)]
         assert ratios[0] == 1.0 and ratios == sorted(ratios) and len(table) == bs
     assert curve["quick"]
-    r = cli("generate", "hi", "-n", str(N), "--temp", "0.7", "--json")
+    r = cli("generate", "hi", "-n", str(N), "--temp", "0.7", "-v")
     assert r.returncode == 0, r.stderr
     assert "cost curve" not in r.stderr and path.read_text() == json.dumps(curve, indent=1) + "\n"
+    if OPENBLAS:  # one BLAS thread per core unless the user sets OPENBLAS_NUM_THREADS
+        assert f"BLAS OpenBLAS ({os.cpu_count()} threads)" in r.stderr
 
 
 def test_doctor_self_test_passes(cli):
