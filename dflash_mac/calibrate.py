@@ -15,10 +15,11 @@ rejection); both are saved where `auto` reads its prior (`policy.cost_curve_path
 sampled one for requests with a temperature.
 
 `dflash-mac bench --cost-curve` measures the full curve (`reps` 12). Front ends that run
-`auto` call `missing` / `calibrate` first: a pair without a saved curve on this machine gets a
-quick one (`QUICK_REPS`, sizes up to auto's largest) measured once and saved, because `auto`
-on the generic guess alone lands ~5 % behind the best fixed choice. `DFLASH_MAC_CALIBRATE=0`
-turns that off."""
+`auto` call `needed` / `calibrate` once their inputs are checked: a pair without a saved curve
+on this machine gets a quick one (`QUICK_REPS`, sizes up to auto's largest) measured once and
+saved, because sizes `auto` does not run keep the prior's cost, and the generic guess can be
+far from a machine's curve (a GPU's wide verify costs little more than one token).
+`DFLASH_MAC_CALIBRATE=0` turns that off."""
 
 from __future__ import annotations
 
