@@ -242,7 +242,9 @@ def load_backend(opts: ChatOptions, status: Status | None = None) -> Backend:
             if status:
                 status(what, done / total)
 
-        calibrate.calibrate(pair, pair.block_size, step)
+        said = calibrate.calibrate(pair, pair.block_size, step)
+        if isinstance(said, str):  # not saved: a toast, and the chat goes on
+            warnings.append(f"[yellow]warning:[/] {said}")
     info = EngineInfo(
         model=str(opts.model or "bundled"),
         kind=pair.kind,

@@ -144,32 +144,49 @@ def save(curve: dict, path: Path) -> Path:
     return path
 
 
+def saved(pair: Pair) -> dict | None:
+    """The curve saved for the pair on this machine; None when absent or unreadable."""
+    try:
+        data = json.loads(cost_curve_path(pair).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def sizes(table: object) -> set[int]:
+    """The block sizes a saved ratio table covers (none when it is malformed)."""
+    try:
+        return {int(b) for b in table["ratios"]}
+    except (KeyError, TypeError, ValueError):
+        return set()
+
+
 def missing(pair: Pair, bs_max: int) -> bool:
     """True when `auto` up to `bs_max` would run on the generic guess and a quick curve should
-    be measured first: no readable curve is saved for the pair on this machine, or it stops
-    short of `bs_max`. False with `DFLASH_MAC_CALIBRATE=0` and in a distributed job (rank 0
-    alone cannot time the sharded forward the same way)."""
+    be measured first: no readable curve with a greedy and a sampled table is saved for the
+    pair on this machine, or it stops short of `bs_max`. False with `DFLASH_MAC_CALIBRATE=0`,
+    in a distributed job (rank 0 alone cannot time the sharded forward the same way) and where
+    the data directory cannot be made (nowhere to keep it: `auto` keeps the guess)."""
     if os.environ.get(CALIBRATE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         return False
     if bs_max < 2 or world() is not None:
         return False
     try:
-        data = json.loads(cost_curve_path(pair).read_text())
-        sizes = {int(b) for b in data["ratios"]} & {int(b) for b in data["sampled"]["ratios"]}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return True
-    return max(sizes, default=0) < bs_max
+        cost_curve_path(pair)
+    except OSError:
+        return False
+    data = saved(pair) or {}
+    both = sizes(data) & sizes(data.get("sampled"))
+    return max(both, default=0) < bs_max
 
 
 def prior_name(pair: Pair) -> str:
     """What `auto` starts from for the pair on this machine, in words (the bench's header)."""
-    try:
-        data = json.loads(cost_curve_path(pair).read_text())
-        top, reps = max(int(b) for b in data["ratios"]), data.get("reps", "?")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    data = saved(pair)
+    if not data or not sizes(data):
         return "the generic guess (no cost curve saved on this machine)"
     kind = "quick curve (first use)" if data.get("quick") else "curve (bench --cost-curve)"
-    return f"{kind}, bs 1..{top}, {reps} timings per size"
+    return f"{kind}, bs 1..{max(sizes(data))}, {data.get('reps', '?')} timings per size"
 
 
 def needed(pair: Pair, requested: int | str | None) -> bool:
@@ -188,7 +205,12 @@ def steps() -> int:
     return rounds(QUICK_REPS)
 
 
-def calibrate(pair: Pair, bs_max: int, progress: Progress | None = None) -> Path:
-    """Measure the quick curve up to `bs_max`, greedy and sampled, and save it for `auto`."""
+def calibrate(pair: Pair, bs_max: int, progress: Progress | None = None) -> Path | str:
+    """Measure the quick curve up to `bs_max`, greedy and sampled, and save it for `auto`:
+    its path, or why it could not be saved (a sentence; generation goes on regardless)."""
     curve = measure_both(pair, bs_max, reps=QUICK_REPS, progress=progress)
-    return save(curve | {"quick": True}, cost_curve_path(pair))
+    path = cost_curve_path(pair)
+    try:
+        return save(curve | {"quick": True}, path)
+    except OSError as e:
+        return f"could not save the cost curve of --block-size auto to {path} ({e.strerror or e})."

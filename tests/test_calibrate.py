@@ -96,3 +96,17 @@ def test_calibrating_on_one_thread_then_decoding_on_another_stays_exact(pair):
         t.start()
         t.join(120)
     assert out["path"].exists() and out["tokens"] == ref
+
+
+def test_a_curve_that_cannot_be_saved_is_one_sentence_and_generation_goes_on(pair, monkeypatch):
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(calibrate, "save", full)
+    said = calibrate.calibrate(pair, 2)
+    assert said == (
+        f"could not save the cost curve of --block-size auto to {cost_curve_path(pair)} "
+        "(No space left on device)."
+    )
+    monkeypatch.setenv("DFLASH_MAC_HOME", "/proc/self/no-such-home")  # cannot be made
+    assert not calibrate.missing(pair, 3)  # nowhere to keep a curve: auto keeps the guess

@@ -75,8 +75,11 @@ def calibrate_auto(
     if not calibration.needed(pair, block_size):
         return
     with progress_bar(calibration.title(pair), calibration.steps()) as step:
-        path = calibration.calibrate(pair, pair.block_size, step)
-    warn(f"saved the cost curve of --block-size auto to {path}")
+        saved = calibration.calibrate(pair, pair.block_size, step)
+    if isinstance(saved, str):
+        warn(f"[yellow]warning:[/] {saved}")
+    else:
+        warn(f"saved the cost curve of --block-size auto to {saved}")
 
 
 def load_ranked(group: Any, model: str | None, draft: str | None) -> Pair:
