@@ -21,14 +21,21 @@ def survival(lengths: list[int], block_size: int) -> list[float]:
     return [sum(a >= k for a in lengths) / n if n else 0.0 for k in range(1, block_size + 1)]
 
 
-def position_acceptance(lengths: list[int], block_size: int) -> list[float]:
+def position_acceptance(
+    lengths: list[int], block_size: int, sizes: list[int] | None = None
+) -> list[float]:
     """P(draft position k accepted | positions 1..k-1 accepted), k = 1..block_size-1.
 
-    A cycle committing A tokens accepted A-1 drafts (the last token is the bonus)."""
+    A cycle committing A tokens accepted A-1 drafts (the last token is the bonus). `sizes`
+    (per cycle, as `auto` chose them or as the room left cut the last ones) limits each cycle
+    to the positions it drafted: a plain step (size 1) drafts none, and a block of 5 that
+    accepted all 4 drafts says nothing about position 5; without it every cycle is taken to be
+    of `block_size`."""
+    sizes = sizes if sizes is not None else [block_size] * len(lengths)
     out = []
     for k in range(1, block_size):
-        reached = sum(a - 1 >= k - 1 for a in lengths)
-        accepted = sum(a - 1 >= k for a in lengths)
+        reached = sum(a - 1 >= k - 1 and b > k for a, b in zip(lengths, sizes))
+        accepted = sum(a - 1 >= k and b > k for a, b in zip(lengths, sizes))
         out.append(accepted / reached if reached else 0.0)
     return out
 
@@ -103,7 +110,9 @@ class DecodeStats:
 
     @property
     def position_acceptance(self) -> list[float]:
-        return position_acceptance(self.acceptance_lengths, self.block_size)
+        return position_acceptance(
+            list(self.acceptance_lengths), self.block_size, list(self.block_sizes) or None
+        )
 
     @property
     def prefill_tps(self) -> float:

@@ -26,7 +26,7 @@ from dflash_mac.cli import app
 from dflash_mac.generate import prompt_ids
 from dflash_mac.loading import BUNDLED_DRAFT
 from dflash_mac.sampling import SamplingParams
-from dflash_mac.stats import histogram, mean_std, position_acceptance, survival
+from dflash_mac.stats import DecodeStats, histogram, mean_std, position_acceptance, survival
 from dflash_mac.testing.oracle import OracleDrafter, with_drafter
 
 # -- synthetic data ---------------------------------------------------------------------
@@ -79,6 +79,23 @@ def test_stats_helpers_on_synthetic_cycles():
     assert position_acceptance(lengths, 4) == [4 / 6, 3 / 4, 2 / 3]
     assert mean_std([2.0, 4.0]) == (3.0, pytest.approx(2**0.5))
     assert mean_std([5.0]) == (5.0, 0.0)
+
+
+def test_position_acceptance_counts_only_the_positions_each_cycle_drafted():
+    # auto: plain steps (size 1) draft nothing; a block of 5 that kept all 4 drafts says
+    # nothing about position 5; a block of 2 nothing about position 2
+    lengths, sizes = [1, 1, 3, 5, 1, 2], [1, 1, 5, 5, 3, 2]
+    assert position_acceptance(lengths, 5, sizes) == [3 / 4, 2 / 2, 1 / 2, 1 / 1]
+    # the same cycles taken as all of size 5 read as rejections (what the bench once printed)
+    assert position_acceptance(lengths, 5) == [3 / 6, 2 / 3, 1 / 2, 1 / 1]
+    stats = DecodeStats(5, acceptance_lengths=tuple(lengths), auto=True, block_sizes=tuple(sizes))
+    assert stats.position_acceptance == [3 / 4, 2 / 2, 1 / 2, 1 / 1]
+    assert position_acceptance([1, 1], 4, [1, 1]) == [0.0, 0.0, 0.0]  # nothing drafted
+    recs = synthetic_records()
+    for r, (lens, bss) in zip(recs, [(lengths, sizes), ([2, 1], [2, 1])] * 2):
+        r["dflash"][0] = Run(list(range(101)), 10, 0.01, 0.5, 1000, "length", 0, lens, bss)
+    row = summary.summarize(recs, 0, "s", greedy=True)
+    assert row["position_acceptance"] == pytest.approx([8 / 10, 4 / 4, 2 / 4, 2 / 2])
 
 
 def test_run_decode_tps_excludes_first_token():

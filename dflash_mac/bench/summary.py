@@ -76,6 +76,7 @@ def summarize(records: list[dict], block_size: int, suite: str, greedy: bool) ->
     checks = [r["dflash"][block_size].tokens == r["baseline"].tokens for r in records]
     mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
     sizes = [b for r in dfl for b in r.block_sizes]
+    per_cycle = sizes if len(sizes) == len(lengths) else None  # older records: no sizes
     width = block_size or max(sizes, default=1)  # auto: up to the largest size it chose
     mix = {b: sizes.count(b) for b in sorted(set(sizes))}
     return {
@@ -94,7 +95,7 @@ def summarize(records: list[dict], block_size: int, suite: str, greedy: bool) ->
         "cycles": len(lengths),
         "histogram": histogram(lengths, width),
         "survival": survival(lengths, width),
-        "position_acceptance": position_acceptance(lengths, width),
+        "position_acceptance": position_acceptance(lengths, width, per_cycle),
         "baseline_prefill_tps": mean([r.prefill_tps for r in base]),
         "dflash_prefill_tps": mean([r.prefill_tps for r in dfl]),
         "baseline_ttft_ms": 1000 * mean([r.ttft for r in base]),

@@ -91,7 +91,7 @@ def dflash_run(
     seed: int | None = None,
 ):
     """DFlash (greedy unless `temperature`); returns (committed ids, decode time after the
-    first, cycle lengths)."""
+    first, cycle lengths, cycle block sizes)."""
     from dflash_mac.decode import GenerationConfig, speculative_stream
     from dflash_mac.models.distribution import SamplingParams
 
@@ -110,7 +110,7 @@ def dflash_run(
         t_last = now
         out += ev.tokens
         stats = ev.stats
-    return out, (t_last - t_first), list(stats.acceptance_lengths)
+    return out, (t_last - t_first), list(stats.acceptance_lengths), list(stats.block_sizes)
 
 
 def evaluate(
@@ -134,6 +134,7 @@ def evaluate(
             dflash_run(pair, warm, min(32, max_tokens), bs)
     res = {bs: EvalResult(bs, len(prompts), 0.0, [], [], [], 0) for bs in block_sizes}
     lengths_all: dict[int, list[int]] = {bs: [] for bs in block_sizes}
+    sizes_all: dict[int, list[int]] = {bs: [] for bs in block_sizes}
     for n, ids in enumerate(prompts):
         order = list(block_sizes) if n % 2 == 0 else list(reversed(block_sizes))
         ref, t_base = baseline_run(pair, ids, max_tokens)
@@ -141,11 +142,12 @@ def evaluate(
             t_base = min(t_base, baseline_run(pair, ids, max_tokens)[1])
         for bs in order:
             r = res[bs]
-            toks, t, lengths = dflash_run(pair, ids, max_tokens, bs)
+            toks, t, lengths, sizes = dflash_run(pair, ids, max_tokens, bs)
             for _ in range(repeats - 1):
                 t = min(t, dflash_run(pair, ids, max_tokens, bs)[1])
             r.identical += toks == ref
             lengths_all[bs] += lengths
+            sizes_all[bs] += sizes
             r.per_prompt_tau.append(sum(lengths) / len(lengths) if lengths else 1.0)
             r.dflash_tokens += max(len(toks) - 1, 0)
             r.dflash_time += t
@@ -155,7 +157,7 @@ def evaluate(
     for bs in block_sizes:
         r, lengths = res[bs], lengths_all[bs]
         r.tau = sum(r.per_prompt_tau) / len(r.per_prompt_tau)
-        r.position_acceptance = position_acceptance(lengths, bs)
+        r.position_acceptance = position_acceptance(lengths, bs, sizes_all[bs])
         r.survival = survival(lengths, bs)
         r.histogram = histogram(lengths, bs)
         out.append(r)
@@ -195,16 +197,19 @@ def sampled_tau(
     pair: Pair, prompts: list[list[int]], block_size: int, temperature: float, max_tokens: int
 ) -> dict:
     """τ and per-position acceptance of sampled DFlash at `temperature` (seed = prompt index)."""
-    taus, lengths = [], []
+    taus, lengths, per_cycle = [], [], []
     for n, ids in enumerate(prompts):
-        _, _, lens = dflash_run(pair, ids, max_tokens, block_size, temperature, seed=n)
+        _, _, lens, sizes = dflash_run(pair, ids, max_tokens, block_size, temperature, seed=n)
         taus.append(sum(lens) / len(lens) if lens else 1.0)
         lengths += lens
+        per_cycle += sizes
     return {
         "temperature": temperature,
         "block_size": block_size,
         "tau": round(sum(taus) / len(taus), 3),
-        "position_acceptance": [round(a, 3) for a in position_acceptance(lengths, block_size)],
+        "position_acceptance": [
+            round(a, 3) for a in position_acceptance(lengths, block_size, per_cycle)
+        ],
         "by_length": tau_by_length(prompts, taus),
     }
 
