@@ -34,7 +34,7 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
 from .capture import FeatureCapture, queues_layers
-from .decode import DecodeState, DraftContext, prefill, queue_cycle, queue_verify
+from .decode import DecodeState, DraftContext, prefill, propose, queue_cycle, queue_verify
 from .distributed.group import world
 from .pair import Pair
 from .policy import AUTO, cost_curve_path
@@ -59,7 +59,9 @@ def measure(
     progress: Progress | None = None,
 ) -> dict:
     """Median seconds per cycle for bs = 1..max_bs and the ratios to bs = 1, greedy or (with
-    `temperature`) sampled: drafts drawn, verified by rejection, plain steps drawn too."""
+    `temperature`) sampled: drafts drawn, verified by rejection, plain steps drawn too. The
+    drafter pass is also timed alone (`draft_seconds`, bs >= 2): the rest of a cycle is its
+    verify and the host sync."""
     vocab = pair.drafter.config.vocab_size
     ids = [(7919 * i + 11) % vocab for i in range(context)]
     state = DecodeState(pair)
@@ -67,6 +69,8 @@ def measure(
     sp = SamplingParams(temperature)
     key = mx.random.key(0)
     times: dict[int, list[float]] = {bs: [] for bs in range(1, max_bs + 1)}
+    drafting: dict[int, list[float]] = {bs: [] for bs in range(2, max_bs + 1)}
+    mask = pair.drafter.config.mask_token_id
     with (
         FeatureCapture(pair.target, pair.layer_ids, queue=queues_layers()) as cap,
         state.rollback.hooks(),
@@ -93,12 +97,19 @@ def measure(
                 if state.rollback.hybrid:  # keep the pass whole: its window can then be cut
                     state.rollback.rollback(0, bs - 1)
                 state.rollback.trim(bs * n)  # back to the prompt
+                if bs > 1:  # the drafter pass alone (it leaves its context cache as it was)
+                    block = mx.array([ids[-1]] + [mask] * (bs - 1), mx.int32)
+                    t = time.perf_counter()
+                    mx.eval(propose(pair, block, ctx.cache, sp, key)[0])
+                    drafting[bs].append(time.perf_counter() - t)
             if progress:
                 progress()
     seconds = {bs: statistics.median(ts[WARMUP_ROUNDS:]) for bs, ts in times.items()}
     ratios = non_decreasing([seconds[bs] / seconds[1] for bs in range(2, max_bs + 1)])
+    draft = {bs: statistics.median(ts[WARMUP_ROUNDS:]) for bs, ts in drafting.items()}
     return {
         "seconds": {str(b): s for b, s in seconds.items()},
+        "draft_seconds": {str(b): s for b, s in draft.items()},
         "ratios": {"1": 1.0} | {str(b): r for b, r in enumerate(ratios, start=2)},
         "context": context,
         "reps": reps,

@@ -241,7 +241,14 @@ def test_cost_curve_is_measured_saved_and_used_by_auto(tiny_pair, tmp_path, monk
     curve = measure(pair, max_bs=3, context=16, reps=1)
     assert set(curve["ratios"]) == {"1", "2", "3"} and curve["ratios"]["1"] == 1.0
     assert all(curve["seconds"][b] > 0 for b in curve["seconds"])
-    assert "break-even" in render(curve)
+    assert set(curve["draft_seconds"]) == {"2", "3"}  # the drafter pass alone: no plain step
+    assert all(s > 0 for s in curve["draft_seconds"].values())
+    table = render(curve)
+    assert "break-even" in table and "draft ms" in table
+    verify = 1000 * (curve["seconds"]["3"] - curve["draft_seconds"]["3"])
+    assert f"{verify:.2f}" in table.splitlines()[3]  # bs 3: the rest of the cycle
+    older = {k: v for k, v in curve.items() if k != "draft_seconds"}  # curves saved before
+    assert "draft ms" not in render(older) and "break-even" in render(older)
     assert not auto_controller(pair, 3).cost.prior.measured  # nothing saved yet: the guess
     forget()
     path = save(curve, cost_curve_path(pair))

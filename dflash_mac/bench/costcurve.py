@@ -6,23 +6,37 @@ from __future__ import annotations
 
 
 def render(curve: dict, width: int = 40) -> str:
-    """A table and a terminal plot of the ratios; the break-even column is the tokens a cycle
-    must commit on average to match plain decoding. A sampled curve adds its own columns."""
+    """A table and a terminal plot of the ratios (each also the break-even τ: the tokens a
+    cycle must commit on average to match plain decoding), with the drafter pass and the rest
+    of the cycle (verify and host sync) in ms where the curve has them. A sampled curve adds
+    its own columns."""
     ratios = {int(b): r for b, r in curve["ratios"].items()}
     secs = {int(b): s for b, s in curve["seconds"].items()}
+    draft = {int(b): s for b, s in curve.get("draft_seconds", {}).items()}
     sampled = curve.get("sampled")
     s_ratios = {int(b): r for b, r in sampled["ratios"].items()} if sampled else {}
     s_secs = {int(b): s for b, s in sampled["seconds"].items()} if sampled else {}
     top = max([*ratios.values(), *s_ratios.values()])
-    head = "bs   ms/cycle   × plain step   break-even τ"
+    head = "bs   ms/cycle" + ("   draft ms  verify ms" if draft else "") + "   × plain step"
     if sampled:
         head += f"   T {sampled['temperature']:g}: ms   × plain step"
 
     def row(b: int, r: float) -> str:
-        line = f"{b:>2} {1000 * secs[b]:>10.2f} {r:>14.2f} {r:>14.2f}"
+        line = f"{b:>2} {1000 * secs[b]:>10.2f}"
+        if draft:
+            d = draft.get(b, 0.0)
+            line += (
+                f" {1000 * d:>10.2f} {1000 * (secs[b] - d):>10.2f}" if d else f" {'–':>10} {'':>10}"
+            )
+        line += f" {r:>14.2f}"
         if b in s_ratios:
             line += f" {1000 * s_secs[b]:>12.2f} {s_ratios[b]:>14.2f}"
         return f"{line}  {'█' * max(1, round(width * r / top))}"
 
-    lines = [head, *(row(b, r) for b, r in sorted(ratios.items()))]
+    notes = ["× plain step is also the break-even τ: the tokens a cycle must commit on average"]
+    notes.append("to match plain decoding.")
+    if draft:
+        notes.append("draft ms: the drafter pass timed alone; verify ms: the rest of the cycle")
+        notes.append("(the target's pass over bs tokens and the host sync).")
+    lines = [head, *(row(b, r) for b, r in sorted(ratios.items())), *notes]
     return "\n".join(lines) + "\n"

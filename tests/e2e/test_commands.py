@@ -73,9 +73,10 @@ def test_bench_cost_curve_saves_a_greedy_and_a_sampled_table(cli):
     reads holds both (the sampled one is the prior of requests with a temperature)."""
     r = cli("bench", "--cost-curve")
     assert r.returncode == 0, r.stderr
-    head = r.stdout.splitlines()[0]
-    assert "break-even τ" in head and "T 0.7: ms" in head
-    assert len(r.stdout.splitlines()) == 1 + 16  # bs 1..16
+    lines = r.stdout.splitlines()
+    assert all(w in lines[0] for w in ("draft ms", "verify ms", "× plain step", "T 0.7: ms"))
+    assert [int(line.split()[0]) for line in lines[1:17]] == list(range(1, 17))  # bs 1..16
+    assert "break-even τ" in r.stdout
     saved = list(Path(cli.env["DFLASH_MAC_HOME"]).rglob("cost-curves/*/*.json"))
     assert len(saved) == 1, saved
     curve = json.loads(saved[0].read_text())
