@@ -13,9 +13,11 @@ Block size 1 is plain target decoding (no drafter pass). When drafting does not 
 controller falls back to it and probes one drafting cycle now and then (twice as late after
 a probe that did not pay, judged on its measured time, twice as soon after one that did; at
 most 256 steps apart, fewer the more drafting gained lately); it falls back 5 % below a plain
-step's rate and resumes only 10 % above it, so it does not flap. Greedy and sampled decoding
-keep apart cost models (policy.auto_controller). Pure Python (no MLX): unit-testable with synthetic
-inputs (docs/bench.md).
+step's rate and resumes only 10 % above it, so it does not flap. A size next to the chosen one
+that is within 5 % of it and still has only the prior's cost runs now and then until it was
+timed a few times, so a prior that is a few per cent off at a size is corrected. Greedy and
+sampled decoding keep apart cost models (policy.auto_controller). Pure Python (no MLX):
+unit-testable with synthetic inputs (docs/bench.md).
 """
 
 from __future__ import annotations
@@ -191,6 +193,9 @@ class BlockController:
     CALIBRATION = 3  # plain steps at most that measure a one-token step (no measured curve)
     RESUME = 2  # drafting resumes past twice the hysteresis: a wrong resume costs more than
     # a late one (its cycles are dearer than their estimate when the machine is busy)
+    NEIGHBOUR_BAND = 0.05  # a size next to the chosen one, this close in rate, gets timed
+    NEIGHBOUR_TIMINGS = 3  # timed cycles a size gets that way (its first is never timed)
+    NEIGHBOUR_EVERY = 16  # drafting cycles between two of them
 
     def __init__(
         self,
@@ -219,6 +224,7 @@ class BlockController:
         self.idle = 0  # cycles since the last drafting one was observed
         self.timed = timed  # False: decide from the prior costs only (reproducible choices)
         self.calibrate_from = 3 if timed and not cost.calibrated else None
+        self.neighbour_countdown = self.NEIGHBOUR_EVERY
         self.last = Decision(1 if plain_first else bs_max, "start")
 
     def rates(self) -> dict[int, float]:
@@ -272,12 +278,37 @@ class BlockController:
             self.fallback = True
             self.interval = self.countdown = self.probe_base
             self.last = Decision(1, f"drafting does not pay ({rates[cur]:.2f}×)", rates)
+        elif (near := self.untimed_neighbour(rates)) is not None:
+            self.last = Decision(near, f"timing block {near} (close to {cur})", rates)
         else:
             self.last = Decision(cur, f"expected {rates[cur]:.2f}× a plain step", rates)
             self.upside = max(self.upside, rates[cur] / rates[1] - 1.0)
         if self.plain_first and self.last.size == 1:
             self.last = replace(self.last, reason=f"long context, {self.last.reason}")
         return self.last
+
+    def untimed_neighbour(self, rates: dict[int, float]) -> int | None:
+        """A size next to the chosen one whose cost is still the prior's and whose expected
+        rate is within NEIGHBOUR_BAND of the chosen one's, every NEIGHBOUR_EVERY drafting
+        cycles, until it was timed NEIGHBOUR_TIMINGS times: a prior measured in a few seconds
+        can put a size a few per cent off, and sizes never run would keep that error."""
+        if not self.timed:
+            return None
+        self.neighbour_countdown -= 1
+        if self.neighbour_countdown > 0:
+            return None
+        cur = self.current
+        near = [
+            b
+            for b in (cur - 1, cur + 1)
+            if 2 <= b <= self.bs_max
+            and self.cost.counts.get(b, 0) < self.NEIGHBOUR_TIMINGS
+            and rates[b] >= rates[cur] * (1 - self.NEIGHBOUR_BAND)
+        ]
+        if not near:
+            return None
+        self.neighbour_countdown = self.NEIGHBOUR_EVERY
+        return max(near, key=rates.get)
 
     def update(self, bs: int, accepted: int, seconds: float | None, steady: bool = True) -> None:
         """Feed back a finished cycle: `accepted` drafts of bs-1 and its time (None: not

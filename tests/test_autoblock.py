@@ -556,3 +556,35 @@ def test_probes_come_sooner_where_drafting_paid_much():
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert gaps and max(gaps) <= 2 * BlockController.PROBE_SCALE + 1, gaps
     assert max(gaps) < ctl.probe_max // 2
+
+
+def test_a_size_next_to_the_chosen_one_gets_its_own_timing():
+    """A quick prior that put block 8 8 % dearer than it is: `auto` drafted at 7 and never
+    learnt 8's cost. Sizes next to the chosen one, close in rate and timed by the prior only,
+    run now and then until timed, so the controller moves to 8 where 8 pays."""
+    true = {1: 1.0, **{b: 1.5 + 0.07 * (b - 1) for b in range(2, 9)}}
+    prior = CostCurve({**true, 8: true[8] * 1.08}, measured=True)
+
+    def run(ctl: BlockController) -> list[int]:
+        rng, sizes = random.Random(7), []
+        accept = geometric(0.85, rng)
+        for _ in range(400):
+            bs = ctl.choose().size
+            sizes.append(bs)
+            ctl.update(bs, accept(bs) if bs > 1 else 0, 0.010 * true[bs])
+        return sizes
+
+    sizes = run(BlockController(8, CostModel(prior)))
+    assert sizes[:16].count(7) >= 14  # the prior's choice first
+    assert sizes[-200:].count(8) >= 190  # then 8, once timed
+    timing = BlockController(8, CostModel(prior))
+    run(timing)
+    assert timing.cost.counts[8] >= timing.NEIGHBOUR_TIMINGS
+    still = BlockController(8, CostModel(prior))
+    still.NEIGHBOUR_EVERY = 10**9  # negative control: no neighbour timings
+    assert run(still)[-200:].count(7) >= 190
+    # a measured size far off in rate is not run for its timing
+    far = BlockController(8, CostModel(CostCurve({**true, 8: true[8] * 1.5}, measured=True)))
+    assert 8 not in run(far)
+    # nor when choices must not depend on timings (seeded sampling)
+    assert 8 not in run(BlockController(8, CostModel(prior), timed=False))
