@@ -1,0 +1,110 @@
+"""Where a decode cycle's time goes on this machine: the ops a wide verify and the drafter pass
+add over a one-token step, timed one by one (docs/bench.md, "Where a cycle's time goes").
+
+    LD_PRELOAD=<libopenblas.so.0> .venv/bin/python scripts/cpu_costs.py
+
+Medians of synchronous runs (build + eval), in µs; run it on an idle machine.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import mlx.core as mx
+
+from dflash_mac.capture import FeatureCapture
+from dflash_mac.decode import DecodeState, prefill, propose
+from dflash_mac.loading import load
+from dflash_mac.sampling import SamplingParams
+
+
+def us(f: Callable[[], object], reps: int = 300) -> float:
+    """Median µs of `mx.eval(f())` after a warm-up."""
+    times = []
+    for i in range(reps + 20):
+        t = time.perf_counter()
+        mx.eval(f())
+        if i >= 20:
+            times.append(time.perf_counter() - t)
+    return 1e6 * statistics.median(times)
+
+
+def elementwise() -> None:
+    x = mx.random.normal((1 << 16,))
+    mx.eval(x)
+    n = x.size
+    for name, f in [("add", lambda: x + 1.0), ("exp", lambda: mx.exp(x)), ("sigmoid", None)]:
+        f = f or (lambda: mx.sigmoid(x))
+        print(f"  {name:<8} {1000 * us(f) / n:6.2f} ns per element")
+
+
+def rows(hidden: int = 256, inter: int = 768, vocab: int = 4096) -> None:
+    w_up, w_head = mx.random.normal((inter, hidden)), mx.random.normal((vocab, hidden))
+    mx.eval(w_up, w_head)
+    for n in (1, 8):
+        x, y = mx.random.normal((1, n, hidden)), mx.random.normal((1, n, inter))
+        mx.eval(x, y)
+        up = us(lambda x=x: x @ w_up.T)
+        head = us(lambda x=x: x @ w_head.T)
+        silu = us(lambda y=y: y * mx.sigmoid(y))
+        print(
+            f"  {n} row(s): {hidden}→{inter} matmul {up:5.0f} µs · "
+            f"LM head {head:5.0f} µs · SiLU on {inter} {silu:5.0f} µs"
+        )
+
+
+def attention(heads: int = 4, kv_heads: int = 2, head_dim: int = 64) -> None:
+    cache = mx.random.normal((1, kv_heads, 2048, head_dim))
+    mx.eval(cache)
+    for keys in (128, 1500):
+        k = v = cache[:, :, :keys]
+        cells = []
+        for n in (1, 8):
+            q = mx.random.normal((1, heads, n, head_dim))
+            mx.eval(q)
+            mask = "causal" if n > 1 else None
+
+            def sdpa(q=q, k=k, v=v, mask=mask):
+                return mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+
+            cells.append(f"{n} quer{'y' if n == 1 else 'ies'} {us(sdpa):5.0f} µs")
+        print(f"  {keys:>4} keys: " + " · ".join(cells))
+
+
+def cycle_parts() -> None:
+    pair = load()
+    vocab = pair.drafter.config.vocab_size
+    ids = [(7919 * i + 11) % vocab for i in range(128)]
+    state, sp, key = DecodeState(pair), SamplingParams(0.0), mx.random.key(0)
+    with FeatureCapture(pair.target, pair.layer_ids) as cap:
+        prefill(pair, state, ids, cap, 2048)
+
+        def target(n: int) -> Callable[[], object]:
+            def run():
+                out = pair.target(mx.array([ids[-n:]]), cache=state.target_cache)
+                mx.eval(out)
+                for c in state.target_cache:
+                    c.trim(n)
+                return out
+
+            return run
+
+        step = us(target(1), 100)
+        print(f"  target, 1 token: {step:.0f} µs; 8 tokens: {us(target(8), 100) / step:.2f}×")
+        for bs in (2, 8):
+            block = mx.array([ids[-1]] + [pair.drafter.config.mask_token_id] * (bs - 1))
+            draft = us(lambda b=block: propose(pair, b, state.draft_cache, sp, key)[0], 100)
+            print(f"  drafter pass at block {bs}: {draft:.0f} µs = {draft / step:.2f} steps")
+
+
+if __name__ == "__main__":
+    print("element-wise ops (MLX CPU):")
+    elementwise()
+    print("a wide verify's rows (bundled target's sizes):")
+    rows()
+    print("attention, 4 heads over 2 KV heads of 64:")
+    attention()
+    print("the bundled pair:")
+    cycle_parts()
