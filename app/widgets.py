@@ -252,7 +252,7 @@ class HistogramPanel(Widget):
         width = max(4, min(self.BAR_WIDTH, room)) if room > -10 else self.BAR_WIDTH
         out = Text()
         out.append("Acceptance", style="bold")
-        out.append("  tokens per cycle\n", style="dim")
+        out.append("  drafting cycles\n", style="dim")
         for i, count in enumerate(hist):
             out.append(f"{i + 1:>2} ", style="dim")
             out.append(bar(count, top, width), style="cyan")
@@ -270,6 +270,11 @@ class HistogramPanel(Widget):
                 f"{s.prompt_tokens - s.cached_tokens} new + {s.cached_tokens} cached" if s else "–",
             ),
             ("block", block_label(s) if s else str(bs or "–")),
+            *(
+                [("drafting", f"{s.draft_cycles} of {s.cycles} cycles")]
+                if s and s.plain_steps
+                else []
+            ),
             ("drafter", info.kind if info else "–"),
             ("kernels", info.kernels if info else "–"),
             ("memory", memory(s.peak_memory_gb) if s else "–"),

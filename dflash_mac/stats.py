@@ -1,10 +1,21 @@
 """Decode statistics (docs/design.md §9): τ, acceptance histogram, per-position acceptance,
-speeds."""
+speeds. τ is tokens per cycle over all cycles (what the speed follows); the histogram,
+survival and per-position acceptance are those of the drafting cycles."""
 
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
+
+
+def drafting(lengths: list[int], sizes: list[int] | None = None) -> list[int]:
+    """The committed lengths of the drafting cycles (block size > 1): a plain step (size 1,
+    what `auto` runs where drafting does not pay, or the last cycle when one token is left)
+    drafts nothing, so it has no place in the acceptance pictures. Without per-cycle sizes
+    every cycle counts."""
+    if sizes is None or len(sizes) != len(lengths):
+        return list(lengths)
+    return [a for a, b in zip(lengths, sizes) if b > 1]
 
 
 def histogram(lengths: list[int], block_size: int) -> list[int]:
@@ -86,7 +97,16 @@ class DecodeStats:
 
     @property
     def draft_cycles(self) -> int:
-        return sum(b > 1 for b in self.block_sizes)
+        return len(self.draft_lengths)
+
+    @property
+    def plain_steps(self) -> int:
+        return sum(b == 1 for b in self.block_sizes)
+
+    @property
+    def draft_lengths(self) -> list[int]:
+        """Committed tokens of each drafting cycle (`drafting`)."""
+        return drafting(list(self.acceptance_lengths), list(self.block_sizes) or None)
 
     @property
     def host_ms_per_cycle(self) -> float:
@@ -102,11 +122,11 @@ class DecodeStats:
 
     @property
     def histogram(self) -> list[int]:
-        return histogram(self.acceptance_lengths, self.block_size)
+        return histogram(self.draft_lengths, self.block_size)
 
     @property
     def survival(self) -> list[float]:
-        return survival(self.acceptance_lengths, self.block_size)
+        return survival(self.draft_lengths, self.block_size)
 
     @property
     def position_acceptance(self) -> list[float]:
@@ -138,6 +158,7 @@ class DecodeStats:
             "generation_tokens": self.generation_tokens,
             "block_size": self.block_size,
             "cycles": self.cycles,
+            "draft_cycles": self.draft_cycles,
             "acceptance_lengths": list(self.acceptance_lengths),
             "tau": self.tau,
             "histogram": self.histogram,

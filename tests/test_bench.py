@@ -26,7 +26,14 @@ from dflash_mac.cli import app
 from dflash_mac.generate import prompt_ids
 from dflash_mac.loading import BUNDLED_DRAFT
 from dflash_mac.sampling import SamplingParams
-from dflash_mac.stats import DecodeStats, histogram, mean_std, position_acceptance, survival
+from dflash_mac.stats import (
+    DecodeStats,
+    drafting,
+    histogram,
+    mean_std,
+    position_acceptance,
+    survival,
+)
 from dflash_mac.testing.oracle import OracleDrafter, with_drafter
 
 # -- synthetic data ---------------------------------------------------------------------
@@ -91,11 +98,23 @@ def test_position_acceptance_counts_only_the_positions_each_cycle_drafted():
     stats = DecodeStats(5, acceptance_lengths=tuple(lengths), auto=True, block_sizes=tuple(sizes))
     assert stats.position_acceptance == [3 / 4, 2 / 2, 1 / 2, 1 / 1]
     assert position_acceptance([1, 1], 4, [1, 1]) == [0.0, 0.0, 0.0]  # nothing drafted
+    # the histogram and survival are those of the drafting cycles; τ stays tokens per cycle
+    assert stats.histogram == [1, 1, 1, 0, 1] and stats.draft_cycles == 4
+    assert stats.survival == [1.0, 3 / 4, 2 / 4, 1 / 4, 1 / 4] and stats.plain_steps == 2
+    assert stats.tau == pytest.approx(13 / 6)
+    assert drafting(lengths, sizes) == [3, 5, 1, 2] and drafting(lengths) == lengths
+    assert stats.as_dict()["draft_cycles"] == 4 and stats.as_dict()["cycles"] == 6
     recs = synthetic_records()
     for r, (lens, bss) in zip(recs, [(lengths, sizes), ([2, 1], [2, 1])] * 2):
         r["dflash"][0] = Run(list(range(101)), 10, 0.01, 0.5, 1000, "length", 0, lens, bss)
     row = summary.summarize(recs, 0, "s", greedy=True)
     assert row["position_acceptance"] == pytest.approx([8 / 10, 4 / 4, 2 / 4, 2 / 2])
+    assert row["cycles"] == 16 and row["draft_cycles"] == 10
+    assert row["histogram"] == [2, 4, 2, 0, 2]  # 1: the two rejected blocks, not the plain steps
+    md = bench_report.render(
+        bench_report.build_report(HEADER, CONFIG, recs, [bench.AUTO_BS], greedy=True), "md"
+    )
+    assert "### Acceptance, block size auto (16 cycles, 6 of them plain steps, τ" in md
 
 
 def test_run_decode_tps_excludes_first_token():
@@ -399,11 +418,11 @@ def test_runner_measures_baseline_and_dflash(tiny_pair):
     ref = [t for t, _ in generate_step(mx.array(ids), tiny_pair.target, max_tokens=24)]
     pair = with_drafter(tiny_pair, OracleDrafter(tiny_pair.drafter, ids + ref, 320, 0.3, 1))
     cfg = BenchConfig([2, 4], max_tokens=24, trials=2, use_eos=False, warmup_tokens=4)
-    seen: list[tuple[int, int]] = []
+    seen: list[tuple[int, int, int]] = []
 
     class Obs(bench.Observer):
-        def cycle(self, bs, accepted):
-            seen.append((bs, accepted))
+        def cycle(self, bs, accepted, size):
+            seen.append((bs, accepted, size))
 
     prompts = [BenchPrompt("p", "s", "unused")]
     records = bench.run_bench(pair, prompts, [ids], cfg, Obs())
@@ -415,6 +434,9 @@ def test_runner_measures_baseline_and_dflash(tiny_pair):
             assert r.tokens == ref and sum(r.acceptance_lengths) == 23
             assert r.decode_tps > 0 and r.ttft > 0 and r.peak_memory > 0
     assert len(seen) == sum(len(r["dflash"][b].acceptance_lengths) for r in records for b in (2, 4))
+    assert [s for b, _, s in seen if b == 4] == [
+        s for r in records for s in r["dflash"][4].block_sizes
+    ]
     row = summary.summarize(records, 4, "s", greedy=True)
     assert 1.0 < row["tau"][0] <= 4 and row["lossless_equal"] == 2
 

@@ -597,3 +597,18 @@ class PanelApp(App):
 
 def test_snapshot_histogram_panel(snap_compare):
     assert snap_compare(PanelApp(), terminal_size=(36, 28))
+
+
+def test_histogram_panel_shows_drafting_cycles_and_how_many_were_plain():
+    """`auto` runs plain steps where drafting does not pay: they are not acceptance, so the
+    bars count drafting cycles and a row says how many of the cycles drafted."""
+    panel = HistogramPanel()
+    panel.show(
+        DecodeStats(4, acceptance_lengths=(1, 1, 3, 1, 4), block_sizes=(1, 1, 4, 4, 4), auto=True)
+    )
+    text = str(panel.render_panel())
+    rows = [line.split() for line in text.splitlines()[1:5]]
+    assert [int(r[-1]) for r in rows] == [1, 0, 1, 1]  # A = 1 once: the rejected block only
+    assert "drafting  3 of 5 cycles" in text
+    panel.show(DecodeStats(4, acceptance_lengths=(3, 4), block_sizes=(4, 4)))
+    assert "of 2 cycles" not in str(panel.render_panel())  # no plain steps: no such row

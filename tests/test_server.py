@@ -69,7 +69,8 @@ def test_chat_greedy_equals_generate(server, client):
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     assert r.usage.prompt_tokens_details.cached_tokens >= 0
     ext = r.model_extra["dflash"]
-    assert sum(ext["acceptance_histogram"]) == ext["cycles"] and ext["tau"] >= 1.0
+    assert sum(ext["acceptance_histogram"]) == ext["draft_cycles"] <= ext["cycles"]
+    assert ext["tau"] >= 1.0
 
 
 def test_chat_stream_with_usage(server, client):

@@ -471,10 +471,10 @@ def to_markdown(doc: dict) -> str:
         lines += [
             "",
             f"### Acceptance, block size {size_label(row['block_size'])} "
-            f"({row['cycles']} cycles, τ {row['tau'][0]:.2f})",
+            f"({row['cycles']} cycles{plain_note(row)}, τ {row['tau'][0]:.2f})",
             "",
             "```",
-            "tokens/cycle  histogram",
+            "tokens per drafting cycle",
         ]
         lines += bars(row["histogram"])
         lines += ["", "k  P(A ≥ k)  P(pos k accepted | 1..k-1)"]
@@ -484,6 +484,13 @@ def to_markdown(doc: dict) -> str:
             lines.append(f"{k:<2} {s:8.3f}  {'' if pa is None else f'{pa:8.3f}'}".rstrip())
         lines.append("```")
     return "\n".join(lines) + "\n"
+
+
+def plain_note(row: dict) -> str:
+    """ ", 214 of them plain steps" when a row's cycles include plain steps (the acceptance
+    pictures are over the drafting cycles alone)."""
+    plain = row["cycles"] - row.get("draft_cycles", row["cycles"])
+    return f", {plain} of them plain steps" if plain else ""
 
 
 def flat_rows(doc: dict) -> list[dict]:

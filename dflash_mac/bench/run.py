@@ -30,7 +30,7 @@ from typing import Any
 from dflash_mac.generate import PromptError, check_context
 from dflash_mac.pair import Pair
 from dflash_mac.prompts import read_prompt_file
-from dflash_mac.stats import histogram
+from dflash_mac.stats import drafting, histogram
 
 SUITES = ("code", "math", "chat", "long")
 ALL_SUITES = ("code", "math", "chat")  # `--suite all`; `long` (1,000-1,900 tokens) runs alone
@@ -199,7 +199,7 @@ class Run:
                 tau=self.tau,
                 cycles=len(self.acceptance_lengths),
                 acceptance_lengths=list(self.acceptance_lengths),
-                histogram=histogram(self.acceptance_lengths, bs),
+                histogram=histogram(drafting(self.acceptance_lengths, self.block_sizes), bs),
                 block_sizes=list(self.block_sizes),
                 host_ms_per_cycle=self.host_ms_per_cycle,
             )
@@ -277,10 +277,10 @@ def run_dflash(
     cfg: BenchConfig,
     block_size: int,
     seed: int,
-    on_cycle: Callable[[int], Any] | None = None,
+    on_cycle: Callable[[int, int], Any] | None = None,
     max_tokens: int | None = None,
 ) -> Run:
-    """DFlash through `stream_generate`, timed like the baseline; `on_cycle(accepted)`."""
+    """DFlash through `stream_generate`, timed like the baseline; `on_cycle(accepted, size)`."""
     from dflash_mac.generate import stream_generate
 
     tokens, last = [], None
@@ -301,7 +301,7 @@ def run_dflash(
         tokens += ev.tokens
         last = ev
         if ev.accepted and on_cycle:
-            on_cycle(ev.accepted)
+            on_cycle(ev.accepted, ev.stats.block_sizes[-1])
     return clock.result(
         tokens,
         len(ids),
@@ -342,8 +342,9 @@ class Observer:
     def start(self, bp: BenchPrompt, trial: int, index: int, bs: int | None) -> None:
         """A run begins (`bs` None: the baseline)."""
 
-    def cycle(self, bs: int, accepted: int) -> None:
-        """A DFlash cycle committed `accepted` tokens."""
+    def cycle(self, bs: int, accepted: int, size: int) -> None:
+        """A DFlash cycle at block size `size` (what `auto` chose; 1: a plain step) committed
+        `accepted` tokens in a run at `bs`."""
 
     def done(self, run: Run) -> None:
         """A run finished."""
@@ -401,7 +402,7 @@ def run_bench(
                         cfg,
                         bs,
                         dflash_seed(cfg, seed),
-                        lambda a, b=bs: obs.cycle(b, a),
+                        lambda a, size, b=bs: obs.cycle(b, a, size),
                         limits[i],
                     )
                 obs.done(run)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from dflash_mac.stats import histogram, mean_std, position_acceptance, survival
+from dflash_mac.stats import drafting, histogram, mean_std, position_acceptance, survival
 
 from .run import AUTO_BS, Run
 
@@ -77,6 +77,7 @@ def summarize(records: list[dict], block_size: int, suite: str, greedy: bool) ->
     mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
     sizes = [b for r in dfl for b in r.block_sizes]
     per_cycle = sizes if len(sizes) == len(lengths) else None  # older records: no sizes
+    drafted = drafting(lengths, per_cycle)
     width = block_size or max(sizes, default=1)  # auto: up to the largest size it chose
     mix = {b: sizes.count(b) for b in sorted(set(sizes))}
     return {
@@ -93,8 +94,9 @@ def summarize(records: list[dict], block_size: int, suite: str, greedy: bool) ->
         "speedup_ci": speedup_interval(records, block_size),
         "tau": list(mean_std(taus)),
         "cycles": len(lengths),
-        "histogram": histogram(lengths, width),
-        "survival": survival(lengths, width),
+        "draft_cycles": len(drafted),
+        "histogram": histogram(drafted, width),
+        "survival": survival(drafted, width),
         "position_acceptance": position_acceptance(lengths, width, per_cycle),
         "baseline_prefill_tps": mean([r.prefill_tps for r in base]),
         "dflash_prefill_tps": mean([r.prefill_tps for r in dfl]),

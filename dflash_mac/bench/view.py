@@ -10,8 +10,9 @@ from rich.table import Table
 from rich.text import Text
 
 from dflash_mac.cli.terminal import bars
-from dflash_mac.stats import histogram
+from dflash_mac.stats import drafting, histogram
 
+from .report import plain_note
 from .run import BenchPrompt, Observer, Run, size_label
 from .summary import trial_tps
 
@@ -27,6 +28,7 @@ class BenchView(Observer):
         self.block_sizes = block_sizes
         self.live_mode = console.is_terminal if live is None else live
         self.lengths: dict[int, list[int]] = {bs: [] for bs in block_sizes}
+        self.sizes: dict[int, list[int]] = {bs: [] for bs in block_sizes}
         self.runs: dict[int | None, list[Run]] = {None: [], **{bs: [] for bs in block_sizes}}
         self.n_equal = self.n_checked = 0
         self.done_prompts = 0
@@ -58,8 +60,9 @@ class BenchView(Observer):
         if bs is not None:
             self.bs = bs
 
-    def cycle(self, bs: int, accepted: int) -> None:
+    def cycle(self, bs: int, accepted: int, size: int) -> None:
         self.lengths[bs].append(accepted)
+        self.sizes[bs].append(size)
 
     def done(self, run: Run) -> None:
         self.runs[run.block_size].append(run)
@@ -104,7 +107,8 @@ class BenchView(Observer):
                 f"{mark}{size_label(bs)}", f"{self.tau(bs):.2f}", f"{dfl:.1f}", f"{base:.1f}", speed
             )
         lossless = f"lossless {self.n_equal}/{self.n_checked}" if self.n_checked else ""
-        hist = histogram(self.lengths[self.bs], self.bs or max(self.lengths[self.bs], default=1))
+        drafted = drafting(self.lengths[self.bs], self.sizes[self.bs])
+        hist = histogram(drafted, self.bs or max(self.sizes[self.bs], default=1))
         bar = Table.grid()  # a bare ProgressBar ends without a newline: the next row would
         bar.add_row(
             ProgressBar(total=max(self.total, 1), completed=self.done_prompts, width=60)
@@ -120,7 +124,8 @@ class BenchView(Observer):
                 bar,
                 stats,
                 Text(
-                    f"acceptance histogram, block {size_label(self.bs)} (tokens per cycle)",
+                    f"acceptance histogram, block {size_label(self.bs)} "
+                    "(tokens per drafting cycle)",
                     style="dim",
                 ),
                 Text("\n".join(bars(hist))),
@@ -139,10 +144,10 @@ def print_acceptance(console: Console, doc: dict) -> None:
         bs = row["block_size"]
         console.print(
             f"[bold]block size {size_label(bs)}[/] · {row['suite']} · τ {row['tau'][0]:.2f} · "
-            f"{row['cycles']} cycles · speedup {row['speedup'][0]:.2f}×",
+            f"{row['cycles']} cycles{plain_note(row)} · speedup {row['speedup'][0]:.2f}×",
             highlight=False,
         )
-        console.print("[dim]acceptance histogram (tokens per cycle)[/]")
+        console.print("[dim]acceptance histogram (tokens per drafting cycle)[/]")
         for line in bars(row["histogram"]):
             console.print(line, highlight=False)
         console.print("[dim]prefix survival P(A ≥ k), %[/]")

@@ -201,6 +201,7 @@ def print_stats(pair: Pair, result: GenerationResult, console: Console = err) ->
     )
     if s.ranks > 1:
         console.print(distributed_line(s))
-    console.print("[dim]acceptance histogram (tokens per cycle)[/]")
+    plain = f"; {s.plain_steps} plain steps not shown" if s.plain_steps else ""
+    console.print(f"[dim]acceptance histogram (tokens per drafting cycle{plain})[/]")
     for row in bars(s.histogram):
         console.print(row, highlight=False)

@@ -36,6 +36,7 @@ def summary(ev: Any, kind: str) -> dict:
         "dflash": {
             "tau": round(s.tau, 4),
             "cycles": s.cycles,
+            "draft_cycles": s.draft_cycles,
             "acceptance_histogram": s.histogram,
             "block_size": s.block_size,
             "decode_tps": round(s.decode_tps, 2),
