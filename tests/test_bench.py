@@ -187,6 +187,7 @@ def test_summarize_synthetic():
     assert row["speedup"] == [pytest.approx(3.0), pytest.approx(2**0.5)]
     # τ: mean per request (11/4 and 2), then over requests — not the pooled 15/6.
     assert row["tau"][0] == pytest.approx((11 / 4 + 2) / 2)
+    assert row["eta"] == pytest.approx(3.0 / ((11 / 4 + 2) / 2))  # speedup ÷ τ
     assert row["cycles"] == 12
     assert row["histogram"] == [4, 2, 2, 4]
     assert row["survival"] == pytest.approx([1.0, 8 / 12, 6 / 12, 4 / 12])
@@ -326,6 +327,8 @@ def test_markdown_report(doc):
     assert "95 % bootstrap interval of the pooled speedup" in md
     assert "| 4/4 |" in md and "BLAS OpenBLAS" in md and "tokens after the first" in md
     assert "  1 │" in md and "P(A ≥ k)" in md
+    # η = 3.00 / 2.375 and its inverse, the cost of a cycle in baseline steps
+    assert "(12 cycles, τ 2.38, η 1.26: a cycle costs 0.79 baseline steps)" in md
 
 
 def test_jsonl_and_csv_reports(doc):
@@ -337,6 +340,7 @@ def test_jsonl_and_csv_reports(doc):
     assert len(rows) == 1
     assert float(rows[0]["speedup_mean"]) == pytest.approx(3.0)
     assert (flat["speedup_ci_low"], flat["speedup_ci_high"]) == (2.0, 4.0)
+    assert flat["eta"] == pytest.approx(3.0 / 2.375)
     assert rows[0]["histogram"] == "4 2 2 4" and rows[0]["lossless_equal"] == "4"
 
 

@@ -114,6 +114,7 @@ _ROW = {
         "speedup": _PAIR,
         "speedup_ci": _PAIR,
         "tau": _PAIR,
+        "eta": _NUM,
         "histogram": _INTS,
         "survival": _NUMS,
         "position_acceptance": _NUMS,
@@ -471,7 +472,7 @@ def to_markdown(doc: dict) -> str:
         lines += [
             "",
             f"### Acceptance, block size {size_label(row['block_size'])} "
-            f"({row['cycles']} cycles{plain_note(row)}, τ {row['tau'][0]:.2f})",
+            f"({row['cycles']} cycles{plain_note(row)}, τ {row['tau'][0]:.2f}{eta_note(row)})",
             "",
             "```",
             "tokens per drafting cycle",
@@ -484,6 +485,12 @@ def to_markdown(doc: dict) -> str:
             lines.append(f"{k:<2} {s:8.3f}  {'' if pa is None else f'{pa:8.3f}'}".rstrip())
         lines.append("```")
     return "\n".join(lines) + "\n"
+
+
+def eta_note(row: dict) -> str:
+    """ ", η 0.45: a cycle costs 2.23 baseline steps" where the row has η (speedup ÷ τ)."""
+    eta = row.get("eta") or 0.0
+    return f", η {eta:.2f}: a cycle costs {1 / eta:.2f} baseline steps" if eta > 0 else ""
 
 
 def plain_note(row: dict) -> str:

@@ -93,6 +93,8 @@ def summarize(records: list[dict], block_size: int, suite: str, greedy: bool) ->
         "speedup": list(mean_std(speed_t)),
         "speedup_ci": speedup_interval(records, block_size),
         "tau": list(mean_std(taus)),
+        # η = speedup ÷ τ: the share of τ turned into speed (1 ÷ a cycle's cost in baseline steps)
+        "eta": mean(speed_t) / mean(taus) if taus and speed_t else 0.0,
         "cycles": len(lengths),
         "draft_cycles": len(drafted),
         "histogram": histogram(drafted, width),

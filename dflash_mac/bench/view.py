@@ -12,7 +12,7 @@ from rich.text import Text
 from dflash_mac.cli.terminal import bars
 from dflash_mac.stats import drafting, histogram
 
-from .report import plain_note
+from .report import eta_note, plain_note
 from .run import BenchPrompt, Observer, Run, size_label
 from .summary import trial_tps
 
@@ -144,7 +144,8 @@ def print_acceptance(console: Console, doc: dict) -> None:
         bs = row["block_size"]
         console.print(
             f"[bold]block size {size_label(bs)}[/] · {row['suite']} · τ {row['tau'][0]:.2f} · "
-            f"{row['cycles']} cycles{plain_note(row)} · speedup {row['speedup'][0]:.2f}×",
+            f"{row['cycles']} cycles{plain_note(row)} · speedup {row['speedup'][0]:.2f}×"
+            f"{eta_note(row).replace(',', ' ·', 1)}",
             highlight=False,
         )
         console.print("[dim]acceptance histogram (tokens per drafting cycle)[/]")
