@@ -128,6 +128,7 @@ class Acceptance:
     """Running per-position acceptance with exponentially decayed counts."""
 
     AGE_MAX = 8  # cycles between two drafting ones that age the counts, at most
+    MEMORY = 16  # drafting cycles' worth of evidence a remembered estimate starts with, at most
 
     def __init__(self, n_max: int, decay: float = 0.97, prior: float = 0.7, weight: float = 1.0):
         self.decay, self.prior, self.weight = decay, prior, weight
@@ -148,6 +149,31 @@ class Acceptance:
                 break
             self.reached[k - 1] += 1
             self.accepted[k - 1] += k <= a
+
+    def state(self) -> dict:
+        """The decayed counts, to remember between processes (`restore`)."""
+        return {"reached": list(self.reached), "accepted": list(self.accepted)}
+
+    def restore(self, state: object) -> bool:
+        """Start from remembered counts (what earlier requests with the same setting saw),
+        worth MEMORY drafting cycles at most so the text at hand soon outweighs them. False,
+        and nothing changed, when `state` is not a valid one."""
+        try:
+            reached = [float(x) for x in state["reached"]]  # type: ignore[index]
+            accepted = [float(x) for x in state["accepted"]]  # type: ignore[index]
+        except (KeyError, TypeError, ValueError):
+            return False
+        valid = len(reached) == len(accepted) and all(
+            0.0 <= a <= r + 1e-9 for a, r in zip(accepted, reached)
+        )
+        if not valid or not reached or reached[0] <= 0:
+            return False
+        scale = min(1.0, self.MEMORY / reached[0])
+        n = len(self.reached)
+        pad = [0.0] * max(0, n - len(reached))
+        self.reached = [r * scale for r in reached[:n]] + pad
+        self.accepted = [a * scale for a in accepted[:n]] + pad
+        return True
 
     def alphas(self, n: int) -> list[float]:
         """alpha_k = P(draft k accepted | 1..k-1 accepted) for k = 1..n."""
@@ -226,6 +252,7 @@ class BlockController:
         self.calibrate_from = 3 if timed and not cost.calibrated else None
         self.neighbour_countdown = self.NEIGHBOUR_EVERY
         self.last = Decision(1 if plain_first else bs_max, "start")
+        self.memory: str | None = None  # where its acceptance is remembered (policy.py)
 
     def rates(self) -> dict[int, float]:
         return {

@@ -17,7 +17,7 @@ from .capture import FeatureCapture, queues_layers
 from .distributed import leader as mirror
 from .models.penalties import Penalties, PenaltyContext, draft_sequential
 from .pair import Pair
-from .policy import AUTO, auto_controller
+from .policy import AUTO, auto_controller, remember_acceptance
 from .rollback import TargetRollback, trim_caches
 from .sampling import (
     SamplingParams,
@@ -367,6 +367,8 @@ def speculative_stream(
             out.finish_reason = "cancelled"
             yield GenerationEvent(out.flush(), [], 0, stats, "cancelled")
         ctx.flush()
+        if plan is not None and controller is None:
+            remember_acceptance(pair, plan)  # the next process starts from what this one saw
     # Caches hold exactly a prefix of prompt + kept output (the last token may be pending).
     state.trim_to(len(prompt_ids) + out.count)
     mx.eval([c.state for c in state.target_cache + state.draft_cache if not c.empty()])

@@ -14,7 +14,10 @@ Front ends show `BlockChoice.warning`; the engine prints nothing."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,6 +114,44 @@ def cost_curve_path(pair: Pair, machine: str | None = None) -> Path:
     return data_dir() / "cost-curves" / slug(machine) / name
 
 
+def acceptance_path(pair: Pair) -> Path:
+    """Where `auto` remembers what acceptance the pair's requests saw, per setting (the same on
+    any machine): <data dir>/acceptance/<target>--<drafter>.json."""
+    from .platform import data_dir
+
+    name = f"{slug(model_key(pair.model_id))}--{slug(model_key(pair.draft_id))}.json"
+    return data_dir() / "acceptance" / name
+
+
+def read_acceptance(pair: Pair) -> dict:
+    """The remembered acceptance of the pair by setting ({} when none or unreadable)."""
+    try:
+        data = json.loads(acceptance_path(pair).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def remember_acceptance(pair: Pair, controller: BlockController) -> None:
+    """Save a controller's acceptance under its setting, so the next process starts from what
+    this one saw instead of a generic guess (a fresh `generate` that meets a few rejected
+    blocks first would otherwise fall back to plain steps on text a drafter predicts well).
+    Controllers of seeded requests have no `memory` and are not saved. A data directory that
+    cannot be written is no error: `auto` then starts from the guess."""
+    if controller.memory is None:
+        return
+    try:
+        path = acceptance_path(pair)
+        data = read_acceptance(pair) | {controller.memory: controller.acc.state()}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)  # never a half-written file for a process reading it
+    except OSError:
+        pass
+
+
 def long_context(pair: Pair, context_tokens: int) -> tuple[bool, bool]:
     """(long, known to lose): whether a request's context counts as long (the registry's
     `long_context_tokens` for the pair, else LONG_CONTEXT), and whether the registry says the
@@ -136,8 +177,10 @@ def auto_controller(
     relearn each turn that drafting does not pay, and long prompts, where drafters trained on
     short ones accept less, do not spoil short ones). Where the registry says the drafter loses
     on long contexts, a long request starts with plain decoding and drafts only when its probes
-    pay. `timed=False` (seeded sampling): a fresh controller on the prior alone, so the sizes,
-    and with them the random draws, depend only on the seed and the text."""
+    pay. A new controller starts from the acceptance earlier processes remembered for the
+    setting (`remember_acceptance`). `timed=False` (seeded sampling): a fresh controller on the
+    prior alone, so the sizes, and with them the random draws, depend only on the seed and the
+    text."""
     long, loses = long_context(pair, context_tokens) if context_tokens else (False, False)
     key = (bs_max, setting, long)
     kept = getattr(pair, "_dflash_controllers", None)
@@ -153,6 +196,9 @@ def auto_controller(
         model = cost_model_for(pair, prior, sampled) if timed else CostModel(prior)
     controller = BlockController(bs_max, model, timed=timed, plain_first=loses)
     if timed:
+        controller.memory = json.dumps([bs_max, list(setting), long])
+        if not loses:  # known-losing long contexts keep their pessimistic start
+            controller.acc.restore(read_acceptance(pair).get(controller.memory))
         try:
             if kept is None:
                 kept = {}

@@ -3,6 +3,7 @@ choices on synthetic inputs, and exact greedy output whatever sizes it picks."""
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
@@ -588,3 +589,55 @@ def test_a_size_next_to_the_chosen_one_gets_its_own_timing():
     assert 8 not in run(far)
     # nor when choices must not depend on timings (seeded sampling)
     assert 8 not in run(BlockController(8, CostModel(prior), timed=False))
+
+
+def test_acceptance_state_round_trips_worth_a_few_cycles_at_most():
+    acc = Acceptance(8)
+    for _ in range(200):
+        acc.observe(5, 3)  # three of four drafts, every time
+    fresh = Acceptance(8)
+    assert fresh.restore(acc.state())
+    assert fresh.alphas(3) == pytest.approx(acc.alphas(3), abs=0.01)  # the estimate carries over
+    assert fresh.reached[0] == pytest.approx(Acceptance.MEMORY)  # …worth MEMORY cycles at most
+    for _ in range(20):
+        fresh.observe(5, 0)  # the text at hand soon outweighs it
+    assert fresh.alphas(1)[0] < 0.5
+    short = Acceptance(4)  # a smaller block: the extra positions are dropped
+    assert short.restore(acc.state()) and len(short.reached) == 4
+    for bad in (None, {}, {"reached": [1.0], "accepted": [2.0]}, {"reached": "x", "accepted": []}):
+        keep = Acceptance(8)
+        assert not keep.restore(bad) and keep.alphas(2) == Acceptance(8).alphas(2)
+
+
+def test_a_new_process_starts_from_the_acceptance_earlier_ones_saw(
+    tiny_pair, refs, tmp_path, monkeypatch
+):
+    """`auto` remembers each setting's acceptance in the data directory: a fresh controller
+    (another process) starts from it instead of the generic guess. Seeded requests neither
+    read nor write it."""
+    from dflash_mac.policy import acceptance_path, auto_controller
+
+    monkeypatch.setenv("DFLASH_MAC_HOME", str(tmp_path))
+    ids, ref = refs[0]
+    pair = with_drafter(tiny_pair, OracleDrafter(tiny_pair.drafter, ids + ref, 320))  # all right
+
+    def new_process():
+        for k in ("_dflash_cost_models", "_dflash_controllers"):
+            pair.__dict__.pop(k, None)
+
+    new_process()
+    bs = pair.block_size  # what `auto` runs up to
+    greedy = auto_controller(pair, bs, setting=(0.0, 1.0, 0, 0.0))
+    assert greedy.acc.alphas(1)[0] == pytest.approx(0.7)  # nothing remembered yet: the guess
+    tokens, _ = tokens_of(pair, ids, GenerationConfig(48, use_eos=False))
+    assert tokens == ref
+    saved = json.loads(acceptance_path(pair).read_text())
+    assert list(saved) == [greedy.memory]
+    new_process()
+    again = auto_controller(pair, bs, setting=(0.0, 1.0, 0, 0.0))
+    assert again is not greedy and again.acc.alphas(1)[0] > 0.9  # what the last run saw
+    assert auto_controller(pair, bs, setting=(0.7, 1.0, 0, 0.0)).acc.alphas(1)[0] == 0.7
+    seeded = GenerationConfig(24, sampling=SamplingParams(0.7), seed=3, use_eos=False)
+    list(speculative_stream(pair, ids, seeded))
+    assert list(json.loads(acceptance_path(pair).read_text())) == [greedy.memory]
+    assert auto_controller(pair, bs, timed=False, setting=(0.0, 1.0, 0, 0.0)).memory is None
