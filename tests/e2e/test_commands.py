@@ -115,6 +115,10 @@ def test_auto_measures_the_cost_curve_once_at_first_use(tmp_path):
     assert "cost curve" not in r.stderr and path.read_text() == json.dumps(curve, indent=1) + "\n"
     if OPENBLAS:  # one BLAS thread per core unless the user sets OPENBLAS_NUM_THREADS
         assert f"BLAS OpenBLAS ({os.cpu_count()} threads)" in r.stderr
+    # what `auto` saw is remembered for the next process, per setting: greedy and T 0.7 here
+    (memory,) = tmp_path.rglob("acceptance/*.json")
+    settings = [json.loads(k)[1][0] for k in json.loads(memory.read_text())]
+    assert sorted(settings) == [0.0, 0.7]
 
 
 def test_doctor_self_test_passes(cli):
