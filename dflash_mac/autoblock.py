@@ -254,6 +254,19 @@ class BlockController:
         self.last = Decision(1 if plain_first else bs_max, "start")
         self.memory: str | None = None  # where its acceptance is remembered (policy.py)
 
+    def start_from(self, state: object) -> bool:
+        """Start from remembered acceptance (`Acceptance.restore`) where it expects more tokens
+        at the largest size than the current estimate: a memory only ever raises the start (a
+        pessimistic one would keep drafting off on text the drafter predicts well until probes
+        pay; without it a poor start falls back within a few cycles anyway)."""
+        remembered = Acceptance(self.bs_max, self.acc.decay, self.acc.prior, self.acc.weight)
+        if not remembered.restore(state):
+            return False
+        if remembered.expected_tokens(self.bs_max) <= self.acc.expected_tokens(self.bs_max):
+            return False
+        self.acc = remembered
+        return True
+
     def rates(self) -> dict[int, float]:
         return {
             b: self.acc.expected_tokens(b) / self.cost.cost(b) for b in range(1, self.bs_max + 1)

@@ -178,9 +178,9 @@ def auto_controller(
     short ones accept less, do not spoil short ones). Where the registry says the drafter loses
     on long contexts, a long request starts with plain decoding and drafts only when its probes
     pay. A new controller starts from the acceptance earlier processes remembered for the
-    setting (`remember_acceptance`). `timed=False` (seeded sampling): a fresh controller on the
-    prior alone, so the sizes, and with them the random draws, depend only on the seed and the
-    text."""
+    setting where that is better than the guess (`remember_acceptance`, `start_from`).
+    `timed=False` (seeded sampling): a fresh controller on the prior alone, so the sizes, and
+    with them the random draws, depend only on the seed and the text."""
     long, loses = long_context(pair, context_tokens) if context_tokens else (False, False)
     key = (bs_max, setting, long)
     kept = getattr(pair, "_dflash_controllers", None)
@@ -198,7 +198,7 @@ def auto_controller(
     if timed:
         controller.memory = json.dumps([bs_max, list(setting), long])
         if not loses:  # known-losing long contexts keep their pessimistic start
-            controller.acc.restore(read_acceptance(pair).get(controller.memory))
+            controller.start_from(read_acceptance(pair).get(controller.memory))
         try:
             if kept is None:
                 kept = {}

@@ -636,6 +636,14 @@ def test_a_new_process_starts_from_the_acceptance_earlier_ones_saw(
     new_process()
     again = auto_controller(pair, bs, setting=(0.0, 1.0, 0, 0.0))
     assert again is not greedy and again.acc.alphas(1)[0] > 0.9  # what the last run saw
+    # a memory only raises the start: one that expects less than the guess is not used
+    poor = Acceptance(bs)
+    for _ in range(50):
+        poor.observe(bs, 0)
+    assert not again.start_from(poor.state()) and again.acc.alphas(1)[0] > 0.9
+    fresh = BlockController(bs, CostModel(CURVE))
+    assert not fresh.start_from(poor.state()) and fresh.acc.alphas(1)[0] == pytest.approx(0.7)
+    assert fresh.start_from(saved[greedy.memory]) and fresh.acc.alphas(1)[0] > 0.9
     assert auto_controller(pair, bs, setting=(0.7, 1.0, 0, 0.0)).acc.alphas(1)[0] == 0.7
     seeded = GenerationConfig(24, sampling=SamplingParams(0.7), seed=3, use_eos=False)
     list(speculative_stream(pair, ids, seeded))
