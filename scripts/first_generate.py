@@ -1,5 +1,11 @@
-"""Fresh `dflash-mac generate` processes, greedy, on the first N code prompts: auto with nothing
-remembered, auto with the acceptance remembered, and block 8. Prints tok/s and plain steps."""
+"""Fresh `dflash-mac generate` processes, greedy, on the first N code prompts: `auto` with
+nothing remembered, `auto` starting from the acceptance the first process saved, and block 8
+(bench/results/linux-x86_64-2core-intel-xeon-first-generate.md).
+
+    DFLASH_MAC_HOME=<dir> python scripts/first_generate.py 8
+"""
+
+from __future__ import annotations
 
 import json
 import os
@@ -7,38 +13,41 @@ import shutil
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
-N = int(sys.argv[1]) if len(sys.argv) > 1 else 8
-home = os.environ.get("DFLASH_MAC_HOME", "/tmp/dflash-first-generate")
-prompts = [
-    json.loads(l)
-    for l in open(
-        os.path.join(os.path.dirname(__file__), "..", "models", "bundled", "eval_prompts.jsonl")
-    )
-][:N]
+PROMPTS = Path(__file__).resolve().parents[1] / "models" / "bundled" / "eval_prompts.jsonl"
+HOME = os.environ.get("DFLASH_MAC_HOME", "/tmp/dflash-first-generate")
 
 
-def run(prompt, block):
-    env = dict(os.environ, DFLASH_MAC_HOME=home)
-    r = subprocess.run(
-        ["dflash-mac", "generate", prompt, "-n", "128", "--json", "--block-size", block],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
-    d = json.loads(r.stdout)
-    s = d.get("stats", d)
-    return s["decode_tps"], s["block_sizes"].count(1), s["tau"]
+def run(prompt: str, block: str) -> tuple[float, int, float]:
+    """(decode tok/s, plain steps, τ) of one fresh process."""
+    env = dict(os.environ, DFLASH_MAC_HOME=HOME)
+    cmd = ["dflash-mac", "generate", prompt, "-n", "128", "--json", "--block-size", block]
+    out = json.loads(subprocess.run(cmd, capture_output=True, text=True, env=env).stdout)
+    return out["decode_tps"], out["block_sizes"].count(1), out["tau"]
 
 
-rows = {"auto, nothing remembered": [], "auto, remembered": [], "block 8": []}
-for p in prompts:
-    text = p["messages"][-1]["content"] if "messages" in p else p["prompt"]
-    shutil.rmtree(f"{home}/acceptance", ignore_errors=True)
-    rows["auto, nothing remembered"].append(run(text, "auto"))
-    rows["auto, remembered"].append(run(text, "auto"))
-    rows["block 8"].append(run(text, "8"))
-for k, v in rows.items():
-    print(
-        f"{k:<26} tok/s median {statistics.median(x[0] for x in v):6.1f} mean {statistics.fmean(x[0] for x in v):6.1f} · plain steps {sum(x[1] for x in v):4d} · τ mean {statistics.fmean(x[2] for x in v):.2f}"
-    )
+def main(n: int) -> None:
+    rows = [json.loads(line) for line in PROMPTS.read_text().splitlines()[:n]]
+    results: dict[str, list[tuple[float, int, float]]] = {
+        "auto, nothing remembered": [],
+        "auto, remembered": [],
+        "block 8": [],
+    }
+    for row in rows:
+        text = row["messages"][-1]["content"]
+        shutil.rmtree(Path(HOME) / "acceptance", ignore_errors=True)
+        results["auto, nothing remembered"].append(run(text, "auto"))
+        results["auto, remembered"].append(run(text, "auto"))
+        results["block 8"].append(run(text, "8"))
+    for name, runs in results.items():
+        tps = [r[0] for r in runs]
+        print(
+            f"{name:<26} tok/s median {statistics.median(tps):6.1f} mean "
+            f"{statistics.fmean(tps):6.1f} · plain steps {sum(r[1] for r in runs):4d} · "
+            f"τ mean {statistics.fmean(r[2] for r in runs):.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 8)
