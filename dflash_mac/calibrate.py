@@ -37,6 +37,7 @@ from .capture import FeatureCapture, queues_layers
 from .decode import DecodeState, DraftContext, prefill, propose, queue_cycle, queue_verify
 from .distributed.group import world
 from .pair import Pair
+from .platform import write_atomic
 from .policy import AUTO, cost_curve_path
 from .sampling import SamplingParams
 
@@ -148,11 +149,7 @@ def rounds(reps: int) -> int:
 
 
 def save(curve: dict, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(curve, indent=1) + "\n")
-    tmp.replace(path)  # never a half-written curve for a process reading it
-    return path
+    return write_atomic(path, json.dumps(curve, indent=1) + "\n")
 
 
 def saved(pair: Pair) -> dict | None:

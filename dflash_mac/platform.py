@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
+import tempfile
 from pathlib import Path
 
 OPENBLAS_CANDIDATES = (
@@ -76,6 +77,21 @@ def data_dir() -> Path:
 
         path = Path(user_data_dir("dflash-mac", appauthor=False))
     path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_atomic(path: Path, text: str) -> Path:
+    """Write `text` to `path` through a temporary file in the same folder (made if needed), so
+    a process reading it never sees half a file and two writers never share a temporary."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return path
 
 

@@ -15,15 +15,14 @@ Front ends show `BlockChoice.warning`; the engine prints nothing."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from .autoblock import BlockController, CostCurve, CostModel, cost_model_for
 from .errors import PromptError
 from .pair import Pair
+from .platform import cpu_name, data_dir, device_name, write_atomic
 from .registry import PairEntry, pair_for
 
 QUANTIZED_MAX_BLOCK = 5  # for quantized pairs the registry does not list
@@ -107,8 +106,6 @@ def model_key(name: str) -> str:
 def cost_curve_path(pair: Pair, machine: str | None = None) -> Path:
     """Where `bench --cost-curve` saves the pair's curve for this machine (and `auto` reads it):
     <data dir>/cost-curves/<machine>/<target>--<drafter>.json."""
-    from .platform import cpu_name, data_dir, device_name
-
     machine = machine or f"{device_name()}-{cpu_name()}"
     name = f"{slug(model_key(pair.model_id))}--{slug(model_key(pair.draft_id))}.json"
     return data_dir() / "cost-curves" / slug(machine) / name
@@ -117,8 +114,6 @@ def cost_curve_path(pair: Pair, machine: str | None = None) -> Path:
 def acceptance_path(pair: Pair) -> Path:
     """Where `auto` remembers what acceptance the pair's requests saw, per setting (the same on
     any machine): <data dir>/acceptance/<target>--<drafter>.json."""
-    from .platform import data_dir
-
     name = f"{slug(model_key(pair.model_id))}--{slug(model_key(pair.draft_id))}.json"
     return data_dir() / "acceptance" / name
 
@@ -141,13 +136,8 @@ def remember_acceptance(pair: Pair, controller: BlockController) -> None:
     if controller.memory is None:
         return
     try:
-        path = acceptance_path(pair)
         data = read_acceptance(pair) | {controller.memory: controller.acc.state()}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)  # never a half-written file for a process reading it
+        write_atomic(acceptance_path(pair), json.dumps(data))
     except OSError:
         pass
 

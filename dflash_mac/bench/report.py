@@ -487,10 +487,10 @@ def to_markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def eta_note(row: dict) -> str:
+def eta_note(row: dict, sep: str = ", ") -> str:
     """ ", η 0.45: a cycle costs 2.23 baseline steps" where the row has η (speedup ÷ τ)."""
     eta = row.get("eta") or 0.0
-    return f", η {eta:.2f}: a cycle costs {1 / eta:.2f} baseline steps" if eta > 0 else ""
+    return f"{sep}η {eta:.2f}: a cycle costs {1 / eta:.2f} baseline steps" if eta > 0 else ""
 
 
 def plain_note(row: dict) -> str:

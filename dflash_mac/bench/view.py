@@ -145,7 +145,7 @@ def print_acceptance(console: Console, doc: dict) -> None:
         console.print(
             f"[bold]block size {size_label(bs)}[/] · {row['suite']} · τ {row['tau'][0]:.2f} · "
             f"{row['cycles']} cycles{plain_note(row)} · speedup {row['speedup'][0]:.2f}×"
-            f"{eta_note(row).replace(',', ' ·', 1)}",
+            f"{eta_note(row, ' · ')}",
             highlight=False,
         )
         console.print("[dim]acceptance histogram (tokens per drafting cycle)[/]")
