@@ -7,7 +7,9 @@ It maximises expected tokens per second, E[tokens | bs] / cost(bs), where
   the first cycle at each size, which compiles its graphs, is not used);
 - E[tokens | bs] = 1 + sum_j prod_{k<=j} alpha_k comes from the running acceptance curve:
   per-position conditional acceptance alpha_k with exponentially decayed counts; a position not
-  yet observed inherits the estimate of the one before it.
+  yet observed inherits the estimate of the one before it. The starting guess weighs as much
+  as several drafting cycles (greedy), fading as their counts do, so one rejected block at a
+  fresh start neither turns drafting off nor shrinks the block.
 
 Block size 1 is plain target decoding (no drafter pass). When drafting does not pay the
 controller falls back to it and probes one drafting cycle now and then (twice as late after
@@ -130,8 +132,15 @@ class Acceptance:
     AGE_MAX = 8  # cycles between two drafting ones that age the counts, at most
     MEMORY = 16  # drafting cycles' worth of evidence a remembered estimate starts with, at most
 
-    def __init__(self, n_max: int, decay: float = 0.97, prior: float = 0.7, weight: float = 1.0):
-        self.decay, self.prior, self.weight = decay, prior, weight
+    def __init__(
+        self,
+        n_max: int,
+        decay: float = 0.97,
+        prior: float = 0.7,
+        weight: float = 1.0,
+        boost: float = 0.0,
+    ):
+        self.decay, self.prior, self.weight, self.boost = decay, prior, weight, boost
         self.reached = [0.0] * max(n_max, 1)  # index k-1: draft position k
         self.accepted = [0.0] * max(n_max, 1)
 
@@ -144,6 +153,7 @@ class Acceptance:
         fade = self.decay ** min(elapsed, self.AGE_MAX)
         self.reached = [r * fade for r in self.reached]
         self.accepted = [x * fade for x in self.accepted]
+        self.boost *= fade
         for k in range(1, min(bs - 1, len(self.reached)) + 1):
             if k > a + 1:
                 break
@@ -177,11 +187,11 @@ class Acceptance:
 
     def alphas(self, n: int) -> list[float]:
         """alpha_k = P(draft k accepted | 1..k-1 accepted) for k = 1..n."""
-        out, prev = [], self.prior
+        out, prev, w = [], self.prior, self.weight + self.boost
         for k in range(n):
             r = self.reached[k] if k < len(self.reached) else 0.0
             x = self.accepted[k] if k < len(self.accepted) else 0.0
-            prev = (x + self.weight * prev) / (r + self.weight)
+            prev = (x + w * prev) / (r + w)
             out.append(prev)
         return out
 
@@ -222,6 +232,7 @@ class BlockController:
     NEIGHBOUR_BAND = 0.05  # a size next to the chosen one, this close in rate, gets timed
     NEIGHBOUR_TIMINGS = 3  # timed cycles a size gets that way (its first is never timed)
     NEIGHBOUR_EVERY = 16  # drafting cycles between two of them
+    GUESS_WEIGHT = 8.0  # drafting cycles the generic guess is worth at first (fading as theirs)
 
     def __init__(
         self,
@@ -233,11 +244,21 @@ class BlockController:
         probe_max: int = 256,
         timed: bool = True,
         plain_first: bool = False,
+        guess_weight: float | None = None,
     ):
         self.bs_max, self.cost = bs_max, cost
         # plain_first: start with plain steps and a pessimistic acceptance prior, so drafting
         # resumes only once probes show it pays (long contexts a drafter is known to lose on)
-        self.acc = acceptance or Acceptance(bs_max, prior=0.25 if plain_first else 0.7)
+        # the guess weighs as much as `guess_weight` (GUESS_WEIGHT) drafting cycles at first:
+        # one rejected block at the start of a fresh process must not turn drafting off (nor
+        # shrink the block) on text the drafter predicts well; the pessimistic start gives way
+        # to one good probe
+        weight = self.GUESS_WEIGHT if guess_weight is None else guess_weight
+        self.acc = acceptance or (
+            Acceptance(bs_max, prior=0.25)
+            if plain_first
+            else Acceptance(bs_max, prior=0.7, boost=max(weight - 1.0, 0.0))
+        )
         self.hysteresis, self.probe_base, self.probe_max = hysteresis, probe_every, probe_max
         self.current = bs_max  # the drafting size in use
         self.fallback = self.plain_first = plain_first
@@ -316,6 +337,7 @@ class BlockController:
                     self.last = Decision(1, f"drafting does not pay ({rates[cur]:.2f}×)", rates)
         elif rates[cur] < rates[1] * (1 - self.hysteresis):
             self.fallback = True
+            self.acc.boost = 0.0  # the guess kept drafting on until the evidence spoke
             self.interval = self.countdown = self.probe_base
             self.last = Decision(1, f"drafting does not pay ({rates[cur]:.2f}×)", rates)
         elif (near := self.untimed_neighbour(rates)) is not None:

@@ -184,7 +184,10 @@ def auto_controller(
             prior = None
         prior = prior or CostCurve.generic(bs_max)
         model = cost_model_for(pair, prior, sampled) if timed else CostModel(prior)
-    controller = BlockController(bs_max, model, timed=timed, plain_first=loses)
+    # sampled requests keep a light guess: they mostly meet poorer acceptance, where a heavy
+    # one only delays the fallback (the guess is what saves greedy starts, autoblock.py)
+    light = 1.0 if sampled else None
+    controller = BlockController(bs_max, model, timed=timed, plain_first=loses, guess_weight=light)
     if timed:
         controller.memory = json.dumps([bs_max, list(setting), long])
         if not loses:  # known-losing long contexts keep their pessimistic start
