@@ -127,7 +127,10 @@ class CostModel:
 
 
 class Acceptance:
-    """Running per-position acceptance with exponentially decayed counts."""
+    """Running per-position acceptance with exponentially decayed counts. `weight`: how many
+    cycles' worth the estimate a position starts from counts (the guess `prior` for position 1,
+    the previous position's estimate for the others); `boost`: extra weight of that start,
+    fading as the counts do (the controller's heavy greedy guess)."""
 
     AGE_MAX = 8  # cycles between two drafting ones that age the counts, at most
     MEMORY = 16  # drafting cycles' worth of evidence a remembered estimate starts with, at most
