@@ -247,20 +247,19 @@ class BlockController:
         probe_max: int = 256,
         timed: bool = True,
         plain_first: bool = False,
-        guess_weight: float | None = None,
+        guess_weight: float = GUESS_WEIGHT,
     ):
         self.bs_max, self.cost = bs_max, cost
         # plain_first: start with plain steps and a pessimistic acceptance prior, so drafting
         # resumes only once probes show it pays (long contexts a drafter is known to lose on)
-        # the guess weighs as much as `guess_weight` (GUESS_WEIGHT) drafting cycles at first:
-        # one rejected block at the start of a fresh process must not turn drafting off (nor
-        # shrink the block) on text the drafter predicts well; the pessimistic start gives way
-        # to one good probe
-        weight = self.GUESS_WEIGHT if guess_weight is None else guess_weight
+        # the guess weighs as much as `guess_weight` drafting cycles at first: one rejected
+        # block at the start of a fresh process must not turn drafting off (nor shrink the
+        # block) on text the drafter predicts well; the pessimistic start gives way to one
+        # good probe
         self.acc = acceptance or (
             Acceptance(bs_max, prior=0.25)
             if plain_first
-            else Acceptance(bs_max, prior=0.7, boost=max(weight - 1.0, 0.0))
+            else Acceptance(bs_max, prior=0.7, boost=max(guess_weight - 1.0, 0.0))
         )
         self.hysteresis, self.probe_base, self.probe_max = hysteresis, probe_every, probe_max
         self.current = bs_max  # the drafting size in use

@@ -103,19 +103,22 @@ def model_key(name: str) -> str:
     return "/".join(path.parts[-2:]) if path.is_absolute() else name
 
 
+def pair_file(pair: Pair) -> str:
+    """The pair's file name in the data dir's folders: <target>--<drafter>.json."""
+    return f"{slug(model_key(pair.model_id))}--{slug(model_key(pair.draft_id))}.json"
+
+
 def cost_curve_path(pair: Pair, machine: str | None = None) -> Path:
     """Where `bench --cost-curve` saves the pair's curve for this machine (and `auto` reads it):
     <data dir>/cost-curves/<machine>/<target>--<drafter>.json."""
     machine = machine or f"{device_name()}-{cpu_name()}"
-    name = f"{slug(model_key(pair.model_id))}--{slug(model_key(pair.draft_id))}.json"
-    return data_dir() / "cost-curves" / slug(machine) / name
+    return data_dir() / "cost-curves" / slug(machine) / pair_file(pair)
 
 
 def acceptance_path(pair: Pair) -> Path:
     """Where `auto` remembers what acceptance the pair's requests saw, per setting (the same on
     any machine): <data dir>/acceptance/<target>--<drafter>.json."""
-    name = f"{slug(model_key(pair.model_id))}--{slug(model_key(pair.draft_id))}.json"
-    return data_dir() / "acceptance" / name
+    return data_dir() / "acceptance" / pair_file(pair)
 
 
 def read_acceptance(pair: Pair) -> dict:
@@ -186,8 +189,8 @@ def auto_controller(
         model = cost_model_for(pair, prior, sampled) if timed else CostModel(prior)
     # sampled requests keep a light guess: they mostly meet poorer acceptance, where a heavy
     # one only delays the fallback (the guess is what saves greedy starts, autoblock.py)
-    light = 1.0 if sampled else None
-    controller = BlockController(bs_max, model, timed=timed, plain_first=loses, guess_weight=light)
+    guess = 1.0 if sampled else BlockController.GUESS_WEIGHT
+    controller = BlockController(bs_max, model, timed=timed, plain_first=loses, guess_weight=guess)
     if timed:
         controller.memory = json.dumps([bs_max, list(setting), long])
         if not loses:  # known-losing long contexts keep their pessimistic start

@@ -14,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-from dflash_mac.autoblock import Acceptance, BlockController, CostCurve, CostModel
+from dflash_mac.autoblock import BlockController, CostCurve, CostModel
 from dflash_mac.decode import GenerationConfig, speculative_stream
 from dflash_mac.generate import prompt_ids
 from dflash_mac.loading import load
@@ -45,8 +45,8 @@ def main() -> None:
             for ids in prompts:
                 ctl = None
                 if weight is not None:
-                    acc = Acceptance(pair.block_size, boost=weight - 1)
-                    ctl = BlockController(pair.block_size, CostModel(curve), acc, timed=False)
+                    model = CostModel(curve)
+                    ctl = BlockController(pair.block_size, model, timed=False, guess_weight=weight)
                 cfg = GenerationConfig(
                     max_tokens=128,
                     block_size="auto" if ctl else args.block,
