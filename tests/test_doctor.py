@@ -174,6 +174,22 @@ def test_selftest_uses_the_bundled_pair_and_reports_its_tau(monkeypatch):
     assert tau > 1.5
 
 
+def test_selftest_tau_is_the_drafters_whatever_the_cost_curve(monkeypatch, tmp_path):
+    """A saved cost curve that prices drafting out (as a quick curve timed on a loaded machine
+    did in the suite: block 8 = 5.5 plain steps) must not turn the self-test into plain steps:
+    its τ reports the drafter (it read 1.07 under `auto`), and it leaves no acceptance memory."""
+    from dflash_mac.calibrate import save
+    from dflash_mac.policy import acceptance_path, cost_curve_path
+
+    monkeypatch.setenv("DFLASH_MAC_HOME", str(tmp_path))
+    pair, _ = doctor.load_selftest_pair(str(tmp_path))
+    dear = {"1": 1.0} | {str(b): 1.0 + 0.7 * (b - 1) for b in range(2, 17)}
+    save({"ratios": dear, "sampled": {"ratios": dear}}, cost_curve_path(pair))
+    _, tau = doctor.dflash_tokens(pair, doctor.selftest_ids(pair), 16)
+    assert tau > 1.5
+    assert not acceptance_path(pair).exists()
+
+
 LAZY = """
 from mlx.utils import tree_map
 from dflash_mac import loading

@@ -370,10 +370,14 @@ def reference_tokens(pair, ids: list[int], n: int) -> list[int]:
 
 
 def dflash_tokens(pair, ids: list[int], n: int) -> tuple[list[int], float]:
-    """Greedy DFlash decoding; the token ids and τ."""
+    """Greedy DFlash decoding at the pair's block size; the token ids and τ. A fixed size, not
+    `auto`: τ then tells how well the drafter predicts, whatever this machine's cost curve says
+    drafting is worth (with a curve that prices it out, `auto` decodes plain steps, τ ≈ 1), and
+    the self-test leaves no acceptance memory behind."""
     from dflash_mac.decode import GenerationConfig, speculative_stream
 
-    events = list(speculative_stream(pair, ids, GenerationConfig(max_tokens=n, use_eos=False)))
+    cfg = GenerationConfig(max_tokens=n, block_size=pair.block_size, use_eos=False)
+    events = list(speculative_stream(pair, ids, cfg))
     return [t for e in events for t in e.tokens], events[-1].stats.tau
 
 
