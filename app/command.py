@@ -31,7 +31,7 @@ def chat(
     from .backend import ChatOptions
     from .chat_app import ChatApp
 
-    make_config(max_tokens, block_size, temp, top_p, top_k, min_p)  # bad options fail here
+    make_config(max_tokens, block_size, temp, top_p, top_k, min_p, seed)  # bad options fail here
     from dflash_mac.cli.terminal import follow_if_worker
 
     follow_if_worker(model, draft)  # a distributed job's other ranks: no screen, follow rank 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 import signal
 import subprocess
@@ -45,6 +46,7 @@ def test_bad_input_is_one_sentence(tmp_path):
     bundled = load_registry().get("bundled")
     cases = [
         (["generate", "hi", "--seed", "-1"], "--seed must be between 0 and 2**64 - 1 (got -1)."),
+        (["chat", "--seed", "-1"], "--seed must be between 0 and 2**64 - 1 (got -1)."),
         (
             ["generate", "", "--ignore-chat-template"],
             "the prompt is empty; give at least one token of text.",
@@ -80,8 +82,11 @@ def test_bad_input_is_one_sentence(tmp_path):
             "--group-size must be 32, 64 or 128, the sizes MLX quantizes with (got 100).",
         ),
     ]
+    # a fresh data dir, as on a new machine: bad input must fail before the first-use cost
+    # curve is timed (`--seed -1` once printed "saved the cost curve…" first)
+    env = dict(os.environ, DFLASH_MAC_HOME=str(tmp_path / "home"))
     for args, message in cases:
-        one_error(run(*args, cwd=tmp_path), message)
+        one_error(run(*args, cwd=tmp_path, env=env), message)
     assert not (tmp_path / "q").exists()
 
 

@@ -252,7 +252,7 @@ def generate(
         logit_bias=parse_logit_bias(logit_bias),
     )
     sampling = dict(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
-    make_config(**sampling, **penalties)  # bad values fail before the slow load
+    make_config(**sampling, **penalties, block_size=block_size, seed=seed)  # before the slow load
     pair = load_pair(
         model, draft, block_size=block_size, draft_bits=draft_bits, reasoning=reasoning
     )
