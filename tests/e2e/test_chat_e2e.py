@@ -128,16 +128,21 @@ def terminal(tmp_path):
         term.close()
 
 
+# long enough that Esc and ctrl+q land while the reply streams: a fresh chat drafts the
+# bundled pair at ~700 tok/s on a 2-core CPU (300 tokens were done in 0.4 s, before Esc)
+LONG_REPLY = 1200
+
+
 def test_chat_streams_stops_reuses_the_prefix_and_quits_cleanly(terminal):
     statuses = []
     # 1: a reply streams and Esc stops it; the second turn reuses the cached conversation.
-    term = terminal(300)
+    term = terminal(LONG_REPLY)
     term.ask("def fibonacci(n):")
     term.wait(streaming, "the reply to stream")
     term.keys("Escape")
     screen = term.wait(lambda s: "Stopped." in s and stats_lines(s), "the reply to stop")
     first = stats_lines(screen)[-1]
-    assert first.group(4) and 0 < int(first.group(1)) < 300
+    assert first.group(4) and 0 < int(first.group(1)) < LONG_REPLY
     term.ask("def add(a, b):")
     screen = term.wait(
         lambda s: "Ready." in s and stats_lines(s) and not stats_lines(s)[-1].group(4),
@@ -149,7 +154,7 @@ def test_chat_streams_stops_reuses_the_prefix_and_quits_cleanly(terminal):
     statuses.append(term.quit())  # after a reply
     # 2-5: quit during a reply and after one, each in a fresh process.
     for during in (True, False, True, False):
-        term = terminal(400 if during else 8)
+        term = terminal(LONG_REPLY if during else 8)
         term.ask("class Stack:")
         if during:
             term.wait(streaming, "the reply to stream")
