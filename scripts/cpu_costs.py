@@ -8,6 +8,9 @@ Medians of synchronous runs (build + eval), in µs; run it on an idle machine.
 
 from __future__ import annotations
 
+import collections
+import io
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -29,6 +32,26 @@ def us(f: Callable[[], object], reps: int = 300) -> float:
         if i >= 20:
             times.append(time.perf_counter() - t)
     return 1e6 * statistics.median(times)
+
+
+def primitives(outputs) -> int:
+    """MLX primitives in the (unevaluated) graph of `outputs`."""
+    dot = io.StringIO()
+    mx.export_to_dot(dot, outputs)
+    return sum(collections.Counter(re.findall(r'label ?="([A-Za-z]+)', dot.getvalue())).values())
+
+
+def per_primitive() -> None:
+    x = mx.ones((8,))
+    mx.eval(x)
+
+    def chain():
+        y = x
+        for _ in range(1000):
+            y = y + 1
+        return y
+
+    print(f"  1,000 adds on 8 floats: {us(chain, 100) / 1000:.1f} µs per primitive")
 
 
 def elementwise() -> None:
@@ -81,25 +104,51 @@ def cycle_parts() -> None:
     with FeatureCapture(pair.target, pair.layer_ids) as cap:
         prefill(pair, state, ids, cap, 2048)
 
-        def target(n: int) -> Callable[[], object]:
-            def run():
-                out = pair.target(mx.array([ids[-n:]]), cache=state.target_cache)
-                mx.eval(out)
-                for c in state.target_cache:
-                    c.trim(n)
-                return out
+        def forward(n: int) -> float:
+            t = time.perf_counter()
+            mx.eval(pair.target(mx.array([ids[-n:]]), cache=state.target_cache))
+            seconds = time.perf_counter() - t
+            for c in state.target_cache:
+                c.trim(n)
+            return seconds
 
-            return run
-
-        step = us(target(1), 100)
-        print(f"  target, 1 token: {step:.0f} µs; 8 tokens: {us(target(8), 100) / step:.2f}×")
+        times: dict[int, list[float]] = {1: [], 8: []}
+        for i in range(400):  # alternating, so both see the same stretches of the host
+            for n in times:
+                seconds = forward(n)
+                if i >= 50:
+                    times[n].append(seconds)
+        step, wide = (1e6 * statistics.median(times[n]) for n in (1, 8))
+        one = pair.target(mx.array([ids[-1:]]), cache=state.target_cache)
+        print(
+            f"  target, 1 token: {step:.0f} µs ({primitives(one)} primitives); "
+            f"8 tokens: {wide / step:.2f}×"
+        )
+        for c in state.target_cache:
+            c.trim(1)
+        d = pair.drafter
         for bs in (2, 8):
-            block = mx.array([ids[-1]] + [pair.drafter.config.mask_token_id] * (bs - 1))
+            block = mx.array([ids[-1]] + [d.config.mask_token_id] * (bs - 1))
             draft = us(lambda b=block: propose(pair, b, state.draft_cache, sp, key)[0], 100)
-            print(f"  drafter pass at block {bs}: {draft:.0f} µs = {draft / step:.2f} steps")
+            n = primitives(propose(pair, block, state.draft_cache, sp, key)[0])
+            print(
+                f"  drafter pass at block {bs}: {draft:.0f} µs = {draft / step:.2f} steps"
+                f" ({n} primitives)"
+            )
+        hidden = d.hidden(block[None], state.draft_cache)[:, 1:]
+        logits = d.logits(hidden)
+        mx.eval(hidden, logits)
+        head = us(lambda: d.logits(hidden), 100)
+        top = us(lambda: d.candidate_selector.candidates(logits), 100)
+        print(
+            f"    of it at block 8: LM head {head:.0f} µs · "
+            f"top-{d.config.selector_top_k} {top:.0f} µs"
+        )
 
 
 if __name__ == "__main__":
+    print("per primitive (MLX CPU):")
+    per_primitive()
     print("element-wise ops (MLX CPU):")
     elementwise()
     print("a wide verify's rows (bundled target's sizes):")
