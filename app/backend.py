@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash_mac.generate import PromptError, fit_max_tokens, reasoning_args
+from dflash_mac.api import PromptError, fit_max_tokens, reasoning_args
 from dflash_mac.stats import DecodeStats
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from dflash_mac.cli import options
-from dflash_mac.generate import REASONING_CHOICES, PromptError
+from dflash_mac.api import REASONING_CHOICES, PromptError
 
 
 def chat(
@@ -26,7 +26,7 @@ def chat(
     resume: bool = typer.Option(False, "--resume", "-r", help="Reopen the most recent chat."),
 ) -> None:
     """Chat in the terminal: streamed answers, a live acceptance histogram, saved chats."""
-    from dflash_mac.generate import make_config
+    from dflash_mac.api import make_config
 
     from .backend import ChatOptions
     from .chat_app import ChatApp

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .decode import DecodeState, GenerationEvent
-from .generate import PromptError, prompt_ids, stream_generate
+from .api import PromptError, prompt_ids, stream_generate
 from .pair import Pair
 from .prompt_cache import PromptCache, common_prefix
 

@@ -23,7 +23,7 @@ from dflash_mac.bench import run as bench
 from dflash_mac.bench import summary
 from dflash_mac.bench.run import BenchConfig, BenchError, BenchPrompt, Run
 from dflash_mac.cli import app
-from dflash_mac.generate import prompt_ids
+from dflash_mac.api import prompt_ids
 from dflash_mac.loading import BUNDLED_DRAFT
 from dflash_mac.sampling import SamplingParams
 from dflash_mac.stats import (
@@ -639,7 +639,7 @@ def test_bundled_pair_default_bench_json():
 def test_recommended_sampling_reads_the_generation_config(gen, expected):
     from types import SimpleNamespace
 
-    from dflash_mac.generate import recommended_sampling
+    from dflash_mac.api import recommended_sampling
 
     pair = SimpleNamespace(generation_config=gen)
     assert recommended_sampling(pair) == expected

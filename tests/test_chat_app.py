@@ -22,7 +22,7 @@ from dflash_mac.app.widgets import (
 from textual.app import App, ComposeResult
 from textual.widgets import Collapsible, Input, Static
 
-from dflash_mac.generate import PromptError
+from dflash_mac.api import PromptError
 from dflash_mac.loading import BUNDLED_DRAFT, BUNDLED_TARGET, LoadError
 from dflash_mac.stats import DecodeStats
 from dflash_mac.think import ThinkSplitter, split_think

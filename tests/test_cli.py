@@ -130,7 +130,7 @@ def test_help_models_and_pull_import_no_mlx():
     loaded = set(ast.literal_eval(out.strip()))
     assert not any(m == "mlx" or m.startswith(("mlx.", "mlx_lm")) for m in loaded), loaded
     commands = {module for module, _, _ in cli.LAZY_COMMANDS.values()}
-    assert not loaded & (commands | {"dflash_mac.generate", "dflash_mac.loading"}), loaded
+    assert not loaded & (commands | {"dflash_mac.api", "dflash_mac.loading"}), loaded
     assert "dflash_mac.cli" in loaded  # the negative control: the listing does see our modules
     code = (
         "import sys\nfrom dflash_mac.cli import models as manage\nmanage.models_report()\n"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_mac.generate import PromptError, TokenBudget, fit_max_tokens
+from dflash_mac.api import PromptError, TokenBudget, fit_max_tokens
 from dflash_mac.loading import BUNDLED_DRAFT
 
 CLI = Path(sys.executable).with_name("dflash-mac")
@@ -31,7 +31,7 @@ def test_a_prompt_that_fills_the_context_fails_with_one_sentence():
 def test_stream_generate_stops_at_the_context(tiny_pair):
     import copy
 
-    from dflash_mac.generate import generate
+    from dflash_mac.api import generate
 
     pair = copy.copy(tiny_pair)  # the same weights with a 40-token context
     pair.target_config = {**tiny_pair.target_config, "max_position_embeddings": 40}

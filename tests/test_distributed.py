@@ -115,7 +115,7 @@ CASES = {  # name: (pair, parallel, generate flags, collectives per forward on r
 def test_launch_matches_single_process(case, hybrid_dirs, tmp_path):
     """Two ranks give the tokens of a single process, and each forward costs exactly the
     counted collectives (tensor parallel: 2 per layer + the packet)."""
-    from dflash_mac.generate import generate
+    from dflash_mac.api import generate
     from dflash_mac.loading import load
 
     which, mode, flags, collectives = CASES[case]

@@ -125,7 +125,7 @@ def test_cli_generate_json(tiny_dirs, tiny_pair):
         "finish_reason",
     ):
         assert key in out
-    from dflash_mac.generate import generate
+    from dflash_mac.api import generate
 
     ref = generate(tiny_pair, "def add(a, b):", max_tokens=12, block_size=4)
     assert out["tokens"] == ref.tokens

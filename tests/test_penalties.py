@@ -14,7 +14,7 @@ from test_greedy_exact import PROMPTS
 from test_sampling import PROMPT, V, chi_square_p, small_pair  # noqa: F401  (fixture)
 
 import dflash_mac.decode as engine
-from dflash_mac.generate import PromptError, generate, make_config
+from dflash_mac.api import PromptError, generate, make_config
 from dflash_mac.sampling import SamplingParams, probabilities
 from dflash_mac.session import Session
 

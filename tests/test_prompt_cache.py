@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from dflash_mac.generate import generate
+from dflash_mac.api import generate
 from dflash_mac.prompt_cache import PromptCache, state_bytes
 from dflash_mac.session import Session
 

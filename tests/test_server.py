@@ -11,7 +11,7 @@ import openai
 import pytest
 from servers import running
 
-from dflash_mac.generate import generate
+from dflash_mac.api import generate
 from dflash_mac.loading import BUNDLED_DRAFT, load
 from dflash_mac.serve.app import create_app
 

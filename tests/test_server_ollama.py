@@ -9,7 +9,7 @@ import ollama
 import pytest
 from servers import running
 
-from dflash_mac.generate import generate
+from dflash_mac.api import generate
 from dflash_mac.serve.app import create_app
 
 N = 6

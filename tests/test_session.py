@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dflash_mac.generate import generate
+from dflash_mac.api import generate
 from dflash_mac.session import Session, common_prefix
 
 

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow  # every case runs in a fresh interpreter
 
 SCRIPT = r"""
 import json, sys, threading
-from dflash_mac.generate import generate
+from dflash_mac.api import generate
 from dflash_mac.loading import load, quantize_drafter
 
 target, draft, bits = sys.argv[1], sys.argv[2], int(sys.argv[3])

@@ -232,7 +232,7 @@ def bench_command(
         follow_if_worker,
         load_pair,
     )
-    from dflash_mac.generate import check_context, make_config, prompt_ids
+    from dflash_mac.api import check_context, make_config, prompt_ids
     from dflash_mac.policy import AUTO
 
     follow_if_worker(model, draft)  # a distributed job's other ranks follow rank 0
@@ -361,7 +361,7 @@ def sampling_settings(
 ) -> list[tuple[str, SamplingParams]]:
     """(label, sampling) per report: the given temperatures, or greedy and the pair's
     recommended sampling (its generation_config.json, else T = 0.7)."""
-    from dflash_mac.generate import recommended_sampling
+    from dflash_mac.api import recommended_sampling
 
     if temps is None:
         rec = recommended_sampling(pair)

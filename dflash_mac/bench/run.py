@@ -5,7 +5,7 @@ For every prompt (seeded shuffle per trial) the runner measures plain target dec
 (`mlx_lm.generate.generate_step` on `pair.target`, no capture hooks; where the engine queues
 the target's layers as they are built, on MLX's CPU backend, the baseline's layers are queued
 the same way, so the comparison measures DFlash and not that queueing) and DFlash
-(`dflash_mac.generate.stream_generate`) for each block size, in orders balanced over the
+(`dflash_mac.api.stream_generate`) for each block size, in orders balanced over the
 prompts (`balanced_orders`).
 Both are timed identically by the runner:
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_mac.generate import PromptError, check_context
+from dflash_mac.api import PromptError, check_context
 from dflash_mac.pair import Pair
 from dflash_mac.prompts import read_prompt_file
 from dflash_mac.stats import drafting, histogram
@@ -281,7 +281,7 @@ def run_dflash(
     max_tokens: int | None = None,
 ) -> Run:
     """DFlash through `stream_generate`, timed like the baseline; `on_cycle(accepted, size)`."""
-    from dflash_mac.generate import stream_generate
+    from dflash_mac.api import stream_generate
 
     tokens, last = [], None
     clock = Clock()

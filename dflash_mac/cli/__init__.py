@@ -239,7 +239,7 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
 ) -> None:
     """Generate text for PROMPT with DFlash speculative decoding."""
-    from dflash_mac.generate import fit_max_tokens, make_config, prompt_ids
+    from dflash_mac.api import fit_max_tokens, make_config, prompt_ids
 
     from .terminal import calibrate_auto, load_pair, print_stats, stream_to_terminal, warn_line
 

@@ -383,7 +383,7 @@ def dflash_tokens(pair, ids: list[int], n: int) -> tuple[list[int], float]:
 
 def selftest_ids(pair) -> list[int]:
     """The self-test prompt as the front ends build it (chat template when there is one)."""
-    from dflash_mac.generate import prompt_ids
+    from dflash_mac.api import prompt_ids
 
     return prompt_ids(pair.tokenizer, SELFTEST_PROMPT)
 

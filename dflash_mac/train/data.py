@@ -54,7 +54,7 @@ def read_prompts(path: str | Path) -> list[dict | str]:
 
 def encode_prompts(tokenizer: Any, prompts: list[dict | str], max_prompt: int) -> list[list[int]]:
     """Token ids of each prompt through the chat template (left-truncated to `max_prompt`)."""
-    from dflash_mac.generate import prompt_ids
+    from dflash_mac.api import prompt_ids
 
     out = []
     for p in prompts:
