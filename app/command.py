@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import typer
 
-from dflash_mac.cli import options
 from dflash_mac.api import REASONING_CHOICES, PromptError
+from dflash_mac.cli import options
 
 
 def chat(

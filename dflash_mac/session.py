@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .decode import DecodeState, GenerationEvent
 from .api import PromptError, prompt_ids, stream_generate
+from .decode import DecodeState, GenerationEvent
 from .pair import Pair
 from .prompt_cache import PromptCache, common_prefix
 

@@ -14,9 +14,9 @@ import argparse
 import json
 from pathlib import Path
 
+from dflash_mac.api import prompt_ids
 from dflash_mac.autoblock import BlockController, CostCurve, CostModel
 from dflash_mac.decode import GenerationConfig, speculative_stream
-from dflash_mac.api import prompt_ids
 from dflash_mac.loading import load
 from dflash_mac.policy import cost_curve_path
 from dflash_mac.sampling import SamplingParams

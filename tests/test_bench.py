@@ -17,13 +17,13 @@ from mlx_lm.generate import generate_step
 from typer.testing import CliRunner
 
 from dflash_mac import decode as engine
+from dflash_mac.api import prompt_ids
 from dflash_mac.bench import command as bench_command
 from dflash_mac.bench import report as bench_report
 from dflash_mac.bench import run as bench
 from dflash_mac.bench import summary
 from dflash_mac.bench.run import BenchConfig, BenchError, BenchPrompt, Run
 from dflash_mac.cli import app
-from dflash_mac.api import prompt_ids
 from dflash_mac.loading import BUNDLED_DRAFT
 from dflash_mac.sampling import SamplingParams
 from dflash_mac.stats import (

@@ -226,13 +226,13 @@ def bench_command(
     """Benchmark DFlash against plain decoding of the same target, in one process."""
     from rich.console import Console
 
+    from dflash_mac.api import check_context, make_config, prompt_ids
     from dflash_mac.cli.terminal import (
         block_size_policy,
         calibrate_auto,
         follow_if_worker,
         load_pair,
     )
-    from dflash_mac.api import check_context, make_config, prompt_ids
     from dflash_mac.policy import AUTO
 
     follow_if_worker(model, draft)  # a distributed job's other ranks follow rank 0

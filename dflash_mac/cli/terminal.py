@@ -12,9 +12,9 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
 from dflash_mac import calibrate as calibration
+from dflash_mac.api import GenerationResult, stream_generate
 from dflash_mac.distributed.group import world
 from dflash_mac.errors import LoadError
-from dflash_mac.api import GenerationResult, stream_generate
 from dflash_mac.loading import load, quantize_drafter
 from dflash_mac.pair import Pair
 from dflash_mac.policy import AUTO, block_size_for

@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from dflash_mac.distributed.group import lost_peer_message
 from dflash_mac.api import PromptError, fit_max_tokens
+from dflash_mac.distributed.group import lost_peer_message
 from dflash_mac.session import Session
 from dflash_mac.think import prompt_opens_think
 
