@@ -1,13 +1,12 @@
 """GatedDeltaNet rollback for hybrid targets (qwen3_5, qwen3_next and their MoE variants).
 
 A linear-attention layer keeps `ArraysCache([conv state, recurrent state])`, which cannot be
-trimmed. While a verify pass runs, a per-instance hook (a `__class__` swap, as in adapter.py)
-runs the layer's own computation and keeps the conv input and the exact recurrence inputs
-(q, k, v, a, b, the state before verify, the mask). After a partial acceptance of `n` positions
-the conv state is `conv_input[:, n : n + K - 1]` and the recurrent state is the recurrence
-replayed over those `n` steps from the saved state (docs/design.md §6 step 5). ArraysCache
-entries are replaced, never written in place, so holding the old entry is a free snapshot
-(docs/design.md §11).
+trimmed. While a verify pass runs, a per-instance hook (hooks.py) runs the layer's own
+computation and keeps the conv input and the exact recurrence inputs (q, k, v, a, b, the state
+before verify, the mask). After a partial acceptance of `n` positions the conv state is
+`conv_input[:, n : n + K - 1]` and the recurrent state is the recurrence replayed over those `n`
+steps from the saved state (docs/design.md §6 step 5). ArraysCache entries are replaced, never
+written in place, so holding the old entry is a free snapshot (docs/design.md §11).
 
 The alternative strategy `"rerun"` (kept for comparison, docs/rollback.md) restores the
 snapshot and runs the layer's original forward again on the accepted inputs.
@@ -25,8 +24,9 @@ from mlx.nn.layers.distributed import sum_gradients
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.gated_delta import compute_g, gated_delta_update, normalize_qk
 
-from .capture import decoder_layers
+from . import hooks
 from .errors import RollbackError
+from .structure import decoder_layers
 
 STRATEGIES = ("replay", "rerun")
 HAS_FAST_GDN = hasattr(mx.fast, "gated_delta_update")
@@ -138,25 +138,24 @@ def _projections() -> dict[type, Callable]:
 
 
 SUPPORTED: dict[type, Callable] = _projections()
-_HOOKED: dict[type, type] = {}
 
 
-def _hooked_class(cls: type) -> type:
-    """A cached subclass recording verify passes; other calls run the original forward."""
-    if cls not in _HOOKED:
-        project = SUPPORTED[cls]
+class _Recorder:
+    """The hook on one GatedDeltaNet instance: records verify passes (the record of the request
+    owning the cache, shared by requests with other caches); other calls run the original."""
 
-        def __call__(self, inputs, mask=None, cache=None):
-            rec = self._dflash_gdn.get(id(cache))  # the record of the request owning `cache`
-            if rec is None or not rec.armed:
-                return cls.__call__(self, inputs, mask, cache)
-            rec.take(cache, inputs, mask)
-            if rec.strategy == "rerun":
-                return cls.__call__(self, inputs, mask, cache)
-            return _forward(self, project, inputs, mask, cache, rec)
+    def __init__(self, project: Callable) -> None:
+        self.project = project
+        self.records: dict[int, GDNRecord] = {}  # id(cache) -> its request's record
 
-        _HOOKED[cls] = type(f"Rollback{cls.__name__}", (cls,), {"__call__": __call__})
-    return _HOOKED[cls]
+    def __call__(self, module: nn.Module, call: Callable, inputs, mask=None, cache=None):
+        rec = self.records.get(id(cache))
+        if rec is None or not rec.armed:
+            return call(inputs, mask, cache)
+        rec.take(cache, inputs, mask)
+        if rec.strategy == "rerun":
+            return call(inputs, mask, cache)
+        return _forward(module, self.project, inputs, mask, cache, rec)
 
 
 def linear_layers(model: nn.Module, cache: list[Any]) -> list[tuple[int, nn.Module]]:
@@ -169,7 +168,7 @@ def linear_layers(model: nn.Module, cache: list[Any]) -> list[tuple[int, nn.Modu
         layers = decoder_layers(model)
         mods = []
         if len(layers) == len(cache):
-            mods = [m for _, m in layers[i].named_modules() if _base_class(m) in SUPPORTED]
+            mods = [m for m in layers[i].modules() if hooks.original_class(m) in SUPPORTED]
         if len(mods) != 1:
             raise RollbackError(
                 f"this target keeps a non-trimmable {type(c).__name__} in layer {i} that DFlash "
@@ -221,15 +220,16 @@ class GDNRollback:
         self.modules = [m for _, m in layers]
         self.records = [GDNRecord(cache[i], strategy) for i, _ in layers]
         self.strategy = strategy
+        self._hooks: list[_Recorder] = []  # one per module while active
         self.active = False
 
     def __enter__(self) -> GDNRollback:
         """Hook the layer instances (shared by requests with other caches on the same model)."""
+        self._hooks = []
         for m, rec in zip(self.modules, self.records):
-            if not hasattr(m, "_dflash_gdn"):
-                object.__setattr__(m, "_dflash_gdn", {})
-                m.__class__ = _hooked_class(type(m))
-            m._dflash_gdn[id(rec.cache)] = rec
+            hook = hooks.find(m, _Recorder) or _Recorder(SUPPORTED[hooks.original_class(m)])
+            hooks.install(m, hook).records[id(rec.cache)] = rec
+            self._hooks.append(hook)
         self.active = True
         return self
 
@@ -240,12 +240,10 @@ class GDNRollback:
         """Unhook; the last request using an instance restores its class (idempotent)."""
         if not self.active:
             return
-        for m, rec in zip(self.modules, self.records):
+        for m, rec, hook in zip(self.modules, self.records, self._hooks):
             rec.armed = False
-            m._dflash_gdn.pop(id(rec.cache), None)
-            if not m._dflash_gdn:
-                m.__class__ = _base_class(m)
-                object.__delattr__(m, "_dflash_gdn")
+            hook.records.pop(id(rec.cache), None)
+            hooks.remove(m, hook)
         self.active = False
 
     def arm(self) -> None:
@@ -262,7 +260,7 @@ class GDNRollback:
             for m, rec in zip(self.modules, self.records):
                 if n != rec.length:
                     if rec.strategy == "rerun":
-                        rerun(m, _base_class(m), rec, n)
+                        rerun(m, hooks.original_class(m), rec, n)
                     else:
                         rec.cache[0], rec.cache[1] = replay(m, rec, n)
                 rec.kept, rec.after = n, rec.cache[1]
@@ -279,20 +277,6 @@ class GDNRollback:
         return kept.pop()
 
 
-def _base_class(m: nn.Module) -> type:
-    cls = type(m)
-    return cls.__bases__[0] if cls in _HOOKED.values() else cls
-
-
-def is_hooked(model: nn.Module) -> bool:
-    """True if any module of `model`'s decoder layers carries a GatedDeltaNet hook."""
-    return any(
-        hasattr(m, "_dflash_gdn") or type(m) in _HOOKED.values()
-        for layer in decoder_layers(model)
-        for _, m in layer.named_modules()
-    )
-
-
 def armed(model: nn.Module, cache: list[Any]) -> bool:
     """True when the next forward of `model` on `cache` will be recorded for rollback (a
     verify pass): what a distributed leader tells the ranks that mirror its cache."""
@@ -300,8 +284,8 @@ def armed(model: nn.Module, cache: list[Any]) -> bool:
     if not ids:
         return False
     for layer in decoder_layers(model):
-        for _, m in layer.named_modules():
-            recs = getattr(m, "_dflash_gdn", None)
-            if recs:
-                return any(r.armed for k, r in recs.items() if k in ids)
+        for m in layer.modules():
+            hook = hooks.find(m, _Recorder)
+            if hook is not None and hook.records:
+                return any(r.armed for k, r in hook.records.items() if k in ids)
     return False

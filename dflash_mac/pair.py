@@ -1,8 +1,11 @@
 """What the engine needs from a loaded pair (`loading.LoadedPair` is the real one; tests build
-their own): a target, a bound drafter, a tokenizer and a few derived facts."""
+their own): a target, a bound drafter, a tokenizer, a few derived facts, and the mirror of a
+target sharded over several ranks (distribution plugs in from above: the engine imports nothing
+of dflash_mac/distributed/)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import mlx.core as mx
@@ -24,6 +27,27 @@ class Drafter(Protocol):
     def __call__(self, block_ids: mx.array, cache: list[KVCache]) -> mx.array: ...
 
 
+class Mirror(Protocol):
+    """The other ranks of a distributed target, as the decode cycle sees them (rank 0's
+    `distributed.leader.Leader`); every forward of the target is mirrored by its own hook."""
+
+    # The drafter's features of the last forward where the ranks gather them (pipeline
+    # parallel); None: capture the target's layers as usual (FeatureCapture's `features=`).
+    features: Callable[[], mx.array] | None
+
+    def facts(self) -> dict:
+        """The distributed facts for the stats (ranks, parallel mode, collectives)."""
+        ...
+
+    def idle(self) -> None:
+        """A request ended, however it ended: nothing is in flight any more."""
+        ...
+
+    def settle(self, cache: list) -> None:
+        """After a request: every rank's copy of `cache` at the same length."""
+        ...
+
+
 class Pair(Protocol):
     """A target and its drafter, ready to decode."""
 
@@ -34,6 +58,7 @@ class Pair(Protocol):
     draft_id: str
     block_size: int
     target_config: dict
+    mirror: Mirror | None  # a target sharded over several ranks; None in one process
 
     @property
     def layer_ids(self) -> list[int]: ...

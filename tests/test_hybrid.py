@@ -15,14 +15,14 @@ from mlx_lm.models import qwen3_5
 from mlx_lm.models.cache import ArraysCache, KVCache
 from scipy.stats import chisquare
 
-from dflash_mac import capture as adapter
-from dflash_mac import hybrid
-from dflash_mac.capture import target_head
+from dflash_mac import hooks, hybrid
 from dflash_mac.decode import DecodeState, GenerationConfig, speculative_stream
 from dflash_mac.loading import LoadedPair, load
+from dflash_mac.policy import BlockChoice
 from dflash_mac.rollback import RollbackError, TargetRollback
 from dflash_mac.sampling import SamplingParams, probabilities
 from dflash_mac.session import Session
+from dflash_mac.structure import target_head
 from dflash_mac.testing.oracle import OracleDrafter, with_drafter
 from dflash_mac.testing.tiny import draft_config
 from dflash_mac.testing.tiny_hybrid import (
@@ -49,11 +49,13 @@ def baseline(pair, ids: list[int], n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def cases(pair):
-    assert not adapter.is_hooked(pair.target)
+    assert not hooks.is_hooked(pair.target)
     return [(ids, baseline(pair, ids, N)) for ids in map(pair.tokenizer.encode, PROMPTS)]
 
 
 def run(pair, ids, state=None, **kw) -> tuple[list[int], list[int]]:
+    if "block_size" in kw:  # a fixed size
+        kw["block"] = BlockChoice(kw.pop("block_size"))
     events = list(speculative_stream(pair, ids, GenerationConfig(use_eos=False, **kw), state))
     return [t for e in events for t in e.tokens], [e.accepted for e in events[1:]]
 
@@ -109,7 +111,7 @@ def test_state_after_each_rollback_equals_fresh_prefill(pair, cases, strategy):
     state = DecodeState(oracle)
     state.rollback = TargetRollback(pair.target, state.target_cache, strategy)
     partial = 0
-    cfg = GenerationConfig(max_tokens=40, block_size=6, use_eos=False)
+    cfg = GenerationConfig(max_tokens=40, block=BlockChoice(6), use_eos=False)
     for ev in speculative_stream(oracle, ids, cfg, state=state):
         partial += 0 < ev.accepted < 6
         assert state.ids == (ids + ref)[: len(state.ids)]
@@ -127,7 +129,7 @@ def test_trim_within_last_verify_and_refusal(pair, cases):
         state = DecodeState(oracle)
         events = list(
             speculative_stream(
-                oracle, ids, GenerationConfig(max_tokens=N, block_size=16), state=state
+                oracle, ids, GenerationConfig(max_tokens=N, block=BlockChoice(16)), state=state
             )
         )
     finally:
@@ -149,15 +151,16 @@ def test_hooks_are_per_instance_and_removed(pair, cases):
     ids, ref = cases[0]
     other = build_hybrid_target({"model_type": "qwen3_5", "text_config": hybrid_text_config()})
     gdn = [m for _, m in pair.target.named_modules() if isinstance(m, GDN_CLASS)]
-    stream = speculative_stream(pair, ids, GenerationConfig(max_tokens=N, block_size=5))
+    stream = speculative_stream(pair, ids, GenerationConfig(max_tokens=N, block=BlockChoice(5)))
     next(stream)
-    assert adapter.is_hooked(pair.target) and hybrid.is_hooked(pair.target)
+    assert hooks.is_hooked(pair.target)
     assert all(type(m) is not GDN_CLASS for m in gdn)  # hooked while running ...
-    assert not adapter.is_hooked(other)  # ... this instance only, the class is untouched
+    assert all(hooks.original_class(m) is GDN_CLASS for m in gdn)
+    assert not hooks.is_hooked(other)  # ... this instance only, the class is untouched
     assert GDN_CLASS.__call__ is GDN_CALL
     assert baseline(pair, ids, 20) == ref[:20]  # unarmed hooks run the original forward
     stream.close()
-    assert not adapter.is_hooked(pair.target) and not hybrid.is_hooked(pair.target)
+    assert not hooks.is_hooked(pair.target)
     assert all(type(m) is GDN_CLASS for m in gdn)
     assert baseline(pair, ids, N) == ref
 
@@ -175,10 +178,10 @@ def test_two_caches_share_the_hooked_instances(pair, cases):
                 pair.target(mx.array([ref[:n]]), cache=st.target_cache)
                 st.rollback.rollback(n - keep, keep - 1)
                 st.ids = ids + ref[:keep]
-        assert adapter.is_hooked(pair.target)
+        assert hooks.is_hooked(pair.target)
         for st in states:
             assert_cache_equals_fresh_prefill(pair, st)
-    assert not adapter.is_hooked(pair.target)
+    assert not hooks.is_hooked(pair.target)
 
 
 def test_hooked_forward_is_bit_exact():
@@ -280,7 +283,9 @@ def chi_square_p(samples: list[tuple], joint: dict[tuple, float]) -> float:
 def sampled(pair, sp: SamplingParams, n: int) -> tuple[list[tuple], list[int]]:
     out, acc = [], []
     for seed in range(n):
-        cfg = GenerationConfig(max_tokens=3, block_size=4, sampling=sp, seed=seed, use_eos=False)
+        cfg = GenerationConfig(
+            max_tokens=3, block=BlockChoice(4), sampling=sp, seed=seed, use_eos=False
+        )
         events = list(speculative_stream(pair, PROMPT, cfg))
         out.append(tuple(t for e in events for t in e.tokens))
         acc += [e.accepted for e in events[1:]]
@@ -343,4 +348,4 @@ def test_cost_curve_on_a_hybrid(pair):
 
     curve = measure(pair, max_bs=3, context=12, reps=1)
     assert curve["ratios"]["1"] == 1.0 and all(curve["seconds"][b] > 0 for b in "123")
-    assert not adapter.is_hooked(pair.target) and not hybrid.is_hooked(pair.target)
+    assert not hooks.is_hooked(pair.target)

@@ -12,7 +12,6 @@ from dflash_mac.models.dflash import DFlashDraftModel
 from mlx_lm.models import qwen3
 from scipy.stats import chisquare
 
-from dflash_mac.capture import target_head
 from dflash_mac.loading import LoadedPair
 from dflash_mac.sampling import (
     SamplingParams,
@@ -21,6 +20,7 @@ from dflash_mac.sampling import (
     probabilities,
 )
 from dflash_mac.session import Session
+from dflash_mac.structure import target_head
 from dflash_mac.testing.tiny import draft_config, target_config
 
 V = 5
@@ -122,7 +122,7 @@ def test_a_lossy_rule_is_detected(small_pair):
     """The chi-square check has teeth: accepting every draft (no rejection) fails it."""
     sp = SamplingParams(temperature=1.0)
     joint = exact_joint(small_pair, sp)
-    import dflash_mac.decode as engine
+    import dflash_mac.cycle as engine
 
     real = engine.accept_sampled
 

@@ -2,37 +2,30 @@
 
 The leader runs the ordinary single-process decode cycle (dflash_mac/decode.py): it drafts,
 decides acceptance (q never leaves it), detokenises and stops. A per-instance hook on its target
-(a `__class__` swap, as capture.py does for layers) turns each forward into "broadcast a packet,
-then run the forward on the broadcast tokens": the packet tells the workers how far to trim the
-cache first (what the leader rolled back since their last forward), which cache (slot), and
-the tokens. Because the leader's forward reads its input from the packet's `all_sum`, the
-packet is ordered before the forward's own collectives on every rank (docs/distributed.md)."""
+(hooks.py, as capture.py does for layers) turns each forward into "broadcast a packet, then run
+the forward on the broadcast tokens": the packet tells the workers how far to trim the cache
+first (what the leader rolled back since their last forward), which cache (slot), and the
+tokens. Because the leader's forward reads its input from the packet's `all_sum`, the packet is
+ordered before the forward's own collectives on every rank (docs/distributed.md).
+
+The leader is also rank 0's `pair.mirror` (`pair.Mirror`): the decode cycle tells it when a
+request ends and asks it for the facts of the stats and, pipeline parallel, the features."""
 
 from __future__ import annotations
 
 import itertools
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 from mlx import nn
 
+from .. import hooks
 from .group import CAPACITY, HEADER, Cmd, Header, count_collectives, packet
 from .watchdog import Watchdog
-
-_LEADING: dict[type, type] = {}
-
-
-def _leading_class(cls: type) -> type:
-    if cls not in _LEADING:
-
-        def __call__(self, inputs, cache=None, **kwargs):
-            return self._dflash_leader.forward(cls.__call__, self, inputs, cache, kwargs)
-
-        _LEADING[cls] = type(f"Leading{cls.__name__}", (cls,), {"__call__": __call__})
-    return _LEADING[cls]
 
 
 def cache_length(cache: list[Any]) -> int:
@@ -62,27 +55,32 @@ class Facts:
 
 
 class Leader:
-    """The hook state on rank 0's target: slots of the caches the workers mirror."""
+    """The hook on rank 0's target (slots of the caches the workers mirror) and its pair's
+    `Mirror`."""
 
     def __init__(self, group: mx.distributed.Group, model: nn.Module, parallel: str, stages=None):
         self.group, self.model, self.parallel = group, model, parallel
         self.stages = stages  # pipeline: the features gathered across stages (stages.py)
+        # Mirror.features: pipeline stages gather them; tensor parallel captures them as usual
+        self.features: Callable[[], mx.array] | None = stages.features if stages else None
         self._slots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._held: dict[int, int] = {}  # slot -> positions the workers' cache holds
         self._freed: list[int] = []
         self._ids = itertools.count(1)
-        self.facts = Facts(group.size(), parallel, 0, 0.0)
+        self.probed = Facts(group.size(), parallel, 0, 0.0)
         self.packets = 0
         self.stopped = False
         self.watchdog = Watchdog(group.rank())
 
     # -- the hook ------------------------------------------------------------------------
     def attach(self) -> Leader:
-        object.__setattr__(self.model, "_dflash_leader", self)
-        if self.stages is not None:
-            self.stages.attach(self.model)
-        self.model.__class__ = _leading_class(type(self.model))
+        """Hook the target for the life of the process (never removed)."""
+        hooks.install(self.model, self)
         return self
+
+    def __call__(self, model: nn.Module, call: Callable, inputs: mx.array, cache=None, **kwargs):
+        """The hook: every forward of the target (hooks.py)."""
+        return self.forward(call, model, inputs, cache, kwargs)
 
     def slot(self, cache: list[Any]) -> int:
         key = cache[0]
@@ -93,7 +91,8 @@ class Leader:
             weakref.finalize(key, self._freed.append, slot)
         return slot
 
-    def forward(self, call, model: nn.Module, inputs: mx.array, cache, kwargs: dict):
+    def forward(self, call: Callable, model: nn.Module, inputs: mx.array, cache, kwargs: dict):
+        """Broadcast the packet, then run `call` (the target's own forward) on its tokens."""
         if cache is None:
             raise ValueError("a distributed target runs with a cache.")
         from ..hybrid import armed
@@ -114,7 +113,7 @@ class Leader:
             mx.eval(tokens)
         self._held[slot] = now + n
         self.packets += 1
-        logits = call(model, tokens.reshape(inputs.shape), cache=cache, **kwargs)
+        logits = call(tokens.reshape(inputs.shape), cache=cache, **kwargs)
         if self.stages is not None:
             logits = self.stages.gather(logits)
         # A caller that evaluates only the caches (mlx-lm's prefill does) must still run the
@@ -145,6 +144,15 @@ class Leader:
         self.watchdog.disarm()
         self.packets += 1
 
+    # -- pair.Mirror -------------------------------------------------------------------------
+    def facts(self) -> dict:
+        """The distributed facts for the pair's stats."""
+        return self.probed.as_dict()
+
+    def idle(self) -> None:
+        """A request ended (also by an error or a closed stream): nothing is in flight any more."""
+        self.watchdog.disarm()
+
     def settle(self, cache: list[Any]) -> None:
         """The end of a request: the workers trim `cache`'s mirror to the leader's length."""
         slot = self._slots.get(cache[0])
@@ -174,31 +182,9 @@ class Leader:
         for _ in range(repeats):
             mx.eval(mx.distributed.all_sum(x, group=self.group))
         ms = 1000 * (time.perf_counter() - t) / repeats
-        self.facts = Facts(self.group.size(), self.parallel, count, ms)
+        self.probed = Facts(self.group.size(), self.parallel, count, ms)
         self.watchdog.disarm()
-        return self.facts
-
-
-def leader_of(model: nn.Module) -> Leader | None:
-    return getattr(model, "_dflash_leader", None)
-
-
-def facts(model: nn.Module) -> dict:
-    """The distributed facts for a pair's stats ({} for a single-process target)."""
-    lead = leader_of(model)
-    return lead.facts.as_dict() if lead is not None else {}
-
-
-def settle(model: nn.Module, cache: list[Any]) -> None:
-    """After a request: every rank's copy of `cache` at the same length (no-op alone)."""
-    if (lead := leader_of(model)) is not None:
-        lead.settle(cache)
-
-
-def idle(model: nn.Module) -> None:
-    """A request ended (also by an error or a closed stream): nothing is in flight any more."""
-    if (lead := leader_of(model)) is not None:
-        lead.watchdog.disarm()
+        return self.probed
 
 
 _ACTIVE: list[Leader] = []

@@ -1,7 +1,7 @@
 """Load a pair across the ranks of an MLX distributed job: the target sharded with mlx-lm's own
 `model.shard(group)` (tensor parallel) or `model.model.pipeline(group)` (pipeline parallel), the
-drafter on rank 0 only. Rank 0 gets a `LoadedPair` whose target leads (leader.py); the other
-ranks get a `Worker` to run (worker.py)."""
+drafter on rank 0 only. Rank 0 gets a `LoadedPair` whose target leads and whose `mirror` is the
+leader (leader.py); the other ranks get a `Worker` to run (worker.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx import nn
 
-from ..capture import decoder_layers, target_head
 from ..errors import LoadError
 from ..loading import LoadedPair, PairSpec, cast_floats, default_dtype, load_drafter, materialize
+from ..structure import decoder_layers, target_head
 from .group import PARALLEL_MODES, mark_ready, parallel_mode
 from .leader import Leader, register
 from .stages import StageCapture
@@ -114,10 +114,14 @@ def load(
     target, tokenizer, head, mode = load_target(spec, group, parallel_mode(), dtype)
     rank = group.rank()
     hidden = spec.text_config["hidden_size"]
+    stages = None
+    if mode == "pipeline":
+        stages = StageCapture(target, spec.draft_config.target_layer_ids, group, hidden)
     failure: Exception | None = None
-    pair = None
+    pair = lead = None
     if rank == 0:
         try:
+            lead = Leader(group, target, mode, stages)  # the pair's mirror; hooks once all loaded
             drafter = load_drafter(spec.draft_path, spec.draft_config, dtype)
             full_head = [head.lm_head] if isinstance(head.lm_head, nn.Module) else []
             for m in full_head:  # a head mlx-lm sharded is no longer in the model: cast it too
@@ -125,7 +129,7 @@ def load(
                     cast_floats(m, dtype)
             drafter.bind(head)
             materialize(drafter, head.embed, *full_head)
-            pair = spec.pair(target, drafter, tokenizer, block_size)
+            pair = spec.pair(target, drafter, tokenizer, block_size, mirror=lead)
         except Exception as e:  # told to the workers below, then raised here
             failure = e
     materialize(target)
@@ -134,13 +138,10 @@ def load(
         if failure is not None:
             raise failure
         raise LoadError("rank 0 could not load the drafter; see its message.")
-    stages = None
-    if mode == "pipeline":
-        stages = StageCapture(target, spec.draft_config.target_layer_ids, group, hidden)
     if rank != 0:
         mark_ready(rank)
         return Ranked(rank, worker=Worker(group, target, hidden, stages))
-    lead = Leader(group, target, mode, stages).attach()
+    lead.attach()
     register(lead)
     lead.probe(pair.block_size, hidden)
     mark_ready(rank)

@@ -4,14 +4,16 @@ mlx-lm's `pipeline(group)` gives rank 0 the LAST layers and the highest rank the
 Each rank captures the selected layers it holds, puts zeros where the others' go, and one
 `all_sum` gives every rank the full features (adding zeros is exact). That all_sum is tied
 after the forward's own collectives and before its logits are used (`mx.depends` both ways), so
-every rank that evaluates the logits runs it at the same place in the order."""
+every rank that evaluates the logits runs it at the same place in the order. Rank 0's decode
+cycle reads them through its pair's mirror (`Leader.features`), not from its own layers."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 from mlx import nn
 
-from ..capture import FeatureCapture, text_model
+from ..capture import FeatureCapture
+from ..structure import text_model
 
 
 class StageCapture:
@@ -25,7 +27,7 @@ class StageCapture:
         local = {i: inner.layers[i] for i in set(layer_ids) if start <= i < end}
         self.capture = FeatureCapture(None, self.layer_ids, layers=local).__enter__()
         self.local = set(local)
-        self.features: mx.array | None = None
+        self.gathered: mx.array | None = None  # the full features of the last forward
         self.dtype = inner.embed_tokens(mx.array([[0]])).dtype  # the hidden states' dtype
 
     def gather(self, logits: mx.array) -> mx.array:
@@ -38,9 +40,9 @@ class StageCapture:
             else:
                 parts.append(mx.zeros((B, n, self.hidden), dtype=self.dtype))
         local = mx.depends(mx.concatenate(parts, axis=-1), logits)
-        self.features = mx.distributed.all_sum(local, group=self.group)
-        return mx.depends(logits, self.features)
+        self.gathered = mx.distributed.all_sum(local, group=self.group)
+        return mx.depends(logits, self.gathered)
 
-    def attach(self, model: nn.Module) -> None:
-        """Let the leader's FeatureCapture read the gathered features."""
-        object.__setattr__(model, "_dflash_features", lambda: self.features)
+    def features(self) -> mx.array:
+        """The full features of the last forward (what rank 0's FeatureCapture returns)."""
+        return self.gathered

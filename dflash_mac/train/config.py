@@ -9,9 +9,9 @@ from typing import Any
 import mlx.core as mx
 from mlx import nn
 
-from dflash_mac.capture import target_head, text_model
 from dflash_mac.models.config import DraftConfig
 from dflash_mac.models.dflash import DFlashDraftModel
+from dflash_mac.structure import target_head, text_model
 
 from .args import TrainError, TrainingArgs, TrainSettings
 from .dflash2_loss import dflash2_config
