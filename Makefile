@@ -6,10 +6,12 @@ PROMPT ?= Write a Python function that returns the n-th Fibonacci number.
 
 .PHONY: run test test-fast lint install bundle
 
+# PYTHONWARNINGS hides the notice setuptools prints on every editable install of a package
+# whose folders are mapped (models/ -> dflash_mac.models); pyproject.toml leaves no warning.
 $(BIN)/dflash-mac: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[test]"
+	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/python -m pip install -q -e ".[test]"
 	touch $(BIN)/dflash-mac
 
 install: $(BIN)/dflash-mac

@@ -41,7 +41,8 @@ def blas_threads() -> int:
 
 
 def maybe_reexec_with_openblas(argv: list[str]) -> None:
-    """On Linux, restart the CLI with OpenBLAS preloaded (fp32 matmul ~30x faster).
+    """On Linux, restart the CLI with OpenBLAS preloaded (MLX's CPU wheel's own BLAS is far
+    slower: docs/bench.md, "Pipelined cycle").
 
     Skipped when OpenBLAS is absent, already loaded, or DFLASH_MAC_BLAS=reference."""
     lib = find_openblas()
@@ -52,11 +53,8 @@ def maybe_reexec_with_openblas(argv: list[str]) -> None:
     env = dict(os.environ)
     env["LD_PRELOAD"] = ":".join(filter(None, [lib, env.get("LD_PRELOAD")]))
     env["_DFLASH_MAC_REEXEC"] = "1"
-    # One BLAS thread per core. Leaving a core to the host thread (which builds the next pass
-    # while BLAS runs this one) steadied runs on a 2-core AMD EPYC (spread +-5 % against
-    # +-15 %), but on a 2-core Intel Xeon two threads decode 37 % faster with drafting and 10 %
-    # faster plain (bench/results/linux-x86_64-2core-intel-xeon-threads.md). A count you set
-    # in OPENBLAS_NUM_THREADS is kept.
+    # One thread per core decodes faster than leaving one to the host (docs/bench.md, "Pipelined
+    # cycle"); a count set in OPENBLAS_NUM_THREADS is kept.
     env.setdefault("OPENBLAS_NUM_THREADS", str(blas_threads()))
     script = sys.argv[0]
     if script.endswith("__main__.py") or not Path(script).is_file():
