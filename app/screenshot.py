@@ -52,9 +52,9 @@ def main() -> None:
         os.environ["DFLASH_MAC_HOME"] = home
         model, draft = args.model, args.draft
         if model is None and not (BUNDLED_DRAFT / "config.json").exists():
-            from dflash_mac.testing.tiny import build_tiny_pair
+            from dflash_mac.random_pair import build_random_pair
 
-            model, draft = map(str, build_tiny_pair(Path(home) / "tiny"))
+            model, draft = map(str, build_random_pair(Path(home) / "tiny"))
         asyncio.run(shoot(Path(args.out), model, draft, args.max_tokens))
     print(f"wrote {args.out}")
 

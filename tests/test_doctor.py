@@ -14,8 +14,9 @@ import pytest
 from typer.testing import CliRunner
 
 from dflash_mac import cli, loading
-from dflash_mac.cli import doctor
-from dflash_mac.cli.doctor import FAIL, PASS, WARN, Facts
+from dflash_mac.cli import checks, doctor, machine, selftest
+from dflash_mac.cli.checks import FAIL, PASS, WARN
+from dflash_mac.cli.machine import Facts
 from dflash_mac.registry import load_registry
 
 runner = CliRunner()
@@ -61,14 +62,14 @@ def status(check) -> str:
     ],
 )
 def test_platform(mac, change, expected):
-    assert status(doctor.check_platform(replace(mac, **change))) == expected
+    assert status(checks.check_platform(replace(mac, **change))) == expected
 
 
 @pytest.mark.parametrize(
     "mlx_lm, expected", [("0.32.2", PASS), ("0.29.1", FAIL), ("missing", FAIL)]
 )
 def test_mlx(mac, mlx_lm, expected):
-    assert status(doctor.check_mlx(replace(mac, mlx_lm=mlx_lm))) == expected
+    assert status(checks.check_mlx(replace(mac, mlx_lm=mlx_lm))) == expected
 
 
 @pytest.mark.parametrize(
@@ -76,7 +77,7 @@ def test_mlx(mac, mlx_lm, expected):
     [({}, PASS), ({"system": "linux", "metal": False}, WARN), ({"metal": False}, FAIL)],
 )
 def test_metal(mac, change, expected):
-    assert status(doctor.check_metal(replace(mac, **change))) == expected
+    assert status(checks.check_metal(replace(mac, **change))) == expected
 
 
 @pytest.mark.parametrize(
@@ -89,7 +90,7 @@ def test_metal(mac, change, expected):
     ],
 )
 def test_kernels(mac, change, expected):
-    assert status(doctor.check_kernels(replace(mac, **change))) == expected
+    assert status(checks.check_kernels(replace(mac, **change))) == expected
 
 
 @pytest.mark.parametrize(
@@ -101,16 +102,16 @@ def test_kernels(mac, change, expected):
     ],
 )
 def test_blas(mac, change, expected):
-    assert status(doctor.check_blas(replace(mac, **change))) == expected
+    assert status(checks.check_blas(replace(mac, **change))) == expected
 
 
 def test_memory_estimate():
     q8 = load_registry().get("qwen3-8b")
-    need = doctor.memory_need_gb(q8, 8192)
+    need = checks.memory_need_gb(q8, 8192)
     assert need["target"] == q8.mlx_4bit_gb and need["drafter"] == q8.draft_gb
     assert need["kv"] == pytest.approx(144 * 1024 * 8192 / 1e9)
     assert need["total"] == pytest.approx(sum(v for k, v in need.items() if k != "total"))
-    assert doctor.memory_need_gb(q8, 8192, full=True)["target"] == q8.target_gb
+    assert checks.memory_need_gb(q8, 8192, full=True)["target"] == q8.target_gb
 
 
 @pytest.mark.parametrize(
@@ -124,22 +125,22 @@ def test_memory_estimate():
 )
 def test_memory(mac, pair, context, memory, expected):
     f = replace(mac, memory_bytes=memory * GB, budget_bytes=int(0.75 * memory * GB))
-    check = doctor.check_memory(f, load_registry().get(pair), context)
+    check = checks.check_memory(f, load_registry().get(pair), context)
     assert status(check) == expected
     assert pair in check.message
 
 
 def test_hf_cache(mac, monkeypatch):
     entry = load_registry().get("qwen3-8b")
-    check = doctor.check_hf_cache(mac, entry)
+    check = checks.check_hf_cache(mac, entry)
     assert status(check) == PASS and str(mac.hf_cache) in check.message
-    assert status(doctor.check_hf_cache(replace(mac, offline=True), entry)) == WARN
+    assert status(checks.check_hf_cache(replace(mac, offline=True), entry)) == WARN
     Usage = namedtuple("Usage", "total used free")
-    monkeypatch.setattr(doctor.shutil, "disk_usage", lambda p: Usage(10 * GB, 9 * GB, GB))
-    assert status(doctor.check_hf_cache(mac, entry)) == WARN
-    assert status(doctor.check_hf_cache(mac, load_registry().get("bundled"))) == PASS
-    monkeypatch.setattr(doctor.os, "access", lambda p, mode: False)
-    assert status(doctor.check_hf_cache(mac, entry)) == FAIL
+    monkeypatch.setattr(checks.shutil, "disk_usage", lambda p: Usage(10 * GB, 9 * GB, GB))
+    assert status(checks.check_hf_cache(mac, entry)) == WARN
+    assert status(checks.check_hf_cache(mac, load_registry().get("bundled"))) == PASS
+    monkeypatch.setattr(checks.os, "access", lambda p, mode: False)
+    assert status(checks.check_hf_cache(mac, entry)) == FAIL
 
 
 @pytest.fixture
@@ -151,20 +152,20 @@ def tiny_loader(tiny_dirs):
 
 
 def test_selftest_pass(tiny_loader):
-    check = doctor.check_selftest(tiny_loader, n=12)
+    check = selftest.check_selftest(tiny_loader, n=12)
     assert status(check) == PASS and "losslessly on a worker thread" in check.message
 
 
 def test_selftest_uses_the_bundled_pair_and_reports_its_tau(monkeypatch):
     seen = []
-    real = doctor.dflash_tokens
+    real = selftest.dflash_tokens
 
     def spy(pair, ids, n):
         seen.append((pair.model_id, pair.draft_id, ids))
         return real(pair, ids, n)
 
-    monkeypatch.setattr(doctor, "dflash_tokens", spy)
-    check = doctor.check_selftest(n=16)
+    monkeypatch.setattr(selftest, "dflash_tokens", spy)
+    check = selftest.check_selftest(n=16)
     assert status(check) == PASS and check.message.startswith("bundled pair decodes")
     ((target, draft, _ids),) = seen
     assert (target, draft) == (str(loading.BUNDLED_TARGET), str(loading.BUNDLED_DRAFT))
@@ -182,10 +183,10 @@ def test_selftest_tau_is_the_drafters_whatever_the_cost_curve(monkeypatch, tmp_p
     from dflash_mac.policy import acceptance_path, cost_curve_path
 
     monkeypatch.setenv("DFLASH_MAC_HOME", str(tmp_path))
-    pair, _ = doctor.load_selftest_pair(str(tmp_path))
+    pair, _ = selftest.load_selftest_pair(str(tmp_path))
     dear = {"1": 1.0} | {str(b): 1.0 + 0.7 * (b - 1) for b in range(2, 17)}
     save({"ratios": dear, "sampled": {"ratios": dear}}, cost_curve_path(pair))
-    _, tau = doctor.dflash_tokens(pair, doctor.selftest_ids(pair), 16)
+    _, tau = selftest.dflash_tokens(pair, selftest.selftest_ids(pair), 16)
     assert tau > 1.5
     assert not acceptance_path(pair).exists()
 
@@ -193,7 +194,7 @@ def test_selftest_tau_is_the_drafters_whatever_the_cost_curve(monkeypatch, tmp_p
 LAZY = """
 from mlx.utils import tree_map
 from dflash_mac import loading
-from dflash_mac.cli import doctor
+from dflash_mac.cli import selftest
 
 def lazy_loader(tmp):
     pair = loading.load()
@@ -201,7 +202,7 @@ def lazy_loader(tmp):
     pair.target.update(tree_map(lambda p: p * 1, pair.target.parameters()))
     return pair, True
 
-check = doctor.check_selftest(lazy_loader, n=4)
+check = selftest.check_selftest(lazy_loader, n=4)
 print(check.status, check.message)
 """
 
@@ -223,16 +224,16 @@ def test_selftest_fails_when_weights_are_lazy_on_the_loading_thread():
 
 def test_selftest_warns_and_builds_a_tiny_pair_without_the_bundle(monkeypatch, tmp_path):
     monkeypatch.setattr(loading, "BUNDLED_DRAFT", tmp_path / "absent")
-    check = doctor.check_selftest(n=8)
+    check = selftest.check_selftest(n=8)
     assert status(check) == WARN and "tiny random pair" in check.message
 
 
 def test_selftest_fails_on_divergence(tiny_loader, monkeypatch):
-    real = doctor.reference_tokens
+    real = selftest.reference_tokens
     monkeypatch.setattr(
-        doctor, "reference_tokens", lambda pair, ids, n: [t + 1 for t in real(pair, ids, n)]
+        selftest, "reference_tokens", lambda pair, ids, n: [t + 1 for t in real(pair, ids, n)]
     )
-    check = doctor.check_selftest(tiny_loader, n=8)
+    check = selftest.check_selftest(tiny_loader, n=8)
     assert status(check) == FAIL and "differs from mlx-lm at token 0" in check.message
 
 
@@ -240,13 +241,13 @@ def test_selftest_fails_when_the_pair_cannot_load():
     def broken(tmp: str):
         raise loading.LoadError("weights missing")
 
-    check = doctor.check_selftest(broken)
+    check = selftest.check_selftest(broken)
     assert status(check) == FAIL and "weights missing" in check.message
 
 
 def test_run_checks_on_this_machine():
-    checks = doctor.run_checks("qwen3-4b", 2048, selftest=False)
-    assert [c.name for c in checks] == [
+    found = doctor.run_checks("qwen3-4b", 2048, selftest=False)
+    assert [c.name for c in found] == [
         "platform",
         "mlx",
         "metal",
@@ -255,8 +256,8 @@ def test_run_checks_on_this_machine():
         "memory",
         "hf cache",
     ]
-    by_name = {c.name: c for c in checks}
-    assert by_name["mlx"].status == PASS and all(c.message for c in checks)
+    by_name = {c.name: c for c in found}
+    assert by_name["mlx"].status == PASS and all(c.message for c in found)
     if sys.platform != "darwin":  # this Linux box: CPU only, no Metal, a warning each
         assert by_name["platform"].status == WARN and by_name["metal"].status == WARN
         assert by_name["kernels"].status == PASS and "reference" in by_name["kernels"].message
@@ -282,6 +283,6 @@ def test_doctor_command_json_and_exit_code(mac, monkeypatch):
 
 
 def test_facts_of_this_machine():
-    f = doctor.gather_facts()
+    f = machine.gather_facts()
     assert f.mlx == mx.__version__ and f.memory_bytes > 0
     assert isinstance(f.hf_cache, Path) and f.kernels in ("metal", "reference", "error")

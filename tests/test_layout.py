@@ -1,8 +1,9 @@
 """The package's import graph: no cycles, and dependencies point one way.
 
 Layers, bottom up: metal_kernels (imports nothing of ours) → models (may use metal_kernels) →
-the engine (the modules at the top of dflash_mac/) → front ends (cli, serve, bench, app, train,
-bundle, testing). Every import counts, including those inside functions."""
+the engine (the modules at the top of dflash_mac/) → distributed (plugs into the engine from
+above, through `pair.Mirror`) → front ends (cli, serve, bench, app, train, bundle, testing).
+Every import counts, including those inside functions."""
 
 from __future__ import annotations
 
@@ -64,12 +65,24 @@ def layer(name: str) -> int:
         return 0
     if parts[1:2] == ["models"]:
         return 1
-    if len(parts) > 1 and parts[1] in FRONT_ENDS:
+    if parts[1:2] == ["distributed"]:
         return 3
+    if len(parts) > 1 and parts[1] in FRONT_ENDS:
+        return 4
     return 2  # the engine: dflash_mac/*.py
 
 
-LAYER_NAMES = ["metal_kernels", "models", "the engine", "a front end"]
+LAYER_NAMES = ["metal_kernels", "models", "the engine", "distributed", "a front end"]
+# what loading may not reach, directly or through another module: the decode loop and above
+NOT_FROM_LOADING = (
+    "dflash_mac.capture",
+    "dflash_mac.decode",
+    "dflash_mac.policy",
+    "dflash_mac.autoblock",
+    "dflash_mac.calibrate",
+    "dflash_mac.session",
+    "dflash_mac.api",
+)
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +137,56 @@ def test_kernels_import_nothing_of_ours(graph):
     } == {src: [] for src in graph if src.startswith("dflash_mac.metal_kernels")}
 
 
+def test_product_code_imports_nothing_of_testing(graph):
+    """Test helpers are not the product: no module outside dflash_mac/testing imports them."""
+
+    def testing(name: str) -> bool:
+        return name == "dflash_mac.testing" or name.startswith("dflash_mac.testing.")
+
+    found = {src: sorted(filter(testing, dsts)) for src, dsts in graph.items() if not testing(src)}
+    assert {src: dsts for src, dsts in found.items() if dsts} == {}
+
+
+def test_engine_imports_nothing_of_distributed(graph):
+    """Distribution plugs in from above (`pair.mirror`): no engine module imports it."""
+    found = [
+        f"{src} imports {dst}"
+        for src, dsts in sorted(graph.items())
+        if layer(src) == 2
+        for dst in sorted(dsts)
+        if layer(dst) == 3
+    ]
+    assert found == []
+
+
+def import_path(graph: dict[str, set[str]], src: str, dst: str) -> list[str] | None:
+    """The shortest chain of imports from `src` to `dst`, or None."""
+    came: dict[str, str] = {src: ""}
+    todo = [src]
+    while todo:
+        node = todo.pop(0)
+        if node == dst:
+            path = [dst]
+            while came[path[-1]]:
+                path.append(came[path[-1]])
+            return path[::-1]
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in came:
+                came[nxt] = node
+                todo.append(nxt)
+    return None
+
+
+def test_loading_imports_nothing_of_the_decode_loop(graph):
+    """Loading a pair needs none of the decode loop, directly or through another module."""
+    found = [
+        " → ".join(path)
+        for dst in NOT_FROM_LOADING
+        if (path := import_path(graph, "dflash_mac.loading", dst))
+    ]
+    assert found == []
+
+
 def test_the_checker_sees_cycles_and_upward_imports():
     """Negative control: a planted cycle and an upward import are reported."""
     planted = {"dflash_mac.a": {"dflash_mac.b"}, "dflash_mac.b": {"dflash_mac.a"}}
@@ -131,8 +194,15 @@ def test_the_checker_sees_cycles_and_upward_imports():
     assert (
         layer("dflash_mac.models.dflash")
         < layer("dflash_mac.sampling")
+        < layer("dflash_mac.distributed.leader")
         < layer("dflash_mac.serve.app")
     )
+    chain = {"dflash_mac.loading": {"dflash_mac.x"}, "dflash_mac.x": {"dflash_mac.decode"}}
+    assert import_path(chain, "dflash_mac.loading", "dflash_mac.decode") == [
+        "dflash_mac.loading",
+        "dflash_mac.x",
+        "dflash_mac.decode",
+    ]
 
 
 def test_function_level_imports_count(tmp_path):

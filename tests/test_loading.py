@@ -10,8 +10,9 @@ import sys
 
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_flatten
 
-from dflash_mac.capture import is_hooked
+from dflash_mac.hooks import is_hooked
 from dflash_mac.loading import LoadError, load, resolve
 
 
@@ -38,10 +39,12 @@ def test_loads_fp32_and_unhooked(tiny_pair):
 def test_stray_embed_and_lm_head_keys_are_dropped(tiny_dirs, tmp_path):
     t, d = copy_pair(tiny_dirs, tmp_path)
     w = mx.load(str(d / "model.safetensors"))
-    w["embed_tokens.weight"] = mx.zeros((320, 64))
-    w["lm_head.weight"] = mx.zeros((320, 64))
-    mx.save_safetensors(str(d / "model.safetensors"), w)
-    assert load(t, d).drafter is not None
+    stray = {"embed_tokens.weight": mx.zeros((320, 64)), "lm_head.weight": mx.zeros((320, 64))}
+    mx.save_safetensors(str(d / "model.safetensors"), {**w, **stray})
+    # the drafter holds exactly its own saved weights; embedding and head stay the target's
+    got = dict(tree_flatten(load(t, d, dtype=mx.float32).drafter.parameters()))
+    assert sorted(got) == sorted(w)
+    assert all(mx.array_equal(got[k], w[k]).item() for k in w)
 
 
 def test_unexpected_or_missing_keys_fail(tiny_dirs, tmp_path):

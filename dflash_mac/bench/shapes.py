@@ -36,11 +36,11 @@ def random_pair(name: str, dtype: str = "bf16"):
     from mlx import nn
     from mlx_lm.models import qwen3
 
-    from dflash_mac.capture import target_head
     from dflash_mac.loading import LoadedPair, materialize
     from dflash_mac.models.config import DraftConfig
     from dflash_mac.models.dflash import DFlashDraftModel
-    from dflash_mac.testing.tiny import draft_config, target_config
+    from dflash_mac.random_pair import draft_config, target_config
+    from dflash_mac.structure import target_head
 
     if name not in SHAPES:
         raise BenchError(f"--shape must be one of {', '.join(SHAPES)} (got {name!r}).")

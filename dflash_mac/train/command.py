@@ -129,21 +129,13 @@ def train(
     from .trainer import train_drafter
 
     check_inputs(data, eval_prompts, init_from)
-    ids = None
-    if target_layer_ids:
-        try:
-            ids = [int(x) for x in target_layer_ids.split(",") if x.strip()]
-        except ValueError:
-            ids = None
-        if not ids:
-            raise TrainError("--target-layer-ids must be comma-separated integers, e.g. 1,9,17.")
     args = TrainingArgs(
         target=target,
         prompts=data,
         out_dir=out,
         block_size=block_size,
         num_layers=layers,
-        target_layer_ids=ids,
+        target_layer_ids=layer_ids(target_layer_ids),
         mask_token_id=mask_token_id,
         arch=arch,
         steps=steps,
@@ -174,7 +166,12 @@ def train(
     )
     console = Console()
     train_drafter(args, ProgressReporter(console))  # user errors: one sentence (cli.main)
-    console.print(
+    console.print(try_it(target, out, block_size))
+
+
+def try_it(target: str, out: Path, block_size: int) -> str:
+    """The closing hint: the command that decodes with the new drafter."""
+    return (
         f"\nTry it:\n  dflash-mac generate --model {target} --draft {out} "
         f'--block-size {min(block_size, 8)} -v "def fibonacci(n):"'
     )
@@ -256,3 +253,16 @@ def check_inputs(data: Path, eval_prompts: Path | None, init_from: Path | None) 
             raise TrainError(f"{flag} {path} {what}; pass a JSONL file of prompts.")
     if init_from is not None and not (init_from / "config.json").is_file():
         raise TrainError(f"--init-from {init_from} is not a drafter folder (no config.json).")
+
+
+def layer_ids(text: str | None) -> list[int] | None:
+    """--target-layer-ids as integers (None: the default spread), or one clear sentence."""
+    if not text:
+        return None
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        ids = []
+    if not ids:
+        raise TrainError("--target-layer-ids must be comma-separated integers, e.g. 1,9,17.")
+    return ids
