@@ -106,6 +106,7 @@ class Backend:
     last: tuple[str, list[int]] | None = None  # text and ids of the last finished turn
     pending: tuple[str, list[int]] | None = None  # text and ids of the turn being generated
     context: int = 0  # the model's context in tokens (0: unknown, no window management)
+    block: Any = None  # the block-size choice resolved at load (`policy.BlockChoice`)
 
     def render(self, messages: list[dict], system: str | None, reasoning: str | None) -> str:
         full = ([{"role": "system", "content": system}] if system else []) + messages
@@ -166,7 +167,14 @@ class Backend:
             self.last, self.pending = (text + answer, ids + list(answer_ids)), None
 
     def stream(self, prompt: Any, should_stop: Callable[[], bool], **kwargs: Any) -> Iterator:
-        return self.session.stream(prompt, should_stop=should_stop, **kwargs)
+        """A turn's events; afterwards what `auto` saw is remembered for the next process."""
+        if self.block is not None:
+            kwargs["block_size"] = self.block
+        yield from self.session.stream(prompt, should_stop=should_stop, **kwargs)
+        if (tuning := getattr(self.session, "tuning", None)) is not None:
+            from dflash_mac.policy import save_acceptance
+
+            save_acceptance(self.session.pair, tuning)
 
     def warm(
         self, messages: list[dict], system: str | None, reasoning: str | None, skip: int = 0
@@ -216,25 +224,31 @@ Status = Callable[[str, float | None], None]  # a loading step's text and fracti
 
 
 def load_backend(opts: ChatOptions, status: Status | None = None) -> Backend:
-    """Load the pair, measure its cost curve when `auto` has none on this machine (once), the
-    plain baseline, and open a session (runs in a worker; `status` hears each step)."""
-    from dflash_mac import calibrate
-    from dflash_mac.cli.terminal import block_size_policy, load_ranked, warn_thinking_mismatch
-    from dflash_mac.distributed.group import world
-    from dflash_mac.loading import load, quantize_drafter
+    """Load the pair (`prepare.prepare`, as every front end), measure its cost curve when
+    `auto` has none on this machine (once), the plain baseline, and open a session (runs in a
+    worker; `status` hears each step)."""
+    from dflash_mac.cli.terminal import ranked_loader
+    from dflash_mac.policy import load_tuning
+    from dflash_mac.prepare import (
+        calibrate,
+        calibration_steps,
+        calibration_title,
+        needs_calibration,
+        prepare,
+    )
     from dflash_mac.session import Session
 
-    group = world()  # under `dflash-mac launch`: this is rank 0, the target is sharded
-    pair = load_ranked(group, opts.model, opts.draft) if group else load(opts.model, opts.draft)
-    if opts.draft_bits is not None:
-        quantize_drafter(pair.drafter, opts.draft_bits)
-    warnings: list[str] = []
-    pair.block_size = block_size_policy(pair, opts.block_size, warn=warnings.append)
-    if opts.reasoning is not None:
-        reasoning_args(pair.tokenizer, opts.reasoning)  # a clear error before the first turn
-    warn_thinking_mismatch(pair, opts.reasoning, warn=warnings.append)
-    if calibrate.needed(pair, opts.block_size):
-        done, total, what = 0, calibrate.steps(), calibrate.title(pair) + "…"
+    prepared = prepare(
+        opts.model,
+        opts.draft,
+        block_size=opts.block_size,
+        draft_bits=opts.draft_bits,
+        reasoning=opts.reasoning,
+        loader=ranked_loader(),  # under `dflash-mac launch`: rank 0 of a sharded target
+    )
+    pair, warnings = prepared.pair, list(prepared.warnings)
+    if needs_calibration(prepared):
+        done, total, what = 0, calibration_steps(), calibration_title(prepared) + "…"
 
         def step() -> None:
             nonlocal done
@@ -242,15 +256,18 @@ def load_backend(opts: ChatOptions, status: Status | None = None) -> Backend:
             if status:
                 status(what, done / total)
 
-        said = calibrate.calibrate(pair, pair.block_size, step)
-        if isinstance(said, str):  # not saved: a toast, and the chat goes on
-            warnings.append(f"[yellow]warning:[/] {said}")
+        saved, said = calibrate(prepared, step)
+        if not saved:  # a toast, and the chat goes on
+            warnings.append(said)
     info = EngineInfo(
         model=str(opts.model or "bundled"),
         kind=pair.kind,
-        block_size=pair.block_size,
+        block_size=prepared.block.size,
         kernels=kernels_name(),
         plain_tps=measure_plain_tps(pair.target, pair.tokenizer),
         reasoning=has_thinking_switch(pair.tokenizer),
     )
-    return Backend(Session(pair), info, pair.tokenizer, warnings, context=pair.context_length)
+    session = Session(pair, tuning=load_tuning(pair))
+    return Backend(
+        session, info, pair.tokenizer, warnings, context=pair.context_length, block=prepared.block
+    )

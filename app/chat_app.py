@@ -7,7 +7,6 @@ decode loop does not pay for a redraw per cycle. See docs/chat.md."""
 
 from __future__ import annotations
 
-import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -71,11 +70,6 @@ def warm_highlighter() -> None:
         get_lexer_by_name("python")
     except Exception:  # only a speed-up
         pass
-
-
-def plain_warning(text: str) -> str:
-    """A CLI warning (Rich markup, `[yellow]warning:[/] ...`) as plain text for a toast."""
-    return re.sub(r"^\[yellow\]warning:\[/\]\s*", "", text)
 
 
 class Warmed(Message):
@@ -296,7 +290,7 @@ class ChatApp(ChatCommands, App):
         plain = f" · plain decode {info.plain_tps:.1f} tok/s" if info.plain_tps else ""
         self.set_status(f"Ready · {info.kind} · block {info.block_size}{plain}")
         for w in self.backend.warnings:
-            self.notify(plain_warning(w), severity="warning", timeout=10)
+            self.notify(w, severity="warning", timeout=10)
         self.warm_up()
 
     async def on_warmed(self, message: Warmed) -> None:
@@ -464,13 +458,10 @@ class ChatApp(ChatCommands, App):
         self.panel.set_info(self.backend.info, self.reasoning_label)
         self.notify(f"Reasoning {self.reasoning}.")
         if pair := getattr(self.backend.session, "pair", None):  # drafter trained the other way?
-            from dflash_mac.cli.terminal import warn_thinking_mismatch
+            from dflash_mac.prepare import thinking_mismatch
 
-            warn_thinking_mismatch(
-                pair,
-                self.reasoning,
-                warn=lambda w: self.notify(plain_warning(w), severity="warning", timeout=10),
-            )
+            if said := thinking_mismatch(pair, self.reasoning):
+                self.notify(said, severity="warning", timeout=10)
 
     def on_unmount(self) -> None:
         if self.turn is not None:

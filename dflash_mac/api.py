@@ -6,11 +6,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from .autoblock import AutoTuning
 from .decode import DecodeState, GenerationConfig, GenerationEvent, speculative_stream
 from .errors import PromptError  # noqa: F401  (re-exported)
 from .models.penalties import Penalties
 from .pair import Pair
-from .policy import parse_block_size
+from .policy import BlockChoice, block_size_for, load_tuning, parse_block_size
 from .sampling import SamplingParams
 from .stats import DecodeStats
 from .think import REASONING_CHOICES
@@ -71,7 +72,7 @@ def prompt_ids(
 
 def make_config(
     max_tokens: int = 256,
-    block_size: int | str | None = None,
+    block_size: int | str | BlockChoice | None = None,
     temp: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
@@ -87,7 +88,8 @@ def make_config(
     """Validated per-request settings (PromptError with one sentence on bad input)."""
     if max_tokens < 1:
         raise PromptError(f"--max-tokens must be at least 1 (got {max_tokens}).")
-    block_size = parse_block_size(block_size)
+    if not isinstance(block_size, BlockChoice):
+        parse_block_size(block_size)  # checked before any slow work; resolved with the pair
     if seed is not None and not 0 <= seed < 2**64:
         raise PromptError(f"--seed must be between 0 and 2**64 - 1 (got {seed}).")
     try:
@@ -95,7 +97,9 @@ def make_config(
         pen = Penalties.make(presence_penalty, frequency_penalty, repetition_penalty, logit_bias)
     except ValueError as e:
         raise PromptError(str(e))
-    cfg = GenerationConfig(max_tokens, block_size, sp, seed, list(stop or []), use_eos)
+    cfg = GenerationConfig(max_tokens, None, sp, seed, list(stop or []), use_eos)
+    if isinstance(block_size, BlockChoice):
+        cfg.block = block_size
     cfg.penalties = pen
     return cfg
 
@@ -150,9 +154,14 @@ def stream_generate(
     prompt: str | list[dict] | list[int],
     *,
     state: DecodeState | None = None,
+    tuning: AutoTuning | None = None,
     **kwargs: Any,
 ) -> Iterator[GenerationEvent]:
-    """Stream DFlash generation events for a prompt (text, messages or token ids)."""
+    """Stream DFlash generation events for a prompt (text, messages or token ids).
+
+    `block_size`: an integer, "auto" / None, or a `BlockChoice` a front end resolved once.
+    `tuning`: what `--block-size auto` learnt so far, continued (a session's); without it `auto`
+    starts from what is saved for the pair on this machine (`policy.load_tuning`)."""
     template_keys = ("system", "ignore_chat_template", "reasoning", "chat_template_args")
     tkw = {k: kwargs.pop(k) for k in template_keys if k in kwargs}
     should_stop = kwargs.pop("should_stop", None)
@@ -161,13 +170,19 @@ def stream_generate(
     else:
         ids = prompt_ids(pair.tokenizer, prompt, **tkw)
     cfg = make_config(**kwargs)
+    if cfg.block is None:
+        cfg.block = block_size_for(pair, kwargs.get("block_size"))
     if cfg.penalties is not None:
         try:
             cfg.penalties.validate(pair.drafter.config.vocab_size)
         except ValueError as e:
             raise PromptError(str(e))
     cfg.max_tokens = check_context(pair, ids, cfg.max_tokens)
-    yield from speculative_stream(pair, ids, cfg, state=state, should_stop=should_stop)
+    if tuning is None and cfg.block.auto:
+        tuning = load_tuning(pair)
+    yield from speculative_stream(
+        pair, ids, cfg, state=state, should_stop=should_stop, tuning=tuning
+    )
 
 
 @dataclass

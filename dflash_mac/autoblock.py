@@ -398,16 +398,68 @@ class BlockController:
             self.countdown = self.interval
 
 
-def cost_model_for(pair: object, prior: CostCurve, sampled: bool = False) -> CostModel:
-    """The pair's cost model for greedy or for sampled decoding, kept on the loaded pair
-    instance (measurements carry over between requests). Greedy and sampled cycles are timed
-    apart: a sampled cycle draws its drafts and verifies by rejection, so greedy timings would
-    make sampled drafting look cheaper than it is."""
-    models = getattr(pair, "_dflash_cost_models", None)
-    if models is None:
-        models = {}
-        try:
-            object.__setattr__(pair, "_dflash_cost_models", models)
-        except (AttributeError, TypeError):  # a pair that takes no attributes: a fresh one
-            pass
-    return models.setdefault(sampled, CostModel(prior))
+@dataclass
+class AutoTuning:
+    """What `--block-size auto` knows and learns about one pair on this machine: the saved cost
+    curves (the prior; None: the generic guess), the acceptance earlier processes remembered
+    by setting, and the cost models and controllers that requests continue.
+
+    Owned by whoever serves the requests (a session, the bench, a command) and passed to the
+    stream; front ends load and save it (`policy.load_tuning`, `policy.save_acceptance`).
+    Greedy and sampled requests keep apart cost models: a sampled cycle draws its drafts and
+    verifies by rejection, so greedy timings would make sampled drafting look cheaper than it
+    is. Requests with the same sampling setting and context band (short or long) continue one
+    controller: a chat at T = 0.7 does not relearn each turn that drafting does not pay, and
+    long prompts, where drafters trained on short ones accept less, do not spoil short ones."""
+
+    greedy_curve: CostCurve | None = None
+    sampled_curve: CostCurve | None = None
+    remembered: dict = field(default_factory=dict)  # Acceptance.state() by controller memory
+    long_from: int = 1024  # context tokens from which a request counts as long
+    loses_from: int | None = None  # context tokens from which the drafter is known to lose
+    cost_models: dict[bool, CostModel] = field(default_factory=dict)
+    controllers: dict[tuple, BlockController] = field(default_factory=dict)
+
+    def prior(self, bs_max: int, sampled: bool) -> CostCurve:
+        curve = self.sampled_curve if sampled else self.greedy_curve
+        return curve or CostCurve.generic(bs_max)
+
+    def controller(
+        self,
+        bs_max: int,
+        setting: tuple = (),
+        context_tokens: int = 0,
+        sampled: bool = False,
+        timed: bool = True,
+    ) -> BlockController:
+        """The controller of a request, up to `bs_max`. Where the drafter is known to lose on
+        long contexts, a long request starts with plain decoding and drafts only when its
+        probes pay. A new controller starts from the remembered acceptance of its setting where
+        that is better than the guess (`start_from`). `timed=False` (seeded sampling): a fresh
+        controller on the prior alone, so the sizes, and with them the random draws, depend
+        only on the seed and the text."""
+        long = context_tokens >= self.long_from
+        loses = self.loses_from is not None and context_tokens >= self.loses_from
+        key = (bs_max, setting, long)
+        if timed and key in self.controllers:
+            return self.controllers[key]
+        if timed:
+            model = self.cost_models.setdefault(sampled, CostModel(self.prior(bs_max, sampled)))
+        else:
+            model = CostModel(self.prior(bs_max, sampled))
+        # sampled requests keep a light guess: they mostly meet poorer acceptance, where a heavy
+        # one only delays the fallback (the guess is what saves greedy starts)
+        guess = 1.0 if sampled else BlockController.GUESS_WEIGHT
+        controller = BlockController(
+            bs_max, model, timed=timed, plain_first=loses, guess_weight=guess
+        )
+        if timed:
+            controller.memory = json.dumps([bs_max, list(setting), long])
+            if not loses:  # known-losing long contexts keep their pessimistic start
+                controller.start_from(self.remembered.get(controller.memory))
+            self.controllers[key] = controller
+        return controller
+
+    def acceptance(self) -> dict:
+        """What to remember between processes: each kept controller's acceptance by setting."""
+        return {c.memory: c.acc.state() for c in self.controllers.values() if c.memory}

@@ -1,18 +1,16 @@
 """The pair's cost curve on this machine: the time of one decode cycle at block size 1..N
 relative to a plain one-token step, the prior of `--block-size auto` (docs/bench.md).
 
-A cycle at block size bs is the drafter pass for `[anchor, MASK × bs-1]` plus the target's
-verify of bs tokens and the one host sync, exactly as the decode loop runs it
-(`decode.queue_cycle` / `decode.verify`); bs = 1 is a plain target step, timed as the loop
-runs a run of them (`PLAIN_BURST` steps, each queued on the previous one's still-lazy token
-before its sync, as mlx-lm's `generate_step` does), so the ratios compare a drafting cycle with
-the plain decoding it replaces, not with a stalled single step. Each size is timed `reps`
-times, round robin over the sizes, after two warm-up rounds on a prompt of `context` tokens,
-the target cache trimmed back after every cycle; the median is kept, and the ratios are made
-non-decreasing in bs (a wider verify never costs less: a dip is noise). The whole curve is timed
-greedy and again at T = 0.7 (`measure_both`: sampled cycles draw their drafts and verify by
-rejection); both are saved where `auto` reads its prior (`policy.cost_curve_path`), the
-sampled one for requests with a temperature.
+Cycles are timed by running the decode loop itself (`decode.speculative_stream`) at one fixed
+size with a controller that keeps the loop's own cycle times (from one host sync to the next,
+steady cycles only, as the online cost model learns them), so a change to how cycles run
+changes the prior with it. bs = 1 is a run of plain steps, each queued on the previous one's
+still-lazy token (as mlx-lm's `generate_step`), so the ratios compare a drafting cycle with the
+plain decoding it replaces. Each size is run `reps` times, round robin over the sizes, after
+two warm-up rounds, on a prompt of `context` tokens that is cut back after every run; the
+median is kept, and the ratios are made non-decreasing in bs (a wider verify never costs
+less: a dip is noise). The whole curve is timed greedy and again at T = 0.7 (`measure_both`);
+both are saved where `auto` reads its prior (`policy.cost_curve_path`).
 
 `dflash-mac bench --cost-curve` measures the full curve (`reps` 12). Front ends that run
 `auto` call `needed` / `calibrate` once their inputs are checked: a pair without a saved curve
@@ -33,15 +31,16 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from .capture import FeatureCapture, queues_layers
-from .decode import DecodeState, DraftContext, prefill, propose, queue_cycle, queue_verify
-from .distributed.group import world
+from .autoblock import Decision
+from .cycle import propose
+from .decode import DecodeState, GenerationConfig, speculative_stream
 from .pair import Pair
 from .platform import write_atomic
-from .policy import AUTO, cost_curve_path
+from .policy import BlockChoice, cost_curve_path
 from .sampling import SamplingParams
 
 PLAIN_BURST = 8  # plain steps timed as a run, each queued before the previous one's sync
+DRAFT_CYCLES = 2  # drafting cycles timed after the first of a run
 SAMPLED_TEMP = 0.7  # the sampled curve's temperature (the chat default of most pairs)
 FULL_REPS = 12  # `bench --cost-curve`
 QUICK_REPS = 4  # the curve measured at first use of `auto`
@@ -49,6 +48,32 @@ WARMUP_ROUNDS = 2
 CALIBRATE_ENV = "DFLASH_MAC_CALIBRATE"  # "0": no quick curve at first use
 
 Progress = Callable[[], None]  # called after each round over the sizes
+
+
+class FixedTimer:
+    """A block-size controller for the measurement: one fixed size, a given number of cycles,
+    keeping the times of the steady ones (what the loop's cost model would learn from)."""
+
+    def __init__(self, bs: int, cycles: int):
+        self.last = Decision(bs, "measuring")
+        self.left, self.seconds = cycles, []
+
+    def choose(self) -> Decision:
+        return self.last
+
+    def update(self, bs: int, accepted: int, seconds: float | None, steady: bool = True) -> None:
+        self.left -= 1
+        if steady and seconds:
+            self.seconds.append(seconds)
+
+
+def time_cycles(pair: Pair, state: DecodeState, ids: list[int], cfg: GenerationConfig, bs: int):
+    """Run the decode loop on `ids` at block size `bs` for a few cycles; their steady times."""
+    n = PLAIN_BURST + 1 if bs == 1 else DRAFT_CYCLES + 1  # the first one is never steady
+    timer = FixedTimer(bs, n)
+    for _ in speculative_stream(pair, ids, cfg, state, lambda: timer.left <= 0, controller=timer):
+        pass
+    return timer.seconds
 
 
 def measure(
@@ -65,49 +90,39 @@ def measure(
     verify and the host sync."""
     vocab = pair.drafter.config.vocab_size
     ids = [(7919 * i + 11) % vocab for i in range(context)]
-    state = DecodeState(pair)
-    burst = 1 if state.rollback.hybrid else PLAIN_BURST  # a hybrid trims one verify at most
     sp = SamplingParams(temperature)
-    key = mx.random.key(0)
+    cfg = GenerationConfig(
+        max_tokens=(PLAIN_BURST + DRAFT_CYCLES + 2) * max_bs,
+        block=BlockChoice(max_bs),
+        sampling=sp,
+        seed=0,
+        use_eos=False,
+    )
+    state = DecodeState(pair)
     times: dict[int, list[float]] = {bs: [] for bs in range(1, max_bs + 1)}
     drafting: dict[int, list[float]] = {bs: [] for bs in range(2, max_bs + 1)}
-    mask = pair.drafter.config.mask_token_id
-    with (
-        FeatureCapture(pair.target, pair.layer_ids, queue=queues_layers()) as cap,
-        state.rollback.hooks(),
-        mx.stream(generation_stream),
-    ):
-        prefill(pair, state, ids, cap, 2048)
-        ctx = DraftContext(pair.drafter, state.draft_cache)
-        for _ in range(reps + WARMUP_ROUNDS):  # round robin: load drifts hit all sizes alike
-            for bs in times:
-                n = burst if bs == 1 else 1
-                t = time.perf_counter()
-                c = queue_cycle(pair, state, ctx, bs, ids[-1], sp, key)
-                for i in range(n):
-                    if c.outcome is None:
-                        queue_verify(pair, state, c, sp)
-                    nxt = (
-                        queue_cycle(pair, state, ctx, 1, c.verdict[1], sp, key)
-                        if i < n - 1
-                        else None
-                    )
-                    c.outcome.tolist()  # the cycle's one host sync
-                    c = nxt
-                times[bs].append((time.perf_counter() - t) / n)
-                if state.rollback.hybrid:  # keep the pass whole: its window can then be cut
-                    state.rollback.rollback(0, bs - 1)
-                state.rollback.trim(bs * n)  # back to the prompt
-                if bs > 1:  # the drafter pass alone (it leaves its context cache as it was)
-                    block = mx.array([ids[-1]] + [mask] * (bs - 1), mx.int32)
+    mask, key = pair.drafter.config.mask_token_id, mx.random.key(0)
+    for r in range(reps + WARMUP_ROUNDS):  # round robin: load drifts hit all sizes alike
+        for bs in times:
+            if state.rollback.hybrid:  # its state cannot be cut back to the prompt: anew
+                state = DecodeState(pair)
+            seconds = time_cycles(pair, state, ids, cfg, bs)
+            if not state.rollback.hybrid:
+                state.trim_to(len(ids) - 1)  # the next run prefills the last prompt token
+            if r < WARMUP_ROUNDS:
+                continue
+            times[bs] += seconds
+            if bs > 1:  # the drafter pass alone (it leaves its context cache as it was)
+                block = mx.array([ids[-1]] + [mask] * (bs - 1), mx.int32)
+                with mx.stream(generation_stream):
                     t = time.perf_counter()
-                    mx.eval(propose(pair, block, ctx.cache, sp, key)[0])
+                    mx.eval(propose(pair, block, state.draft_cache, sp, key)[0])
                     drafting[bs].append(time.perf_counter() - t)
-            if progress:
-                progress()
-    seconds = {bs: statistics.median(ts[WARMUP_ROUNDS:]) for bs, ts in times.items()}
+        if progress:
+            progress()
+    seconds = {bs: statistics.median(ts) for bs, ts in times.items()}
     ratios = non_decreasing([seconds[bs] / seconds[1] for bs in range(2, max_bs + 1)])
-    draft = {bs: statistics.median(ts[WARMUP_ROUNDS:]) for bs, ts in drafting.items()}
+    draft = {bs: statistics.median(ts) for bs, ts in drafting.items()}
     return {
         "seconds": {str(b): s for b, s in seconds.items()},
         "draft_seconds": {str(b): s for b, s in draft.items()},
@@ -173,11 +188,11 @@ def missing(pair: Pair, bs_max: int) -> bool:
     """True when `auto` up to `bs_max` would run on the generic guess and a quick curve should
     be measured first: no readable curve with a greedy and a sampled table is saved for the
     pair on this machine, or it stops short of `bs_max`. False with `DFLASH_MAC_CALIBRATE=0`,
-    in a distributed job (rank 0 alone cannot time the sharded forward the same way) and where
+    for a distributed target (rank 0 alone cannot time the sharded forward the same way) and where
     the data directory cannot be made (nowhere to keep it: `auto` keeps the guess)."""
     if os.environ.get(CALIBRATE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         return False
-    if bs_max < 2 or world() is not None:
+    if bs_max < 2 or pair.mirror is not None:
         return False
     try:
         cost_curve_path(pair)
@@ -197,15 +212,15 @@ def prior_name(pair: Pair) -> str:
     return f"{kind}, bs 1..{max(sizes(data))}, {data.get('reps', '?')} timings per size"
 
 
-def needed(pair: Pair, requested: int | str | None) -> bool:
-    """Whether a command run with `--block-size requested` measures the quick curve first:
-    `auto` (None or "auto", up to `pair.block_size`) and `missing`."""
-    return requested in (None, AUTO) and missing(pair, pair.block_size)
+def needed(pair: Pair, block: BlockChoice) -> bool:
+    """Whether a command run with `block` measures the quick curve first: `auto` and
+    `missing` up to its largest size."""
+    return block.auto and missing(pair, block.size)
 
 
-def title(pair: Pair) -> str:
+def title(block: BlockChoice) -> str:
     """What the front ends show while `calibrate` runs."""
-    return f"Timing block sizes 1..{pair.block_size} on this machine (once for this pair)"
+    return f"Timing block sizes 1..{block.size} on this machine (once for this pair)"
 
 
 def steps() -> int:

@@ -12,10 +12,9 @@ import mlx.core as mx
 from mlx import nn
 from mlx.utils import tree_flatten, tree_map
 
-from .capture import decoder_layers, target_head
 from .errors import LoadError  # noqa: F401  (re-exported)
 from .models.config import ConfigError, DraftConfig
-from .policy import block_size_for
+from .pair import Mirror
 from .registry import resolve_pair
 from .sources import (  # noqa: F401  (re-exported: the names loading always had)
     BUNDLED_DRAFT,
@@ -26,6 +25,7 @@ from .sources import (  # noqa: F401  (re-exported: the names loading always had
     missing_folder,
     offline_message,
 )
+from .structure import decoder_layers, target_head
 
 
 @dataclass
@@ -37,9 +37,10 @@ class LoadedPair:
     tokenizer: Any
     model_id: str
     draft_id: str
-    block_size: int
+    block_size: int  # the largest block it drafts by default; requests resolve theirs (policy.py)
     target_config: dict
     generation_config: dict = field(default_factory=dict)  # the target's sampling defaults
+    mirror: Mirror | None = None  # a target sharded over several ranks (distributed/leader.py)
 
     @property
     def layer_ids(self) -> list[int]:
@@ -284,18 +285,26 @@ class PairSpec:
         if len(layers) != self.text_config.get("num_hidden_layers"):
             raise LoadError(f"target '{self.model}' has an unexpected layer layout.")
 
-    def pair(self, target, drafter, tokenizer, block_size: int | None = None) -> LoadedPair:
+    def pair(
+        self,
+        target,
+        drafter,
+        tokenizer,
+        block_size: int | None = None,
+        *,
+        mirror: Mirror | None = None,
+    ) -> LoadedPair:
         pair = LoadedPair(
             target=target,
             drafter=drafter,
             tokenizer=tokenizer,
             model_id=self.model,
             draft_id=self.draft,
-            block_size=self.draft_config.block_size,
+            block_size=block_size or self.draft_config.block_size,
             target_config=self.target_config,
             generation_config=optional_json(self.target_path / "generation_config.json"),
+            mirror=mirror,
         )
-        pair.block_size = block_size or block_size_for(pair, None).size
         return pair
 
 

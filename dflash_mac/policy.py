@@ -8,9 +8,11 @@
 - An explicit size above the quantized default on a quantized pair runs, with a warning.
 - `auto` (what None means): the default above is the largest size the online controller
   (dflash_mac/autoblock.py) may pick each cycle, from 1 (plain decoding) up; its cost prior is
-  the curve `bench --cost-curve` saved for the pair on this machine (`cost_curve_path`).
+  the curve `bench --cost-curve` saved for the pair on this machine (`cost_curve_path`),
+  loaded with what earlier processes remembered (`load_tuning`, `save_acceptance`).
 
-Front ends show `BlockChoice.warning`; the engine prints nothing."""
+Front ends resolve the request once (`block_size_for`) and show `BlockChoice.warning`; the
+engine prints nothing and reads no file while it decodes."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .autoblock import BlockController, CostCurve, CostModel, cost_model_for
+from .autoblock import AutoTuning, CostCurve
 from .errors import PromptError
 from .pair import Pair
 from .platform import cpu_name, data_dir, device_name, write_atomic
@@ -32,17 +34,24 @@ AUTO = "auto"
 
 @dataclass(frozen=True)
 class BlockChoice:
-    """The block size to run and, when the request was changed or is unwise, why."""
+    """How wide a request's blocks are: parsed and resolved against the pair once, then
+    carried (`GenerationConfig.block`); `warning` says why the request was changed or is
+    unwise (front ends show it)."""
 
     size: int  # the fixed size, or with `auto` the largest the controller may pick
     warning: str | None = None
     auto: bool = False
 
+    @property
+    def label(self) -> str:
+        """ "8", or "auto ≤8"."""
+        return f"{AUTO} ≤{self.size}" if self.auto else str(self.size)
 
-def parse_block_size(value: int | str | None) -> int | str | None:
-    """A --block-size value: None (the default, auto), "auto" or an integer >= 1."""
+
+def parse_block_size(value: int | str | None) -> int | None:
+    """A --block-size value: an integer >= 1, or None for `auto` (None or "auto")."""
     if value is None or value == AUTO:
-        return value
+        return None
     try:
         size = int(value)
     except (TypeError, ValueError):
@@ -69,24 +78,27 @@ def block_size_for(
     pair: Pair, requested: int | str | None, entry: PairEntry | None = None
 ) -> BlockChoice:
     """The block size for `pair` when the user asked for `requested` (None or "auto": the
-    controller, up to the default size). `entry`: the pair's registry entry (looked up when
-    None)."""
+    controller, up to the default size: the pair's block, or on a quantized pair the
+    registry's quantized size). `entry`: the pair's registry entry (looked up when None)."""
     trained = pair.drafter.config.block_size
     if entry is None and pair.quantized:
         entry = registry_entry(pair)
-    default = quantized_default(trained, entry) if pair.quantized else trained
+    default = min(pair.block_size, trained)
+    if pair.quantized:
+        default = quantized_default(default, entry)
     requested = parse_block_size(requested)
-    if requested is None or requested == AUTO:
+    if requested is None:
         return BlockChoice(default, auto=True)
     if requested > trained:
         return BlockChoice(
             trained,
-            f"block size {requested} > the drafter's trained block {trained}; using {trained}.",
+            warning=f"block size {requested} > the drafter's trained block {trained}; "
+            f"using {trained}.",
         )
     if pair.quantized and requested > default:
         return BlockChoice(
             requested,
-            f"block size {requested} > {default} is slower with a "
+            warning=f"block size {requested} > {default} is slower with a "
             f"quantized model (default {default}).",
         )
     return BlockChoice(requested)
@@ -130,76 +142,36 @@ def read_acceptance(pair: Pair) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def remember_acceptance(pair: Pair, controller: BlockController) -> None:
-    """Save a controller's acceptance under its setting, so the next process starts from what
-    this one saw instead of a generic guess (a fresh `generate` that meets a few rejected
-    blocks first would otherwise fall back to plain steps on text a drafter predicts well).
-    Controllers of seeded requests have no `memory` and are not saved. A data directory that
-    cannot be written is no error: `auto` then starts from the guess."""
-    if controller.memory is None:
-        return
+def load_tuning(pair: Pair) -> AutoTuning:
+    """What `auto` starts from for `pair` on this machine: its saved cost curves (greedy and
+    sampled), the acceptance earlier processes remembered per setting, and the registry's
+    context bands. Front ends call it once at start-up, after any calibration."""
     try:
-        data = read_acceptance(pair) | {controller.memory: controller.acc.state()}
-        write_atomic(acceptance_path(pair), json.dumps(data))
-    except OSError:
-        pass
-
-
-def long_context(pair: Pair, context_tokens: int) -> tuple[bool, bool]:
-    """(long, known to lose): whether a request's context counts as long (the registry's
-    `long_context_tokens` for the pair, else LONG_CONTEXT), and whether the registry says the
-    drafter loses there."""
+        path = cost_curve_path(pair)
+        greedy, sampled = CostCurve.load(path), CostCurve.load(path, sampled=True)
+    except OSError:  # no data directory: the generic guess
+        greedy = sampled = None
     entry = registry_entry(pair)
     limit = entry.long_context_tokens if entry and entry.long_context_tokens else None
-    return context_tokens >= (limit or LONG_CONTEXT), limit is not None and context_tokens >= limit
+    return AutoTuning(
+        greedy_curve=greedy,
+        sampled_curve=sampled,
+        remembered=read_acceptance(pair),
+        long_from=limit or LONG_CONTEXT,
+        loses_from=limit,
+    )
 
 
-def auto_controller(
-    pair: Pair,
-    bs_max: int,
-    timed: bool = True,
-    setting: tuple = (),
-    context_tokens: int = 0,
-    sampled: bool = False,
-) -> BlockController:
-    """The `auto` controller of a request, up to `bs_max`: the pair's saved cost curve as its
-    prior (else a generic guess), refined by what earlier requests measured; greedy and
-    sampled requests (`sampled`) keep apart curves and measurements. Requests with the
-    same sampling `setting` and context band (short or long, `long_context`) continue one
-    controller (its acceptance and fallback state carry over: a chat at T = 0.7 does not
-    relearn each turn that drafting does not pay, and long prompts, where drafters trained on
-    short ones accept less, do not spoil short ones). Where the registry says the drafter loses
-    on long contexts, a long request starts with plain decoding and drafts only when its probes
-    pay. A new controller starts from the acceptance earlier processes remembered for the
-    setting where that is better than the guess (`remember_acceptance`, `start_from`).
-    `timed=False` (seeded sampling): a fresh controller on the prior alone, so the sizes, and
-    with them the random draws, depend only on the seed and the text."""
-    long, loses = long_context(pair, context_tokens) if context_tokens else (False, False)
-    key = (bs_max, setting, long)
-    kept = getattr(pair, "_dflash_controllers", None)
-    if timed and kept is not None and key in kept:
-        return kept[key]
-    model = getattr(pair, "_dflash_cost_models", {}).get(sampled)
-    if model is None or not timed:
-        try:
-            prior = CostCurve.load(cost_curve_path(pair), sampled)
-        except OSError:
-            prior = None
-        prior = prior or CostCurve.generic(bs_max)
-        model = cost_model_for(pair, prior, sampled) if timed else CostModel(prior)
-    # sampled requests keep a light guess: they mostly meet poorer acceptance, where a heavy
-    # one only delays the fallback (the guess is what saves greedy starts, autoblock.py)
-    guess = 1.0 if sampled else BlockController.GUESS_WEIGHT
-    controller = BlockController(bs_max, model, timed=timed, plain_first=loses, guess_weight=guess)
-    if timed:
-        controller.memory = json.dumps([bs_max, list(setting), long])
-        if not loses:  # known-losing long contexts keep their pessimistic start
-            controller.start_from(read_acceptance(pair).get(controller.memory))
-        try:
-            if kept is None:
-                kept = {}
-                object.__setattr__(pair, "_dflash_controllers", kept)
-            kept[key] = controller
-        except (AttributeError, TypeError):  # a pair that takes no attributes
-            pass
-    return controller
+def save_acceptance(pair: Pair, tuning: AutoTuning) -> None:
+    """Remember what acceptance `auto` saw per setting, so the next process starts from it
+    instead of a generic guess (a fresh `generate` that meets a few rejected blocks first would
+    otherwise fall back to plain steps on text a drafter predicts well). Seeded requests'
+    controllers are not kept and not saved. A data directory that cannot be written is no
+    error: `auto` then starts from the guess."""
+    now = tuning.acceptance()
+    if not now:
+        return
+    try:
+        write_atomic(acceptance_path(pair), json.dumps(read_acceptance(pair) | now))
+    except OSError:
+        pass

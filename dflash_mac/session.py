@@ -9,8 +9,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .api import PromptError, prompt_ids, stream_generate
+from .autoblock import AutoTuning
 from .decode import DecodeState, GenerationEvent
 from .pair import Pair
+from .policy import load_tuning
 from .prompt_cache import PromptCache, common_prefix
 
 __all__ = ["Session", "common_prefix"]
@@ -24,8 +26,16 @@ class Session:
     `cache_size` / `cache_bytes` bound how many states (conversations) are kept.
     Not thread-safe: serve one request at a time."""
 
-    def __init__(self, pair: Pair, cache_size: int = 1, cache_bytes: int | None = None):
+    def __init__(
+        self,
+        pair: Pair,
+        cache_size: int = 1,
+        cache_bytes: int | None = None,
+        tuning: AutoTuning | None = None,
+    ):
         self.pair = pair
+        # what `--block-size auto` learns, continued from request to request
+        self.tuning = tuning if tuning is not None else load_tuning(pair)
         self.cache = PromptCache(pair, cache_size, cache_bytes)
         self.state = DecodeState(pair)  # the state of the latest request
 
@@ -58,7 +68,7 @@ class Session:
         state = self.state
         try:
             yield from stream_generate(
-                self.pair, ids, state=state, should_stop=should_stop, **kwargs
+                self.pair, ids, state=state, should_stop=should_stop, tuning=self.tuning, **kwargs
             )
         except (GeneratorExit, PromptError):  # between cycles / before any: caches match ids
             self.cache.put(state)

@@ -5,7 +5,9 @@ survival and per-position acceptance are those of the drafting cycles."""
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 
 def drafting(lengths: list[int], sizes: list[int] | None = None) -> list[int]:
@@ -184,3 +186,54 @@ class DecodeStats:
                 else {}
             ),
         }
+
+
+class StatsRecorder:
+    """Builds a stream's `DecodeStats` snapshots: the per-cycle lists grow here and each
+    snapshot takes tuples of them (the consumer may be on another thread)."""
+
+    def __init__(
+        self,
+        block_size: int,
+        prompt_tokens: int,
+        cached_tokens: int,
+        auto: bool,
+        facts: dict,
+        peak_memory: Callable[[], int] = lambda: 0,
+    ):
+        self.peak_memory = peak_memory
+        self.base = DecodeStats(
+            block_size,
+            prompt_tokens=prompt_tokens,
+            cached_tokens=cached_tokens,
+            auto=auto,
+            **facts,
+        )
+        self.t0 = self.t_decode = time.perf_counter()
+        self.lengths: list[int] = []
+        self.sizes: list[int] = []
+        self.reason, self.host, self.context = "", 0.0, 0
+
+    def prefilled(self) -> None:
+        """The prefill and the first token are done: decoding starts now."""
+        self.t_decode = time.perf_counter()
+        self.base = replace(self.base, prefill_time=self.t_decode - self.t0)
+
+    def cycle(self, bs: int, committed: int, host: float, reason: str, context: int) -> None:
+        self.lengths.append(committed)
+        self.sizes.append(bs)
+        self.reason, self.context = reason, context
+        self.host += host
+
+    def snapshot(self, tokens: int) -> DecodeStats:
+        return replace(
+            self.base,
+            acceptance_lengths=tuple(self.lengths),
+            block_sizes=tuple(self.sizes),
+            block_reason=self.reason,
+            host_time=self.host,
+            draft_context=self.context,
+            generation_tokens=tokens,
+            decode_time=time.perf_counter() - self.t_decode if self.lengths else 0.0,
+            peak_memory_bytes=self.peak_memory(),
+        )

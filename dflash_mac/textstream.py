@@ -16,11 +16,24 @@ def held_suffix(text: str, tags: Iterable[str]) -> int:
     return 0
 
 
+class NoText:
+    """The detokenizer of a pair without a tokenizer (random weights of a real model's shape,
+    `bench --cost-curve --shape`): ids only, no text."""
+
+    text = ""
+
+    def add_token(self, token: int) -> None:
+        pass
+
+    def finalize(self) -> None:
+        pass
+
+
 class TextStream:
     """Feeds COMMITTED tokens only; decides when generation ends and what text to emit."""
 
     def __init__(self, tokenizer: Any, stop: list[str], eos_ids: set[int]):
-        self.detok = tokenizer.detokenizer
+        self.detok = tokenizer.detokenizer if tokenizer is not None else NoText()
         self.stop = [s for s in stop if s]
         self.eos = set(eos_ids)
         self.tokens: list[int] = []

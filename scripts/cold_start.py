@@ -48,8 +48,7 @@ def main() -> None:
                     model = CostModel(curve)
                     ctl = BlockController(pair.block_size, model, timed=False, guess_weight=weight)
                 cfg = GenerationConfig(
-                    max_tokens=128,
-                    block_size="auto" if ctl else args.block,
+                    max_tokens=128 if ctl else args.block,
                     sampling=SamplingParams(args.temp),
                     seed=seed if args.temp > 0 else None,
                 )

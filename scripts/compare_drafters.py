@@ -26,6 +26,7 @@ from mlx.utils import tree_flatten
 from dflash_mac.capture import FeatureCapture
 from dflash_mac.decode import GenerationConfig, propose, speculative_stream
 from dflash_mac.loading import load
+from dflash_mac.policy import BlockChoice
 from dflash_mac.sampling import SamplingParams
 from dflash_mac.train.data import encode_prompts, read_prompts
 from dflash_mac.train.evaluate import baseline_run
@@ -61,7 +62,10 @@ def tau_run(pair, prompts, bs: int, temp: float, max_tokens: int, refs=None) -> 
     taus, identical, toks, secs = [], 0, 0, 0.0
     for i, ids in enumerate(prompts):
         cfg = GenerationConfig(
-            max_tokens=max_tokens, block_size=bs, seed=i, sampling=SamplingParams(temperature=temp)
+            max_tokens=max_tokens,
+            block=BlockChoice(bs),
+            seed=i,
+            sampling=SamplingParams(temperature=temp),
         )
         t0 = time.perf_counter()
         events = list(speculative_stream(pair, ids, cfg))

@@ -12,8 +12,16 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from dflash_mac.autoblock import Acceptance, BlockController, CostCurve, CostModel, Decision
-from dflash_mac.decode import DecodeState, DraftContext, GenerationConfig, speculative_stream
+from dflash_mac.autoblock import (
+    Acceptance,
+    AutoTuning,
+    BlockController,
+    CostCurve,
+    CostModel,
+    Decision,
+)
+from dflash_mac.cycle import DraftContext
+from dflash_mac.decode import DecodeState, GenerationConfig, speculative_stream
 from dflash_mac.policy import BlockChoice, block_size_for, parse_block_size
 from dflash_mac.sampling import SamplingParams
 from dflash_mac.testing.oracle import OracleDrafter, with_drafter
@@ -254,16 +262,10 @@ def test_auto_runs_on_a_worker_thread(tiny_pair, refs):
 def test_cost_curve_is_measured_saved_and_used_by_auto(tiny_pair, tmp_path, monkeypatch):
     from dflash_mac.bench.costcurve import render
     from dflash_mac.calibrate import measure, save
-    from dflash_mac.policy import auto_controller, cost_curve_path
+    from dflash_mac.policy import cost_curve_path, load_tuning
 
     monkeypatch.setenv("DFLASH_MAC_HOME", str(tmp_path))
-    pair = with_drafter(tiny_pair, tiny_pair.drafter)
-
-    def forget():
-        for k in ("_dflash_cost_models", "_dflash_controllers"):
-            pair.__dict__.pop(k, None)
-
-    forget()
+    pair = tiny_pair
     curve = measure(pair, max_bs=3, context=16, reps=1)
     assert set(curve["ratios"]) == {"1", "2", "3"} and curve["ratios"]["1"] == 1.0
     assert all(curve["seconds"][b] > 0 for b in curve["seconds"])
@@ -275,11 +277,10 @@ def test_cost_curve_is_measured_saved_and_used_by_auto(tiny_pair, tmp_path, monk
     assert f"{verify:.2f}" in table.splitlines()[3]  # bs 3: the rest of the cycle
     older = {k: v for k, v in curve.items() if k != "draft_seconds"}  # curves saved before
     assert "draft ms" not in render(older) and "break-even" in render(older)
-    assert not auto_controller(pair, 3).cost.prior.measured  # nothing saved yet: the guess
-    forget()
+    assert not load_tuning(pair).controller(3).cost.prior.measured  # nothing saved: the guess
     path = save(curve, cost_curve_path(pair))
     assert path.is_relative_to(tmp_path)
-    prior = auto_controller(pair, 3).cost.prior
+    prior = load_tuning(pair).controller(3).cost.prior
     assert prior.measured and prior.ratio(3) == pytest.approx(curve["ratios"]["3"])
 
 
@@ -288,23 +289,22 @@ def test_sampled_requests_use_the_sampled_curve_and_own_timings(tiny_pair, tmp_p
     as their prior and keep their own measurements (greedy timings do not leak into them)."""
     from dflash_mac.bench.costcurve import render
     from dflash_mac.calibrate import measure_both, save
-    from dflash_mac.policy import auto_controller, cost_curve_path
+    from dflash_mac.policy import cost_curve_path, load_tuning
 
     monkeypatch.setenv("DFLASH_MAC_HOME", str(tmp_path))
-    pair = with_drafter(tiny_pair, tiny_pair.drafter)
-    for k in ("_dflash_cost_models", "_dflash_controllers"):
-        pair.__dict__.pop(k, None)
+    pair = tiny_pair
     curve = measure_both(pair, max_bs=3, context=16, reps=1)
     assert curve["sampled"]["temperature"] == 0.7 and curve["sampled"]["ratios"]["1"] == 1.0
     assert "T 0.7" in render(curve)
     curve["sampled"]["ratios"]["3"] = curve["ratios"]["3"] + 1.0  # tell the tables apart
     save(curve, cost_curve_path(pair))
-    greedy = auto_controller(pair, 3, setting=(0.0,))
-    sampled = auto_controller(pair, 3, setting=(0.7,), sampled=True)
+    tuning = load_tuning(pair)
+    greedy = tuning.controller(3, (0.0,))
+    sampled = tuning.controller(3, (0.7,), sampled=True)
     assert greedy.cost is not sampled.cost
     assert greedy.cost.prior.ratio(3) == pytest.approx(curve["ratios"]["3"])
     assert sampled.cost.prior.ratio(3) == pytest.approx(curve["ratios"]["3"] + 1.0)
-    assert auto_controller(pair, 3, setting=(1.0,), sampled=True).cost is sampled.cost
+    assert tuning.controller(3, (1.0,), sampled=True).cost is sampled.cost
     # greedy starts from a heavy guess (one rejected block must not stop drafting), sampled
     # from a light one (poorer acceptance is the rule there)
     assert greedy.acc.boost == BlockController.GUESS_WEIGHT - 1 and sampled.acc.boost == 0
@@ -341,13 +341,30 @@ def test_seeded_sampling_with_auto_is_reproducible(tiny_pair):
     assert runs[0][1].block_sizes == runs[1][1].block_sizes
 
 
-def test_requests_with_the_same_setting_continue_one_controller(tiny_pair):
-    from dflash_mac.policy import auto_controller
+def test_requests_with_the_same_setting_continue_one_controller():
+    tuning = AutoTuning()
+    a = tuning.controller(4, (0.7, 1.0, 0, 0.0))
+    assert tuning.controller(4, (0.7, 1.0, 0, 0.0)) is a
+    assert tuning.controller(4, (0.0, 1.0, 0, 0.0)) is not a
+    assert tuning.controller(4, (0.7, 1.0, 0, 0.0), timed=False) is not a
+    assert AutoTuning().controller(4, (0.7, 1.0, 0, 0.0)) is not a  # state lives in the tuning
 
-    a = auto_controller(tiny_pair, 4, setting=(0.7, 1.0, 0, 0.0))
-    assert auto_controller(tiny_pair, 4, setting=(0.7, 1.0, 0, 0.0)) is a
-    assert auto_controller(tiny_pair, 4, setting=(0.0, 1.0, 0, 0.0)) is not a
-    assert auto_controller(tiny_pair, 4, timed=False, setting=(0.7, 1.0, 0, 0.0)) is not a
+
+def test_the_stream_continues_the_tuning_it_is_given_and_reads_no_file(
+    tiny_pair, tmp_path, monkeypatch
+):
+    """`auto`'s state is the `AutoTuning` passed in (no attribute on the pair), and the stream
+    reads and writes nothing in the data directory: front ends load and save it."""
+    monkeypatch.setenv("DFLASH_MAC_HOME", str(tmp_path))
+    ids = tiny_pair.tokenizer.encode("hello world")
+    tuning = AutoTuning()
+    list(speculative_stream(tiny_pair, ids, GenerationConfig(8, use_eos=False), tuning=tuning))
+    (ctl,) = tuning.controllers.values()
+    cycles = ctl.cycles
+    list(speculative_stream(tiny_pair, ids, GenerationConfig(8, use_eos=False), tuning=tuning))
+    assert ctl.cycles > cycles  # continued
+    assert not any(k.startswith("_dflash") for k in vars(tiny_pair))
+    assert list(tmp_path.rglob("*")) == []  # no curve read-and-saved, no acceptance written
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "4bit"])
@@ -396,17 +413,17 @@ def test_long_contexts_get_their_own_controller(tiny_pair, monkeypatch):
 
     entry = replace(_entry(), long_context_tokens=None)
     monkeypatch.setattr(policy, "registry_entry", lambda pair: entry)
-    monkeypatch.setattr(tiny_pair, "_dflash_controllers", {}, raising=False)
-    short = policy.auto_controller(tiny_pair, BS, True, ("s",), 100)
-    assert policy.auto_controller(tiny_pair, BS, True, ("s",), 900) is short
-    long = policy.auto_controller(tiny_pair, BS, True, ("s",), policy.LONG_CONTEXT)
+    tuning = policy.load_tuning(tiny_pair)
+    short = tuning.controller(BS, ("s",), 100)
+    assert tuning.controller(BS, ("s",), 900) is short
+    long = tuning.controller(BS, ("s",), policy.LONG_CONTEXT)
     assert long is not short and not long.fallback  # its own, but not known to lose
     entry = replace(entry, long_context_tokens=500)  # the registry: the drafter loses from 500
-    monkeypatch.setattr(tiny_pair, "_dflash_controllers", {}, raising=False)
-    assert not policy.auto_controller(tiny_pair, BS, True, ("s",), 499).fallback
-    ctl = policy.auto_controller(tiny_pair, BS, True, ("s",), 500)
+    tuning = policy.load_tuning(tiny_pair)
+    assert not tuning.controller(BS, ("s",), 499).fallback
+    ctl = tuning.controller(BS, ("s",), 500)
     assert ctl.fallback and ctl.choose().size == 1
-    assert policy.auto_controller(tiny_pair, BS, False, ("s",), 800).fallback  # seeded too
+    assert tuning.controller(BS, ("s",), 800, timed=False).fallback  # seeded too
 
 
 def _entry():
@@ -423,33 +440,45 @@ def test_a_long_prompt_on_a_losing_pair_decodes_plain_and_exact(tiny_pair, refs,
     monkeypatch.setattr(
         policy, "registry_entry", lambda p: replace(_entry(), long_context_tokens=4)
     )
-    monkeypatch.setattr(tiny_pair, "_dflash_controllers", {}, raising=False)
+    tuning = policy.load_tuning(tiny_pair)
     for ids, ref in refs:
-        tokens, stats = tokens_of(tiny_pair, ids, GenerationConfig(48, use_eos=False))
+        cfg = GenerationConfig(48, use_eos=False)
+        tokens, stats = tokens_of(tiny_pair, ids, cfg, tuning=tuning)
         assert tokens == ref
         assert stats.block_sizes[:7] == (1,) * 7 and "long context" in stats.block_reason
 
 
 def test_cost_curve_times_plain_steps_as_a_pipelined_run(tiny_pair, monkeypatch):
-    """bs 1 is timed over a run of steps queued ahead of their syncs (the plain decoding a
-    drafting cycle replaces), and every timed cycle is trimmed back to the prompt."""
-    from dflash_mac import calibrate, decode
+    """The curve is timed by the decode loop's own pipeline: bs 1 over a run of steps queued
+    ahead of their syncs (the plain decoding a drafting cycle replaces), and every run starts
+    from the prompt again."""
+    from dflash_mac import calibrate
+    from dflash_mac.cycle import CyclePipeline
 
-    offsets = []
-    real = decode.queue_cycle
+    starts = []
+    real = CyclePipeline.start
 
-    def spy(pair, state, ctx, bs, anchor, *a, **k):
-        offsets.append((bs, state.target_cache[0].offset, isinstance(anchor, mx.array)))
-        return real(pair, state, ctx, bs, anchor, *a, **k)
+    def spy(self, bs, anchor):
+        starts.append((bs, self.state.target_cache[0].offset, isinstance(anchor, mx.array)))
+        return real(self, bs, anchor)
 
-    monkeypatch.setattr(calibrate, "queue_cycle", spy)
+    monkeypatch.setattr(CyclePipeline, "start", spy)
     calibrate.measure(tiny_pair, max_bs=2, context=10, reps=1)
-    plain = [o for o in offsets if o[0] == 1]
+    runs, run = [], []
+    for bs, offset, lazy in starts:  # a run starts where the prompt ends
+        if offset == 10 and run and not (bs == 1 and lazy):
+            runs.append(run)
+            run = []
+        run.append((bs, offset, lazy))
+    runs.append(run)
+    plain = [r for r in runs if r[0][0] == 1]
     burst = calibrate.PLAIN_BURST
-    assert len(plain) == 3 * burst  # reps + 2 warm-ups, one run of `burst` steps each
-    assert [o[1] for o in plain[:burst]] == list(range(10, 10 + burst))  # one after another
-    assert all(o[2] for o in plain[:burst][1:])  # each on the previous step's lazy token
-    assert all(o[1] == 10 for o in offsets if o[0] == 2)  # trimmed back every time
+    assert len(plain) == 3 and len(runs) == 6  # reps + 2 warm-ups, both sizes
+    for r in plain:  # one after another, each on the previous step's lazy token
+        assert [o for _, o, _ in r][: burst + 1] == list(range(10, 11 + burst))
+        assert all(lazy for _, _, lazy in r[1:])
+    for r in runs:
+        assert r[0][1] == 10 and all(bs == r[0][0] for bs, _, _ in r)
 
 
 def test_cycles_are_timed_only_after_one_of_their_kind(tiny_pair):
@@ -473,7 +502,7 @@ def test_cycles_are_timed_only_after_one_of_their_kind(tiny_pair):
 
     plan = Scripted()
     ids = tiny_pair.tokenizer.encode("hello world")
-    cfg = GenerationConfig(14, block_size="auto", use_eos=False)
+    cfg = GenerationConfig(14, use_eos=False)
     list(speculative_stream(tiny_pair, ids, cfg, controller=plan))
     kinds = [bs for bs, t in plan.updates]
     assert kinds[:8] == [3, 1, 1, 1, 3, 3, 1, 1][: len(kinds[:8])]
@@ -538,7 +567,7 @@ def test_a_probe_after_plain_steps_runs_outside_their_timing(tiny_pair):
             timed.append((bs, seconds if steady else None))
 
     ids = tiny_pair.tokenizer.encode("hello world")
-    cfg = GenerationConfig(40, block_size="auto", use_eos=False)
+    cfg = GenerationConfig(40, use_eos=False)
     list(speculative_stream(pair, ids, cfg, controller=Recording([1, 1, 1, 1, 2, 2])))
     drafting = [s for (b, s), (b0, _) in zip(timed[1:], timed) if b == 2 and b0 == 2]
     plain = [s for b, s in timed if b == 1 and s]
@@ -643,26 +672,23 @@ def test_a_new_process_starts_from_the_acceptance_earlier_ones_saw(
     """`auto` remembers each setting's acceptance in the data directory: a fresh controller
     (another process) starts from it instead of the generic guess. Seeded requests neither
     read nor write it."""
-    from dflash_mac.policy import acceptance_path, auto_controller
+    from dflash_mac.policy import acceptance_path, load_tuning, save_acceptance
 
     monkeypatch.setenv("DFLASH_MAC_HOME", str(tmp_path))
     ids, ref = refs[0]
     pair = with_drafter(tiny_pair, OracleDrafter(tiny_pair.drafter, ids + ref, 320))  # all right
-
-    def new_process():
-        for k in ("_dflash_cost_models", "_dflash_controllers"):
-            pair.__dict__.pop(k, None)
-
-    new_process()
     bs = pair.block_size  # what `auto` runs up to
-    greedy = auto_controller(pair, bs, setting=(0.0, 1.0, 0, 0.0))
+    tuning = load_tuning(pair)  # a process starts
+    greedy = tuning.controller(bs, (0.0, 1.0, 0, 0.0))
     assert greedy.acc.alphas(1)[0] == pytest.approx(0.7)  # nothing remembered yet: the guess
-    tokens, _ = tokens_of(pair, ids, GenerationConfig(48, use_eos=False))
+    tokens, _ = tokens_of(pair, ids, GenerationConfig(48, use_eos=False), tuning=tuning)
     assert tokens == ref
+    assert not acceptance_path(pair).exists()  # the stream writes nothing; front ends save
+    save_acceptance(pair, tuning)
     saved = json.loads(acceptance_path(pair).read_text())
     assert list(saved) == [greedy.memory]
-    new_process()
-    again = auto_controller(pair, bs, setting=(0.0, 1.0, 0, 0.0))
+    tuning = load_tuning(pair)  # a new process
+    again = tuning.controller(bs, (0.0, 1.0, 0, 0.0))
     assert again is not greedy and again.acc.alphas(1)[0] > 0.9  # what the last run saw
     # a memory only raises the start: one that expects less than the guess is not used
     poor = Acceptance(bs)
@@ -672,8 +698,10 @@ def test_a_new_process_starts_from_the_acceptance_earlier_ones_saw(
     fresh = BlockController(bs, CostModel(CURVE))
     assert not fresh.start_from(poor.state()) and fresh.acc.alphas(1)[0] == pytest.approx(0.7)
     assert fresh.start_from(saved[greedy.memory]) and fresh.acc.alphas(1)[0] > 0.9
-    assert auto_controller(pair, bs, setting=(0.7, 1.0, 0, 0.0)).acc.alphas(1)[0] == 0.7
+    assert tuning.controller(bs, (0.7, 1.0, 0, 0.0)).acc.alphas(1)[0] == 0.7
     seeded = GenerationConfig(24, sampling=SamplingParams(0.7), seed=3, use_eos=False)
-    list(speculative_stream(pair, ids, seeded))
+    tuning = load_tuning(pair)
+    list(speculative_stream(pair, ids, seeded, tuning=tuning))
+    save_acceptance(pair, tuning)
     assert list(json.loads(acceptance_path(pair).read_text())) == [greedy.memory]
-    assert auto_controller(pair, bs, timed=False, setting=(0.0, 1.0, 0, 0.0)).memory is None
+    assert tuning.controller(bs, (0.0, 1.0, 0, 0.0), timed=False).memory is None

@@ -16,7 +16,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from typer.testing import CliRunner
 
-from dflash_mac import decode as engine
+from dflash_mac import cycle as engine
 from dflash_mac.api import prompt_ids
 from dflash_mac.bench import command as bench_command
 from dflash_mac.bench import report as bench_report
@@ -106,13 +106,15 @@ def test_position_acceptance_counts_only_the_positions_each_cycle_drafted():
     assert stats.as_dict()["draft_cycles"] == 4 and stats.as_dict()["cycles"] == 6
     recs = synthetic_records()
     for r, (lens, bss) in zip(recs, [(lengths, sizes), ([2, 1], [2, 1])] * 2):
-        r["dflash"][0] = Run(list(range(101)), 10, 0.01, 0.5, 1000, "length", 0, lens, bss)
-    row = summary.summarize(recs, 0, "s", greedy=True)
+        r["dflash"][bench.AUTO] = Run(
+            list(range(101)), 10, 0.01, 0.5, 1000, "length", bench.AUTO, lens, bss
+        )
+    row = summary.summarize(recs, bench.AUTO, "s", greedy=True)
     assert row["position_acceptance"] == pytest.approx([8 / 10, 4 / 4, 2 / 4, 2 / 2])
     assert row["cycles"] == 16 and row["draft_cycles"] == 10
     assert row["histogram"] == [2, 4, 2, 0, 2]  # 1: the two rejected blocks, not the plain steps
     md = bench_report.render(
-        bench_report.build_report(HEADER, CONFIG, recs, [bench.AUTO_BS], greedy=True), "md"
+        bench_report.build_report(HEADER, CONFIG, recs, [bench.AUTO], greedy=True), "md"
     )
     assert "### Acceptance, block size auto (16 cycles, 6 of them plain steps, τ" in md
 
@@ -163,14 +165,18 @@ def test_auto_against_each_fixed_size_on_the_same_runs():
     for i in range(30):
         mood = rng.uniform(0.8, 1.2)  # the three runs of a prompt share the machine's mood
         a, b, c = (mood * rng.uniform(0.97, 1.03) for _ in range(3))
-        runs = {0: run(101, a * 0.5, bs=0), 5: run(101, b * 0.45, bs=5), 8: run(101, c * 0.5, bs=8)}
+        runs = {
+            bench.AUTO: run(101, a * 0.5, bs=bench.AUTO),
+            5: run(101, b * 0.45, bs=5),
+            8: run(101, c * 0.5, bs=8),
+        }
         recs.append(record(f"p{i}", 0, run(101, mood), runs))
-    five, eight = summary.auto_vs_fixed(recs, [bench.AUTO_BS, 5, 8])
+    five, eight = summary.auto_vs_fixed(recs, [bench.AUTO, 5, 8])
     assert five["block_size"] == 5 and 0.85 < five["ci"][0] < five["ratio"] < five["ci"][1] < 0.95
     assert eight["ci"][0] < 1.0 < eight["ci"][1] and eight["ratio"] == pytest.approx(1.0, abs=0.02)
     assert summary.auto_vs_fixed(recs, [5, 8]) == []
-    config = {**CONFIG, "block_sizes": [0, 5, 8]}
-    doc = bench_report.build_report(HEADER, config, recs, [bench.AUTO_BS, 5, 8], greedy=False)
+    config = {**CONFIG, "block_sizes": [bench.AUTO, 5, 8]}
+    doc = bench_report.build_report(HEADER, config, recs, [bench.AUTO, 5, 8], greedy=False)
     assert doc["auto_vs_fixed"] == [five, eight] and bench_report.validate(doc) == []
     assert "auto ÷ block 5 on the same runs: **0.9" in bench_report.to_markdown(doc)
 
@@ -619,7 +625,7 @@ def test_bundled_pair_default_bench_json():
     assert sampled["lossless"]["checked"] is None and not sampled["config"]["seeded_dflash"]
     assert doc["header"]["target"] == "bundled/target"
     assert doc["config"]["suite"] == "code" and doc["rows"][0]["suite"] == "code"
-    assert [r["block_size"] for r in doc["rows"]] == [0, 8]  # auto and the pair's size
+    assert [r["block_size"] for r in doc["rows"]] == ["auto", 8]  # auto and the pair's size
     assert doc["lossless"]["equal"] == doc["lossless"]["checked"] == 4
     assert doc["rows"][1]["tau"][0] > 1.0 and doc["rows"][0]["tau"][0] >= 1.0
 
@@ -666,9 +672,9 @@ def test_speedup_against_prompt_length():
     recs = []
     for i, n in enumerate([300, 1100, 1150, 1700]):
         base = run(11, 1.0)
-        dfl = run(11, 0.5 if n < 1500 else 2.0, [2, 3, 1], bs=0)
-        recs.append(record(f"p{i}", 0, base, {0: dfl}) | {"prompt_tokens": n})
-    rows = summary.length_rows(recs, [0])
+        dfl = run(11, 0.5 if n < 1500 else 2.0, [2, 3, 1], bs=bench.AUTO)
+        recs.append(record(f"p{i}", 0, base, {bench.AUTO: dfl}) | {"prompt_tokens": n})
+    rows = summary.length_rows(recs, [bench.AUTO])
     assert [(r["min_prompt_tokens"], r["max_prompt_tokens"]) for r in rows] == [
         (300, 300),
         (1100, 1150),
@@ -676,10 +682,10 @@ def test_speedup_against_prompt_length():
     ]
     assert [round(r["speedup"], 2) for r in rows] == [2.0, 2.0, 0.5]
     assert rows[1]["prompts"] == 2 and rows[0]["tau"] == 2.0
-    doc = bench_report.build_report(HEADER, CONFIG, recs, [0], True)
+    doc = bench_report.build_report(HEADER, CONFIG, recs, [bench.AUTO], True)
     assert bench_report.validate(doc) == [] and len(doc["by_length"]) == 3
     assert "Speedup against prompt length" in bench_report.render(doc, "md")
-    one = bench_report.build_report(HEADER, CONFIG, recs[1:3], [0], True)
+    one = bench_report.build_report(HEADER, CONFIG, recs[1:3], [bench.AUTO], True)
     assert one["by_length"] == []  # one bucket: nothing to compare
 
 
@@ -700,7 +706,7 @@ def test_runs_stop_at_the_end_of_the_context(tiny_pair):
     alike (the one context rule), instead of running past the positions the model has."""
     ids = tiny_pair.tokenizer.encode("def add(a, b):")
     short = replace(tiny_pair, target_config={"max_position_embeddings": len(ids) + 5})
-    cfg = BenchConfig([0, 3], max_tokens=24, trials=1, use_eos=False, warmup_tokens=2)
+    cfg = BenchConfig([bench.AUTO, 3], max_tokens=24, trials=1, use_eos=False, warmup_tokens=2)
     (rec,) = bench.run_bench(short, [BenchPrompt("p", "s", "unused")], [ids], cfg)
     assert len(rec["baseline"].tokens) == 5
     assert [len(r.tokens) for r in rec["dflash"].values()] == [5, 5]

@@ -13,7 +13,7 @@ from mlx_lm.generate import generate_step
 
 from dflash_mac import calibrate
 from dflash_mac.decode import GenerationConfig, speculative_stream
-from dflash_mac.policy import auto_controller, cost_curve_path
+from dflash_mac.policy import BlockChoice, cost_curve_path, load_tuning
 from dflash_mac.testing.oracle import with_drafter
 
 
@@ -42,9 +42,7 @@ def test_measured_ratios_never_fall_with_the_block_size(pair):
 def test_first_use_measures_and_saves_a_quick_curve_that_auto_takes(pair):
     bs = 3
     assert calibrate.missing(pair, bs)
-    assert not auto_controller(pair, bs).cost.prior.measured  # before: the generic guess
-    for k in ("_dflash_cost_models", "_dflash_controllers"):
-        pair.__dict__.pop(k, None)
+    assert not load_tuning(pair).controller(bs).cost.prior.measured  # before: the guess
     steps = []
     path = calibrate.calibrate(pair, bs, progress=lambda: steps.append(1))
     assert path == cost_curve_path(pair) and path.exists()
@@ -54,15 +52,16 @@ def test_first_use_measures_and_saves_a_quick_curve_that_auto_takes(pair):
     assert set(saved["ratios"]) == set(saved["sampled"]["ratios"]) == {"1", "2", "3"}
     assert not calibrate.missing(pair, bs)  # once per pair and machine
     assert calibrate.missing(pair, bs + 1)  # auto may now pick wider than the curve reaches
+    tuning = load_tuning(pair)
     for sampled in (False, True):
-        prior = auto_controller(pair, bs, setting=(sampled,), sampled=sampled).cost.prior
+        prior = tuning.controller(bs, (sampled,), sampled=sampled).cost.prior
         table = saved["sampled"]["ratios"] if sampled else saved["ratios"]
         assert prior.measured and prior.ratio(3) == pytest.approx(table["3"])
 
 
 def test_no_curve_is_measured_when_turned_off_or_for_plain_decoding(pair, monkeypatch):
-    assert calibrate.needed(pair, None) and calibrate.needed(pair, "auto")
-    assert not calibrate.needed(pair, 4)  # a fixed size does not use the curve
+    assert calibrate.needed(pair, BlockChoice(4, auto=True))
+    assert not calibrate.needed(pair, BlockChoice(4))  # a fixed size does not use the curve
     assert not calibrate.missing(pair, 1)  # auto up to 1 is plain decoding: nothing to time
     monkeypatch.setenv(calibrate.CALIBRATE_ENV, "0")
     assert not calibrate.missing(pair, 3)

@@ -240,18 +240,16 @@ def test_generate_prints_a_summary_line_and_json_names_the_pair():
 
 
 def test_block_size_above_the_trained_block_is_clamped(tiny_pair):
-    from dflash_mac.cli.terminal import block_size_policy
+    from dflash_mac.policy import block_size_for
 
-    warnings: list[str] = []
     trained = tiny_pair.drafter.config.block_size
-    assert block_size_policy(tiny_pair, 999, warn=warnings.append) == trained
-    assert warnings == [
-        f"[yellow]warning:[/] block size 999 > the drafter's trained block "
-        f"{trained}; using {trained}."
-    ]
-    assert block_size_policy(tiny_pair, trained, warn=warnings.append) == trained
-    assert block_size_policy(tiny_pair, None, warn=warnings.append) == trained
-    assert len(warnings) == 1
+    clamped = block_size_for(tiny_pair, 999)
+    assert clamped.size == trained and not clamped.auto
+    assert clamped.warning == (
+        f"block size 999 > the drafter's trained block {trained}; using {trained}."
+    )  # a plain sentence: each front end styles it
+    assert block_size_for(tiny_pair, trained).warning is None
+    assert block_size_for(tiny_pair, None).size == trained
 
 
 GOOD = {

@@ -8,11 +8,14 @@ from dflash_mac.models.dflash import ContextCache
 from mlx_lm.generate import generate_step
 
 from dflash_mac.decode import DecodeState, GenerationConfig, speculative_stream
+from dflash_mac.policy import BlockChoice
 
 
 def run(pair, ids, n, bs=5):
     state = DecodeState(pair)
-    events = list(speculative_stream(pair, ids, GenerationConfig(n, bs, use_eos=False), state))
+    events = list(
+        speculative_stream(pair, ids, GenerationConfig(n, BlockChoice(bs), use_eos=False), state)
+    )
     return [t for e in events for t in e.tokens], events[-1].stats.acceptance_lengths, state
 
 

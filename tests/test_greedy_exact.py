@@ -10,6 +10,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from dflash_mac.decode import DecodeState, GenerationConfig, speculative_stream
+from dflash_mac.policy import BlockChoice
 from dflash_mac.testing.oracle import OracleDrafter, with_drafter
 from dflash_mac.textstream import TextStream
 
@@ -45,6 +46,8 @@ def baseline(pair, ids: list[int], n: int) -> list[int]:
 
 
 def run(pair, ids, **kw) -> tuple[list[int], list, str]:
+    if "block_size" in kw:  # a fixed size
+        kw["block"] = BlockChoice(kw.pop("block_size"))
     events = list(speculative_stream(pair, ids, GenerationConfig(**kw)))
     tokens = [t for e in events for t in e.tokens]
     return tokens, [e.accepted for e in events[1:]], events[-1].finish_reason
@@ -140,7 +143,7 @@ def test_stop_string_on_committed_text(tiny_pair, cases):
             speculative_stream(
                 pair,
                 ids,
-                GenerationConfig(max_tokens=64, block_size=16, stop=[stop], use_eos=False),
+                GenerationConfig(max_tokens=64, block=BlockChoice(16), stop=[stop], use_eos=False),
             )
         )
         text = "".join(e.text for e in events)
@@ -174,7 +177,10 @@ def test_rollback_state_equals_fresh_prefill(tiny_pair, cases):
     state = DecodeState(pair)
     events = list(
         speculative_stream(
-            pair, ids, GenerationConfig(max_tokens=30, block_size=8, use_eos=False), state=state
+            pair,
+            ids,
+            GenerationConfig(max_tokens=30, block=BlockChoice(8), use_eos=False),
+            state=state,
         )
     )
     out = [t for e in events for t in e.tokens]
@@ -192,14 +198,14 @@ def test_rollback_state_equals_fresh_prefill(tiny_pair, cases):
 def test_interleaved_streams_share_hooks(tiny_pair, cases):
     """Two live generations on the same target instance, advanced alternately, each equal their
     own baseline; no hook is left afterwards."""
-    from dflash_mac.capture import is_hooked
+    from dflash_mac.hooks import is_hooked
 
     (ids_a, ref_a), (ids_b, ref_b) = cases[5], cases[6]
     a = speculative_stream(
-        tiny_pair, ids_a, GenerationConfig(max_tokens=30, block_size=4, use_eos=False)
+        tiny_pair, ids_a, GenerationConfig(max_tokens=30, block=BlockChoice(4), use_eos=False)
     )
     b = speculative_stream(
-        tiny_pair, ids_b, GenerationConfig(max_tokens=30, block_size=4, use_eos=False)
+        tiny_pair, ids_b, GenerationConfig(max_tokens=30, block=BlockChoice(4), use_eos=False)
     )
     out_a, out_b = [], []
     for ev_a, ev_b in zip(a, b):
@@ -217,12 +223,15 @@ def test_layer_queueing_keeps_tokens_and_unhooks(tiny_pair, cases, monkeypatch):
     """Queueing every target layer as it is built (the CPU default) changes no token; the hook
     queues exactly the layers' outputs, nested captures keep their own setting, and leaving
     restores every layer."""
-    from dflash_mac import capture, decode
-    from dflash_mac.capture import FeatureCapture, decoder_layers, is_hooked, layer_queue
+    from dflash_mac import capture, cycle, decode
+    from dflash_mac.capture import FeatureCapture, layer_queue
+    from dflash_mac.hooks import is_hooked
+    from dflash_mac.structure import decoder_layers
 
     ids, ref = cases[3]
     for queued in (True, False):
         monkeypatch.setattr(decode, "queues_layers", lambda q=queued: q)
+        monkeypatch.setattr(cycle, "queues_layers", lambda q=queued: q)
         tokens, _, _ = run(tiny_pair, ids, max_tokens=40, block_size=4, use_eos=False)
         assert tokens == ref[:40]
     queued_outputs = []

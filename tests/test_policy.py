@@ -14,7 +14,11 @@ from dflash_mac.registry import load_registry
 def fake_pair(trained: int, quantized: bool, model_id: str = "org/Unknown", draft_id: str = "x"):
     drafter = SimpleNamespace(config=SimpleNamespace(block_size=trained))
     return SimpleNamespace(
-        drafter=drafter, quantized=quantized, model_id=model_id, draft_id=draft_id
+        drafter=drafter,
+        quantized=quantized,
+        model_id=model_id,
+        draft_id=draft_id,
+        block_size=trained,
     )
 
 

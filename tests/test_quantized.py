@@ -11,9 +11,10 @@ from mlx_lm.generate import generate_step
 from typer.testing import CliRunner
 
 from dflash_mac.cli import app
-from dflash_mac.cli.terminal import block_size_policy, load_pair
+from dflash_mac.cli.terminal import load_pair
 from dflash_mac.decode import GenerationConfig, speculative_stream
 from dflash_mac.loading import LoadError, load, quantize_drafter
+from dflash_mac.policy import BlockChoice, block_size_for
 from dflash_mac.testing.oracle import OracleDrafter, with_drafter
 from dflash_mac.testing.tiny_hybrid import build_tiny_hybrid_pair
 
@@ -54,6 +55,8 @@ def baseline(pair, ids: list[int], n: int) -> list[int]:
 
 
 def run(pair, ids, **kw) -> list[int]:
+    if "block_size" in kw:  # a fixed size
+        kw["block"] = BlockChoice(kw.pop("block_size"))
     events = list(speculative_stream(pair, ids, GenerationConfig(use_eos=False, **kw)))
     return [t for e in events for t in e.tokens]
 
@@ -61,7 +64,7 @@ def run(pair, ids, **kw) -> list[int]:
 @pytest.mark.slow
 def test_4bit_pair_matches_4bit_target(q4):
     pair = load(*q4)
-    assert pair.quantized and pair.block_size == 5
+    assert pair.quantized and block_size_for(pair, None).size == 5
     assert pair.target_config["quantization"]["bits"] == 4
     assert any(isinstance(m, nn.QuantizedLinear) for _, m in pair.target.named_modules())
     for i, ids in enumerate(map(pair.tokenizer.encode, PROMPTS)):
@@ -77,7 +80,7 @@ def test_4bit_pair_matches_4bit_target(q4):
 def test_4bit_hybrid_target_matches(hybrid_dirs):
     t, d, t4 = hybrid_dirs
     pair = load(t4, d)
-    assert pair.quantized and pair.block_size == 5
+    assert pair.quantized and block_size_for(pair, None).size == 5
     ids = pair.tokenizer.encode(PROMPTS[0])
     ref = baseline(pair, ids, 100)
     assert run(pair, ids, max_tokens=100) == ref
@@ -102,23 +105,22 @@ def test_quantize_drafter_keeps_norms_in_float(tiny_dirs):
 
 def test_block_size_policy(tiny_dirs, q4):
     fp = load(*tiny_dirs)
-    assert not fp.quantized and fp.block_size == 16
-    assert load(tiny_dirs[0], q4[1]).block_size == 5  # a quantized drafter alone is enough
-    assert load(q4[0], tiny_dirs[1]).block_size == 5
+    assert not fp.quantized and block_size_for(fp, None) == BlockChoice(16, auto=True)
+    # a quantized drafter alone is enough
+    assert block_size_for(load(tiny_dirs[0], q4[1]), None).size == 5
+    assert block_size_for(load(q4[0], tiny_dirs[1]), None).size == 5
     q = load(*q4)
-    warnings: list[str] = []
-    assert block_size_policy(q, None, warn=warnings.append) == 5
-    assert block_size_policy(q, 5, warn=warnings.append) == 5
-    assert block_size_policy(q, 3, warn=warnings.append) == 3
-    assert warnings == []
-    assert block_size_policy(q, 8, warn=warnings.append) == 8  # explicit wins, with a warning
-    assert len(warnings) == 1 and "\n" not in warnings[0] and "block size 8 > 5" in warnings[0]
-    assert len(warnings[0].replace("[yellow]", "").replace("[/]", "")) < 80
-    assert block_size_policy(fp, 16, warn=warnings.append) == 16 and len(warnings) == 1
+    assert q.block_size == 16  # loading applies no policy: requests resolve their block
+    assert block_size_for(q, None) == BlockChoice(5, auto=True)
+    assert block_size_for(q, 5) == BlockChoice(5) and block_size_for(q, 3) == BlockChoice(3)
+    wide = block_size_for(q, 8)  # explicit wins, with a warning
+    assert wide.size == 8 and "\n" not in wide.warning and "block size 8 > 5" in wide.warning
+    assert len(wide.warning) < 80
+    assert block_size_for(fp, 16) == BlockChoice(16)
     q.drafter.config.block_size = 4
-    assert block_size_policy(q, None) == 4  # min(5, drafter block)
-    pair = load_pair(*tiny_dirs, draft_bits=4)
-    assert pair.quantized and pair.block_size == 5
+    assert block_size_for(q, None).size == 4  # min(5, drafter block)
+    prepared = load_pair(*tiny_dirs, draft_bits=4)
+    assert prepared.pair.quantized and prepared.block == BlockChoice(5, auto=True)
 
 
 def test_convert_refuses_an_existing_folder(q4):

@@ -7,8 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from dflash_mac import loading, registry
+from dflash_mac import loading, prepare, registry
 from dflash_mac.cli import terminal as frontends
+from dflash_mac.errors import PromptError
 from dflash_mac.loading import BUNDLED_DRAFT, BUNDLED_TARGET, LoadError
 from dflash_mac.registry import (
     RegistryError,
@@ -195,12 +196,14 @@ def test_load_and_load_pair_use_draft_auto(tiny_dirs, monkeypatch, capsys):
     monkeypatch.setattr(loading, "download", lambda name, **kw: hub[name])
     pair = loading.load("toy")
     assert (pair.model_id, pair.draft_id) == ("mlx-community/Toy-1B-4bit", "lab/Toy-1B-DFlash")
-    monkeypatch.setattr(frontends, "_thinking_warned", set())
-    for _ in range(2):
-        pair = frontends.load_pair("org/Toy-1B", None, reasoning="off")
+    with pytest.raises(PromptError, match="no thinking switch"):  # only the error, no warning
+        frontends.load_pair("org/Toy-1B", None, reasoning="off")
+    assert "trained with thinking on" not in capsys.readouterr().err
+    monkeypatch.setattr(prepare, "reasoning_args", lambda tok, r: {"enable_thinking": False})
+    pair = frontends.load_pair("org/Toy-1B", None, reasoning="off").pair
     assert pair.draft_id == "lab/Toy-1B-DFlash"
     warnings = capsys.readouterr().err
-    assert warnings.count("trained with thinking on") == 1  # warned once
+    assert warnings.count("trained with thinking on") == 1
     with pytest.raises(LoadError, match="no known DFlash drafter"):
         loading.load(tdir)
 

@@ -11,10 +11,11 @@ import typer
 
 from dflash_mac.cli import options
 from dflash_mac.pair import Pair
+from dflash_mac.policy import save_acceptance
 from dflash_mac.sampling import SamplingParams
 
 from .run import (
-    AUTO_BS,
+    AUTO,
     BenchConfig,
     BenchError,
     BenchPrompt,
@@ -50,7 +51,6 @@ def header(pair: Pair) -> dict:
 
     from dflash_mac import __version__
     from dflash_mac.calibrate import prior_name
-    from dflash_mac.distributed.leader import facts as distributed_facts
     from dflash_mac.platform import cpu_name, machine_summary
 
     def nbytes(model: Any) -> int:
@@ -74,7 +74,8 @@ def header(pair: Pair) -> dict:
         "dtype": str(floats[0]).replace("mlx.core.", "") if floats else "?",
         "target_weight_bytes": nbytes(pair.target),
         "drafter_weight_bytes": nbytes(pair.drafter),
-        **distributed_facts(pair.target),  # ranks, parallel, collectives (a sharded target)
+        # ranks, parallel, collectives (a sharded target)
+        **(pair.mirror.facts() if pair.mirror is not None else {}),
         "auto_prior": prior_name(pair),
     }
 
@@ -130,7 +131,7 @@ def cost_curve_command(
         with err.status(f"Building a random {shape} ({shape_dtype})…", spinner="dots"):
             pair = random_pair(shape, shape_dtype)
     else:
-        pair = load_pair(model, draft, draft_bits=draft_bits)
+        pair = load_pair(model, draft, draft_bits=draft_bits).pair
     title = "Timing cycles at block size 1..16, greedy and at T 0.7"
     with progress_bar(title, rounds(FULL_REPS)) as step:
         curve = measure_both(pair, progress=step)
@@ -226,53 +227,22 @@ def bench_command(
     """Benchmark DFlash against plain decoding of the same target, in one process."""
     from rich.console import Console
 
-    from dflash_mac.api import check_context, make_config, prompt_ids
-    from dflash_mac.cli.terminal import (
-        block_size_policy,
-        calibrate_auto,
-        follow_if_worker,
-        load_pair,
-    )
-    from dflash_mac.policy import AUTO
+    from dflash_mac.autoblock import AutoTuning
+    from dflash_mac.cli.terminal import calibrate_auto, follow_if_worker, load_pair, warn_line
 
     follow_if_worker(model, draft)  # a distributed job's other ranks follow rank 0
-
-    from .report import append_jsonl
-    from .view import BenchView, print_acceptance
-
     err = Console(stderr=True)
     if shape and not cost_curve:
         raise BenchError("--shape works with --cost-curve only.")
     if cost_curve:
         return cost_curve_command(model, draft, draft_bits, err, shape, shape_dtype)
-    check_format(fmt)
-    sizes = parse_block_sizes(block_size)
-    if trials < 1:
-        raise BenchError(f"--trials must be at least 1 (got {trials}).")
-    if cooldown < 0:
-        raise BenchError(f"--cooldown must be >= 0 (got {cooldown}).")
-    temps = parse_temps(temp)
-    for t in temps or [0.7]:
-        make_config(
-            max_tokens=max_tokens, temp=t, top_p=top_p or 1.0, top_k=top_k or 0, min_p=min_p
-        )
-    warn = lambda m: err.print(f"[yellow]warning:[/] {m}", highlight=False)  # noqa: E731
-    prompts = read_prompts(prompts_file) if prompts_file else suite_prompts(suite, warn)
+    sampling = dict(top_p=top_p or 1.0, top_k=top_k or 0, min_p=min_p)
+    sizes, temps = check_options(fmt, block_size, trials, cooldown, temp, max_tokens, sampling)
+    prompts = read_prompts(prompts_file) if prompts_file else suite_prompts(suite, warn_line)
     prompts = limit_per_suite(prompts, limit)
-    pair = load_pair(model, draft, draft_bits=draft_bits, reasoning=reasoning)
-    fixed = [s for s in sizes or [] if s != AUTO_BS]
-    fixed = [block_size_policy(pair, s, warn=err.print) for s in fixed]
-    auto = [AUTO_BS] if sizes is None or AUTO_BS in sizes else []
-    sizes = list(dict.fromkeys(auto + (fixed if sizes else [pair.block_size])))
-    ids = [prompt_ids(pair.tokenizer, p.prompt, reasoning=reasoning) for p in prompts]
-    capped = sum(check_context(pair, i, max_tokens) < max_tokens for i in ids)
-    if capped:
-        warn(
-            f"{capped} prompt(s) leave room for fewer than {max_tokens} new tokens in the "
-            f"model's {pair.context_length}-token context; they generate up to its end."
-        )
-    if auto:
-        calibrate_auto(pair, AUTO)
+    prepared = load_pair(model, draft, draft_bits=draft_bits, reasoning=reasoning)
+    sizes, ids = bench_inputs(prepared, sizes, prompts, reasoning, max_tokens, warn_line)
+    tuning = calibrate_auto(prepared) if AUTO in sizes else AutoTuning()
     common = {
         "suite": None if prompts_file else suite,
         "prompts_file": str(prompts_file) if prompts_file else None,
@@ -284,6 +254,7 @@ def bench_command(
         "draft_bits": draft_bits,
     }
     docs = []
+    pair = prepared.pair
     settings = sampling_settings(pair, temps, top_p, top_k, min_p)
     for label, sp in settings:
         cfg = BenchConfig(
@@ -292,11 +263,73 @@ def bench_command(
         )  # fmt: skip
         if len(settings) > 1:
             err.print(f"[bold]{label}[/]", highlight=False)
-        load_start = busy_warning(warn)
-        with BenchView(err, len(prompts) * trials, sizes, live) as view:
-            records = run_bench(pair, prompts, ids, cfg, view)
-        docs.append(report_doc(pair, cfg, records, label, load_start, common))
-        print_acceptance(err, docs[-1])
+        docs.append(measure_setting(pair, prompts, ids, cfg, tuning, label, common, err, live))
+    save_acceptance(pair, tuning)  # what `auto` saw: the next process starts from it
+    finish(docs, fmt, out, strict, err)
+
+
+def check_options(
+    fmt: str, block_size, trials: int, cooldown: float, temp, max_tokens: int, sampling: dict
+):
+    """Every option checked before the slow load: (block sizes, temperatures)."""
+    from dflash_mac.api import make_config
+
+    check_format(fmt)
+    sizes = parse_block_sizes(block_size)
+    if trials < 1:
+        raise BenchError(f"--trials must be at least 1 (got {trials}).")
+    if cooldown < 0:
+        raise BenchError(f"--cooldown must be >= 0 (got {cooldown}).")
+    temps = parse_temps(temp)
+    for t in temps or [0.7]:
+        make_config(max_tokens=max_tokens, temp=t, **sampling)
+    return sizes, temps
+
+
+def bench_inputs(prepared, sizes, prompts: list[BenchPrompt], reasoning, max_tokens: int, warn):
+    """The block sizes to run (auto and the fixed ones resolved for the pair, with their
+    warnings; default: auto and the pair's size side by side) and the prompts' ids."""
+    from dflash_mac.api import check_context, prompt_ids
+    from dflash_mac.policy import block_size_for
+
+    pair = prepared.pair
+    fixed = [block_size_for(pair, s) for s in sizes or [] if s != AUTO]
+    for choice in fixed:
+        if choice.warning:
+            warn(choice.warning)
+    auto = [AUTO] if sizes is None or AUTO in sizes else []
+    fixed_sizes = [c.size for c in fixed] if sizes else [prepared.block.size]
+    ids = [prompt_ids(pair.tokenizer, p.prompt, reasoning=reasoning) for p in prompts]
+    capped = sum(check_context(pair, i, max_tokens) < max_tokens for i in ids)
+    if capped:
+        warn(
+            f"{capped} prompt(s) leave room for fewer than {max_tokens} new tokens in the "
+            f"model's {pair.context_length}-token context; they generate up to its end."
+        )
+    return list(dict.fromkeys(auto + fixed_sizes)), ids
+
+
+def measure_setting(pair, prompts, ids, cfg: BenchConfig, tuning, label, common, err, live):
+    """One sampling setting's runs behind the live view; its report document."""
+    from dflash_mac.cli.terminal import warn_line
+
+    from .view import BenchView, print_acceptance
+
+    load_start = busy_warning(warn_line)
+    with BenchView(err, len(prompts) * cfg.trials, cfg.block_sizes, live) as view:
+        records = run_bench(pair, prompts, ids, cfg, view, tuning)
+    doc = report_doc(pair, cfg, records, label, load_start, common)
+    print_acceptance(err, doc)
+    return doc
+
+
+def finish(docs: list[dict], fmt: str, out: Path | None, strict: bool, err) -> None:
+    """The report on stdout (and appended to `out`), then the lossless verdict: with
+    --strict a greedy mismatch is exit 1."""
+    from dflash_mac.cli.terminal import warn_line
+
+    from .report import append_jsonl
+
     typer.echo(render_all(docs, fmt), nl=False)
     if out:
         for doc in docs:
@@ -304,7 +337,7 @@ def bench_command(
     bad = [m for d in docs for m in d["lossless"]["mismatches"]]
     checked = sum(d["lossless"]["checked"] or 0 for d in docs)
     if strict and not any(d["config"]["temp"] <= 0 for d in docs):
-        warn("--strict checks greedy runs only; nothing was checked at --temp > 0.")
+        warn_line("--strict checks greedy runs only; nothing was checked at --temp > 0.")
     if bad:
         first = bad[0]
         msg = (
@@ -315,7 +348,7 @@ def bench_command(
         if strict:
             err.print(f"[bold red]error:[/] {msg}", highlight=False)
             raise typer.Exit(1)
-        warn(msg)
+        warn_line(msg)
 
 
 def report_doc(

@@ -28,7 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from dflash_mac.api import PromptError, check_context
+from dflash_mac.autoblock import AutoTuning
 from dflash_mac.pair import Pair
+from dflash_mac.policy import AUTO
 from dflash_mac.prompts import read_prompt_file
 from dflash_mac.stats import drafting, histogram
 
@@ -36,11 +38,15 @@ SUITES = ("code", "math", "chat", "long")
 ALL_SUITES = ("code", "math", "chat")  # `--suite all`; `long` (1,000-1,900 tokens) runs alone
 SUITE_DIR = Path(__file__).resolve().parent.parent / "data" / "suites"
 FORMATS = ("md", "json", "jsonl", "csv")
-AUTO_BS = 0  # `--block-size auto` in the bench's int-keyed tables ("auto" when shown)
 
 
-def size_label(bs: int | None) -> str:
-    return "auto" if bs == AUTO_BS else str(bs)
+def size_label(bs: int | str | None) -> str:
+    return str(bs)
+
+
+def size_order(bs: int | str) -> tuple[int, int]:
+    """Sort key of block sizes: "auto" first, then the fixed sizes in order."""
+    return (0, 0) if bs == AUTO else (1, int(bs))
 
 
 class BenchError(PromptError):
@@ -93,22 +99,26 @@ def suite_prompts(name: str, warn: Callable[[str], Any] = print) -> list[BenchPr
     return out
 
 
-def parse_block_sizes(text: str | None) -> list[int] | None:
-    """`"5"`, `"auto"` or `"auto,2,5,8"` → sorted unique ints (auto = AUTO_BS, first);
-    None when not given."""
+BlockSize = int | str  # a fixed size, or AUTO ("auto")
+
+
+def parse_block_sizes(text: str | None) -> list[BlockSize] | None:
+    """`"5"`, `"auto"` or `"auto,2,5,8"` → "auto" first, then the sorted unique sizes; None
+    when not given."""
     if text is None or not str(text).strip():
         return None
     try:
         parts = [p.strip() for p in str(text).split(",")]
-        sizes = [AUTO_BS if p == "auto" else int(p) for p in parts]
+        sizes = [AUTO if p == AUTO else int(p) for p in parts]
     except ValueError:
         raise BenchError(
             f"--block-size must be auto, an integer or a comma-separated list such as "
             f"auto,2,5,8 (got {text!r})."
         )
-    if any(s < 1 and p != "auto" for s, p in zip(sizes, parts)):
+    fixed = sorted({s for s in sizes if s != AUTO})
+    if any(s < 1 for s in fixed):
         raise BenchError(f"every --block-size must be at least 1 (got {text!r}).")
-    return sorted(set(sizes))
+    return ([AUTO] if AUTO in sizes else []) + fixed
 
 
 def check_format(fmt: str) -> str:
@@ -193,7 +203,8 @@ class Run:
             "tokens": list(self.tokens),
         }
         if self.block_size is not None:
-            bs = self.block_size or max(self.block_sizes, default=1)
+            auto = self.block_size == AUTO
+            bs = max(self.block_sizes, default=1) if auto else self.block_size
             d.update(
                 block_size=self.block_size,
                 tau=self.tau,
@@ -249,9 +260,11 @@ def run_baseline(
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
 
-    from dflash_mac.capture import is_hooked, layer_queue
+    from dflash_mac.capture import layer_queue
+    from dflash_mac.hooks import is_hooked
 
-    assert not is_hooked(pair.target), "the baseline must run on an unhooked target"
+    # (a distributed target's leader hook mirrors every forward: the baseline's too)
+    assert not is_hooked(pair.target, ignore=pair.mirror), "the baseline runs unhooked"
     max_tokens = max_tokens or cfg.max_tokens
     sampler = None if cfg.greedy else make_sampler(cfg.temp, cfg.top_p, cfg.min_p, top_k=cfg.top_k)
     eos = pair.eos_ids if cfg.use_eos else set()
@@ -279,8 +292,10 @@ def run_dflash(
     seed: int,
     on_cycle: Callable[[int, int], Any] | None = None,
     max_tokens: int | None = None,
+    tuning: AutoTuning | None = None,
 ) -> Run:
-    """DFlash through `stream_generate`, timed like the baseline; `on_cycle(accepted, size)`."""
+    """DFlash through `stream_generate`, timed like the baseline; `on_cycle(accepted, size)`.
+    `tuning`: what `auto` learnt in the runs before (a fresh one: the generic guess)."""
     from dflash_mac.api import stream_generate
 
     tokens, last = [], None
@@ -289,13 +304,14 @@ def run_dflash(
         pair,
         ids,
         max_tokens=max_tokens or cfg.max_tokens,
-        block_size="auto" if block_size == AUTO_BS else block_size,
+        block_size=block_size,
         temp=cfg.temp,
         top_p=cfg.top_p,
         top_k=cfg.top_k,
         min_p=cfg.min_p,
         seed=seed,
         use_eos=cfg.use_eos,
+        tuning=tuning if tuning is not None else AutoTuning(),
     ):
         clock.tick(kept=bool(ev.tokens))
         tokens += ev.tokens
@@ -359,17 +375,20 @@ def run_bench(
     ids: list[list[int]],
     cfg: BenchConfig,
     observer: Observer | None = None,
+    tuning: AutoTuning | None = None,
 ) -> list[dict]:
     """Warm up, then measure every (trial, prompt): baseline and DFlash per block size.
+    Unseeded `auto` runs continue `tuning` (what `auto` starts from), as a server's requests do.
 
     Returns one record per (trial, prompt) with the baseline run and the DFlash runs."""
     obs = observer or Observer()
+    tuning = tuning if tuning is not None else AutoTuning()
     limits = [check_context(pair, x, cfg.max_tokens) for x in ids]  # capped to the context
     # Warm-up: one short run of each kind (and block size) before anything is timed.
     w = min(cfg.warmup_tokens, cfg.max_tokens)
     run_baseline(pair, ids[0], cfg, cfg.seed, max_tokens=w)
     for bs in cfg.block_sizes:
-        run_dflash(pair, ids[0], cfg, bs, dflash_seed(cfg, cfg.seed), max_tokens=w)
+        run_dflash(pair, ids[0], cfg, bs, dflash_seed(cfg, cfg.seed), None, w, tuning)
 
     configs: list[int | None] = [None, *cfg.block_sizes]  # None: the baseline
     orders = balanced_orders(len(configs))
@@ -404,6 +423,7 @@ def run_bench(
                         dflash_seed(cfg, seed),
                         lambda a, size, b=bs: obs.cycle(b, a, size),
                         limits[i],
+                        tuning,
                     )
                 obs.done(run)
             obs.checked(rec, cfg.greedy)

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import random
 
+from dflash_mac.policy import AUTO
 from dflash_mac.stats import drafting, histogram, mean_std, position_acceptance, survival
 
-from .run import AUTO_BS, Run
+from .run import Run
 
 
 def first_diff(a: list[int], b: list[int]) -> int | None:
@@ -78,7 +79,8 @@ def summarize(records: list[dict], block_size: int, suite: str, greedy: bool) ->
     sizes = [b for r in dfl for b in r.block_sizes]
     per_cycle = sizes if len(sizes) == len(lengths) else None  # older records: no sizes
     drafted = drafting(lengths, per_cycle)
-    width = block_size or max(sizes, default=1)  # auto: up to the largest size it chose
+    # auto: up to the largest size it chose
+    width = max(sizes, default=1) if block_size == AUTO else block_size
     mix = {b: sizes.count(b) for b in sorted(set(sizes))}
     return {
         "block_size": block_size,
@@ -159,17 +161,17 @@ def auto_vs_fixed(records: list[dict], block_sizes: list[int]) -> list[dict]:
     """`auto` against each fixed size on the same (trial, prompt) runs: the pooled ratio of
     decode tok/s (auto ÷ fixed) and its 95 % bootstrap interval. Empty without auto and a
     fixed size."""
-    if AUTO_BS not in block_sizes:
+    if AUTO not in block_sizes:
         return []
-    auto = trial_tps([r["dflash"][AUTO_BS] for r in records])
+    auto = trial_tps([r["dflash"][AUTO] for r in records])
     out = []
-    for bs in (b for b in block_sizes if b != AUTO_BS):
+    for bs in (b for b in block_sizes if b != AUTO):
         fixed = trial_tps([r["dflash"][bs] for r in records])
         out.append(
             {
                 "block_size": bs,
                 "ratio": auto / fixed if fixed > 0 else 0.0,
-                "ci": speedup_interval(records, AUTO_BS, over=bs),
+                "ci": speedup_interval(records, AUTO, over=bs),
             }
         )
     return out

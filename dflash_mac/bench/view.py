@@ -10,10 +10,11 @@ from rich.table import Table
 from rich.text import Text
 
 from dflash_mac.cli.terminal import bars
+from dflash_mac.policy import AUTO
 from dflash_mac.stats import drafting, histogram
 
 from .report import eta_note, plain_note
-from .run import BenchPrompt, Observer, Run, size_label
+from .run import BenchPrompt, Observer, Run, size_label, size_order
 from .summary import trial_tps
 
 
@@ -79,7 +80,8 @@ class BenchView(Observer):
                 f"[{self.done_prompts}/{self.total}] trial {record['trial'] + 1} "
                 f"{record['id']}: baseline {base.decode_tps:.1f} tok/s"
             ]
-            for bs, run in sorted(record["dflash"].items()):
+            for bs in sorted(record["dflash"], key=size_order):
+                run = record["dflash"][bs]
                 ok = "" if not greedy else (" ✓" if run.tokens == base.tokens else " ✗ MISMATCH")
                 parts.append(f"bs {size_label(bs)} {run.decode_tps:.1f} tok/s τ {run.tau:.2f}{ok}")
             self.console.print(" · ".join(parts), highlight=False, soft_wrap=True)
@@ -108,7 +110,8 @@ class BenchView(Observer):
             )
         lossless = f"lossless {self.n_equal}/{self.n_checked}" if self.n_checked else ""
         drafted = drafting(self.lengths[self.bs], self.sizes[self.bs])
-        hist = histogram(drafted, self.bs or max(self.sizes[self.bs], default=1))
+        width = max(self.sizes[self.bs], default=1) if self.bs == AUTO else self.bs
+        hist = histogram(drafted, width)
         bar = Table.grid()  # a bare ProgressBar ends without a newline: the next row would
         bar.add_row(
             ProgressBar(total=max(self.total, 1), completed=self.done_prompts, width=60)

@@ -239,52 +239,76 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
 ) -> None:
     """Generate text for PROMPT with DFlash speculative decoding."""
-    from dflash_mac.api import fit_max_tokens, make_config, prompt_ids
-
-    from .terminal import calibrate_auto, load_pair, print_stats, stream_to_terminal, warn_line
+    from .terminal import calibrate_auto, load_pair
 
     text = read_prompt(prompt)
-    template_args = parse_template_args(chat_template_args)
-    penalties = dict(
-        presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty,
-        repetition_penalty=repetition_penalty,
-        logit_bias=parse_logit_bias(logit_bias),
-    )
-    sampling = dict(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
-    make_config(**sampling, **penalties, block_size=block_size, seed=seed)  # before the slow load
-    pair = load_pair(
-        model, draft, block_size=block_size, draft_bits=draft_bits, reasoning=reasoning
-    )
-    ids = prompt_ids(
-        pair.tokenizer,
-        text,
+    template = dict(
         system=system,
         reasoning=reasoning,
-        chat_template_args=template_args,
+        chat_template_args=parse_template_args(chat_template_args),
         ignore_chat_template=ignore_chat_template,
     )
-    budget = fit_max_tokens(pair.context_length, len(ids), max_tokens)
-    if budget.capped:
-        warn_line(
-            f"[yellow]warning:[/] the prompt has {len(ids)} tokens and the model's "
-            f"context is {pair.context_length}: --max-tokens capped to {budget.max_tokens}."
-        )
-    calibrate_auto(pair, block_size)
-    result = stream_to_terminal(
-        pair,
-        ids,
-        echo=not as_json,
-        max_tokens=budget.max_tokens,
-        block_size=block_size,
+    settings = dict(
         temp=temp,
         top_p=top_p,
         top_k=top_k,
         min_p=min_p,
         seed=seed,
-        stop=stop,
-        **penalties,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        repetition_penalty=repetition_penalty,
+        logit_bias=parse_logit_bias(logit_bias),
     )
+    check_settings(max_tokens, block_size, settings)  # before the slow load
+    prepared = load_pair(
+        model, draft, block_size=block_size, draft_bits=draft_bits, reasoning=reasoning
+    )
+    ids, budget = fit_prompt(prepared.pair, text, template, max_tokens)
+    tuning = calibrate_auto(prepared)
+    result = run_generation(prepared, ids, tuning, budget, stop, settings, echo=not as_json)
+    report_generation(prepared.pair, result, as_json, verbose)
+
+
+def check_settings(max_tokens: int, block_size: str | None, settings: dict) -> None:
+    """Bad sampling, penalty, seed or block-size values get their one sentence now."""
+    from dflash_mac.api import make_config
+
+    make_config(max_tokens=max_tokens, block_size=block_size, **settings)
+
+
+def fit_prompt(pair, text: str, template: dict, max_tokens: int) -> tuple[list[int], int]:
+    """The prompt's ids and the answer's budget (capped to the context, with a warning)."""
+    from dflash_mac.api import fit_max_tokens, prompt_ids
+
+    from .terminal import warn_line
+
+    ids = prompt_ids(pair.tokenizer, text, **template)
+    budget = fit_max_tokens(pair.context_length, len(ids), max_tokens)
+    if budget.capped:
+        warn_line(
+            f"the prompt has {len(ids)} tokens and the model's context is "
+            f"{pair.context_length}: --max-tokens capped to {budget.max_tokens}."
+        )
+    return ids, budget.max_tokens
+
+
+def run_generation(prepared, ids, tuning, max_tokens: int, stop, settings: dict, echo: bool):
+    """Stream the answer (to stdout unless `echo` is off), then remember what `auto` saw."""
+    from dflash_mac.policy import save_acceptance
+
+    from .terminal import stream_to_terminal
+
+    result = stream_to_terminal(
+        prepared, ids, echo=echo, tuning=tuning, max_tokens=max_tokens, stop=stop, **settings
+    )
+    save_acceptance(prepared.pair, tuning)  # the next process starts from what this one saw
+    return result
+
+
+def report_generation(pair, result, as_json: bool, verbose: bool) -> None:
+    """The JSON object, the -v statistics, or the one summary line."""
+    from .terminal import print_stats, summary_line
+
     if as_json:
         typer.echo(
             json.dumps({"model": pair.model_id, "drafter": pair.draft_id, **result.as_dict()})
@@ -292,8 +316,6 @@ def generate(
     elif verbose:
         print_stats(pair, result, err)
     else:
-        from .terminal import summary_line
-
         err.print(summary_line(result), highlight=False)
 
 

@@ -9,31 +9,31 @@ from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
-from dflash_mac import calibrate as calibration
 from dflash_mac.api import GenerationResult, stream_generate
+from dflash_mac.autoblock import AutoTuning
 from dflash_mac.distributed.group import world
-from dflash_mac.errors import LoadError
-from dflash_mac.loading import load, quantize_drafter
+from dflash_mac.loading import load
 from dflash_mac.pair import Pair
-from dflash_mac.policy import AUTO, block_size_for
+from dflash_mac.policy import load_tuning
+from dflash_mac.prepare import (
+    Loader,
+    Prepared,
+    calibrate,
+    calibration_steps,
+    calibration_title,
+    needs_calibration,
+    prepare,
+)
 
 err = Console(stderr=True, soft_wrap=True)
 
 
 def warn_line(message: str) -> None:
     """Print a warning on one line (no wrapping at the terminal width)."""
-    err.print(message, soft_wrap=True)
-
-
-def block_size_policy(pair: Pair, requested: int | str | None, warn=warn_line) -> int:
-    """`policy.block_size_for`, with its warning shown on one line: the fixed size, or with
-    auto the largest the controller may pick."""
-    choice = block_size_for(pair, requested)
-    if choice.warning:
-        warn(f"[yellow]warning:[/] {choice.warning}")
-    return choice.size
+    err.print(f"[yellow]warning:[/] {escape(message)}", soft_wrap=True, highlight=False)
 
 
 def load_pair(
@@ -43,17 +43,22 @@ def load_pair(
     block_size: int | str | None = None,
     draft_bits: int | None = None,
     reasoning: str | None = None,
-) -> Pair:
-    """Load the pair with a spinner, apply the block-size policy and its warnings. Commands
-    that run `auto` call `calibrate_auto` next, once their other inputs are checked."""
-    group = world()
+) -> Prepared:
+    """`prepare.prepare` with a spinner, its warnings printed. Commands that run `auto` call
+    `calibrate_auto` next, once their other inputs are checked."""
+    loader = ranked_loader()
     with err.status("Loading model pair…", spinner="dots"):
-        pair = load_ranked(group, model, draft) if group is not None else load(model, draft)
-        if draft_bits is not None:
-            quantize_drafter(pair.drafter, draft_bits)
-    pair.block_size = block_size_policy(pair, block_size)
-    warn_thinking_mismatch(pair, reasoning)
-    return pair
+        prepared = prepare(
+            model,
+            draft,
+            block_size=block_size,
+            draft_bits=draft_bits,
+            reasoning=reasoning,
+            loader=loader,
+        )
+    for warning in prepared.warnings:
+        warn_line(warning)
+    return prepared
 
 
 @contextmanager
@@ -66,20 +71,19 @@ def progress_bar(description: str, total: int) -> Iterator[Callable[[], None]]:
         yield lambda: bar.advance(task)
 
 
-def calibrate_auto(
-    pair: Pair, block_size: int | str | None, warn: Callable[[str], None] = warn_line
-) -> None:
-    """Before the first `--block-size auto` run of a pair on this machine (`block_size` None or
-    "auto"): measure its quick cost curve once and save it (calibrate.py), with a progress
-    bar. Call it after the command's inputs are checked: a typo must not wait for it."""
-    if not calibration.needed(pair, block_size):
-        return
-    with progress_bar(calibration.title(pair), calibration.steps()) as step:
-        saved = calibration.calibrate(pair, pair.block_size, step)
-    if isinstance(saved, str):
-        warn(f"[yellow]warning:[/] {saved}")
-    else:
-        warn(f"saved the cost curve of --block-size auto to {saved}")
+def calibrate_auto(prepared: Prepared) -> AutoTuning:
+    """Before the first `--block-size auto` run of a pair on this machine: measure its quick
+    cost curve once and save it (calibrate.py), with a progress bar; then what `auto` starts
+    from (`policy.load_tuning`). Call it after the command's inputs are checked: a typo must
+    not wait for it."""
+    if needs_calibration(prepared):
+        with progress_bar(calibration_title(prepared), calibration_steps()) as step:
+            saved, said = calibrate(prepared, step)
+        if saved:
+            err.print(said, highlight=False)
+        else:
+            warn_line(said)
+    return load_tuning(prepared.pair)
 
 
 def load_ranked(group: Any, model: str | None, draft: str | None) -> Pair:
@@ -93,6 +97,14 @@ def load_ranked(group: Any, model: str | None, draft: str | None) -> Pair:
     return ranked.pair
 
 
+def ranked_loader() -> Loader:
+    """How this process loads a pair: sharded under `dflash-mac launch`, else `loading.load`."""
+    group = world()
+    if group is None:
+        return load
+    return lambda model, draft: load_ranked(group, model, draft)
+
+
 def follow_if_worker(model: str | None, draft: str | None) -> None:
     """Commands with side effects before loading (serve's PID file, bench's report) call this
     first: a worker rank of a distributed job loads its shard and follows rank 0 (never
@@ -102,32 +114,14 @@ def follow_if_worker(model: str | None, draft: str | None) -> None:
         load_ranked(group, model, draft)
 
 
-_thinking_warned: set[tuple[str, bool]] = set()
-
-
-def warn_thinking_mismatch(pair: Pair, reasoning: str | None, warn=err.print) -> None:
-    """Warn once when --reasoning (or the template default) contradicts how the drafter was
-    trained (thinking on/off): acceptance collapses in that case (docs/design.md §8)."""
-    from dflash_mac.registry import pair_for, thinking_warning
-
-    try:
-        entry = pair_for(pair.model_id, pair.draft_id)
-    except LoadError:  # an unreadable registry must not stop generation
-        return
-    msg = thinking_warning(entry, reasoning, pair.tokenizer)
-    if msg and (key := (pair.draft_id, reasoning != "off")) not in _thinking_warned:
-        _thinking_warned.add(key)
-        warn(f"[yellow]warning:[/] {msg}")
-
-
-def stream_to_terminal(pair: Pair, prompt: Any, echo: bool = True, **kwargs) -> GenerationResult:
-    """Stream committed text to stdout as it arrives; return the whole result. Runs at
-    `pair.block_size`, which `load_pair` chose from the requested one (`block_size_policy`),
-    or with auto (the default) up to it."""
-    auto = kwargs.get("block_size") in (None, AUTO)
-    kwargs["block_size"] = AUTO if auto else pair.block_size
+def stream_to_terminal(
+    prepared: Prepared, prompt: Any, echo: bool = True, **kwargs
+) -> GenerationResult:
+    """Stream committed text to stdout as it arrives; return the whole result. Runs at the
+    block size `load_pair` resolved (`prepared.block`)."""
     text, tokens, last = [], [], None
-    for ev in stream_generate(pair, prompt, **kwargs):
+    kwargs["block_size"] = prepared.block
+    for ev in stream_generate(prepared.pair, prompt, **kwargs):
         if echo and ev.text:
             sys.stdout.write(ev.text)
             sys.stdout.flush()

@@ -15,7 +15,9 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from dflash_mac.autoblock import AutoTuning
 from dflash_mac.pair import Pair
+from dflash_mac.policy import BlockChoice, block_size_for
 from dflash_mac.registry import BUNDLED_TARGET
 from dflash_mac.session import Session
 
@@ -45,22 +47,26 @@ def create_app(
     pair_or_session: Pair | Session,
     api_key: str | None = None,
     max_tokens: int = 4096,
-    block_size: int | None = None,
+    block: BlockChoice | None = None,
     default_temp: float = 0.0,
     max_queue: int = 8,
     prompt_cache_size: int = 4,
     prompt_cache_bytes: int | None = None,
+    tuning: AutoTuning | None = None,
 ) -> Starlette:
     """The ASGI app (see `routes.Settings` for the settings). `max_queue` requests may wait
     behind the running one, more get a 429; a pair gets a session whose prompt cache keeps
-    `prompt_cache_size` conversations (`prompt_cache_bytes` at most)."""
+    `prompt_cache_size` conversations (`prompt_cache_bytes` at most) and whose `auto` starts
+    from `tuning` (else what is saved for the pair). `block`: the block-size choice (default:
+    `auto` up to the pair's default size)."""
     if isinstance(pair_or_session, Session):
         session = pair_or_session
     else:
-        session = Session(pair_or_session, prompt_cache_size, prompt_cache_bytes)
-    worker = Worker(session, block_size, max_queue)
+        session = Session(pair_or_session, prompt_cache_size, prompt_cache_bytes, tuning)
+    block = block or block_size_for(session.pair, None)
+    worker = Worker(session, block, max_queue)
     name = model_name(session.pair)
-    routes = Routes(session, worker, name, Settings(api_key, max_tokens, block_size, default_temp))
+    routes = Routes(session, worker, name, Settings(api_key, max_tokens, block, default_temp))
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

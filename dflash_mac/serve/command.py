@@ -138,6 +138,24 @@ def run_server(app, host: str, port: int) -> None:
     Server(config).run()
 
 
+def announce(prepared, name: str, url: str, log_path: Path) -> None:
+    """What is served where: a log line and one line on the terminal."""
+    pair = prepared.pair
+    logging.getLogger("dflash_mac.serve").info(
+        "serving %s + %s at %s (block %s, pid %d)",
+        pair.model_id,
+        pair.draft_id,
+        url,
+        prepared.block.label,
+        os.getpid(),
+    )
+    err.print(
+        f"dflash-mac serve: {url}  (model {name}, log {log_path})",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
 def serve(
     model: str | None = options.MODEL,
     draft: str | None = options.DRAFT,
@@ -176,7 +194,7 @@ def serve(
     ),
 ) -> None:
     """Serve the pair as an OpenAI-compatible API (for Continue, Cline, Aider, Zed, ...)."""
-    from dflash_mac.cli.terminal import calibrate_auto, follow_if_worker, load_pair
+    from dflash_mac.cli.terminal import calibrate_auto, follow_if_worker, load_pair, warn_line
 
     follow_if_worker(model, draft)  # a distributed job's other ranks: no server, no PID file
 
@@ -192,17 +210,17 @@ def serve(
     setup_logging(log_path)
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}/v1"
     if host not in LOOPBACK and not api_key:
-        err.print(
-            f"[yellow]warning:[/] listening on {host} without --api-key: anyone who "
+        warn_line(
+            f"listening on {host} without --api-key: anyone who "
             "can reach this machine can use the model."
         )
     with PidFile(home, url, port):  # during loading too: a launcher sees "starting"
-        pair = load_pair(model, draft, block_size=block_size, draft_bits=draft_bits)
-        calibrate_auto(pair, block_size)  # before the first request: once per pair and machine
-        fixed = pair.block_size if block_size not in (None, "auto") else None  # else auto
+        prepared = load_pair(model, draft, block_size=block_size, draft_bits=draft_bits)
+        tuning = calibrate_auto(prepared)  # before the first request: once per pair and machine
         app = create_app(
-            pair,
-            block_size=fixed,
+            prepared.pair,
+            block=prepared.block,
+            tuning=tuning,
             api_key=api_key,
             max_tokens=max_tokens,
             default_temp=temp,
@@ -210,17 +228,5 @@ def serve(
             prompt_cache_size=prompt_cache_size,
             prompt_cache_bytes=prompt_cache_bytes,
         )
-        logging.getLogger("dflash_mac.serve").info(
-            "serving %s + %s at %s (block %d, pid %d)",
-            pair.model_id,
-            pair.draft_id,
-            url,
-            pair.block_size,
-            os.getpid(),
-        )
-        err.print(
-            f"dflash-mac serve: {url}  (model {app.state.model_name}, log {log_path})",
-            highlight=False,
-            soft_wrap=True,
-        )
+        announce(prepared, app.state.model_name, url, log_path)
         run_server(app, host, port)

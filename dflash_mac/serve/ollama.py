@@ -241,7 +241,7 @@ class OllamaRoutes:
                     "general.parameter_count": self.parameters(),
                     f"{arch}.context_length": pair.context_length,
                     "dflash.draft": str(pair.draft_id),
-                    "dflash.block_size": self.routes.settings.block_size or pair.block_size,
+                    "dflash.block_size": self.routes.settings.block.size,
                 },
                 "capabilities": capabilities,
                 "modified_at": self.card()["modified_at"],

@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from dflash_mac.policy import BlockChoice
 from dflash_mac.session import Session
 
 from .metrics import prometheus
@@ -32,7 +33,7 @@ class Settings:
 
     api_key: str | None = None
     max_tokens: int = 4096
-    block_size: int | None = None
+    block: BlockChoice = BlockChoice(8, auto=True)  # resolved for the pair at start-up
     default_temp: float = 0.0
 
 
@@ -142,7 +143,7 @@ class Routes:
             "max_model_len": pair.context_length,
             "draft": str(pair.draft_id),
             "drafter": pair.kind,
-            "block_size": self.settings.block_size or pair.block_size,
+            "block_size": self.settings.block.size,
         }
 
     async def models(self, request: Request) -> Response:
@@ -165,7 +166,7 @@ class Routes:
             "model_id": str(pair.model_id),
             "draft_id": str(pair.draft_id),
             "drafter": pair.kind,
-            "block_size": self.settings.block_size or pair.block_size,
+            "block_size": self.settings.block.size,
             "context_length": pair.context_length,
             "busy": worker.busy,
             "queued": worker.queued,

@@ -18,6 +18,7 @@ from typing import Any
 
 from dflash_mac.api import PromptError, fit_max_tokens
 from dflash_mac.distributed.group import lost_peer_message
+from dflash_mac.policy import BlockChoice, save_acceptance
 from dflash_mac.session import Session
 from dflash_mac.think import prompt_opens_think
 
@@ -77,9 +78,9 @@ class Job:
 class Worker:
     """Runs jobs on one thread against one `Session` (prefix reuse across requests)."""
 
-    def __init__(self, session: Session, block_size: int | None = None, max_queue: int = 8):
+    def __init__(self, session: Session, block: BlockChoice | None = None, max_queue: int = 8):
         self.session = session
-        self.block_size = block_size
+        self.block = block  # None: `auto` up to the pair's default size
         self.max_queue = max_queue  # requests that may wait behind the running one
         self._submit_lock = threading.Lock()
         self._durations: list[float] = []  # seconds of the last few requests (Retry-After)
@@ -192,7 +193,7 @@ class Worker:
                 ids,
                 should_stop=lambda: self._should_stop(job),
                 max_tokens=budget,
-                block_size=self.block_size,
+                block_size=self.block,
                 **req.sampling,
             ):
                 job.emit("text", (ev.text, ev.finish_reason))
@@ -215,6 +216,7 @@ class Worker:
             self.session.reset()
             job.emit("error", APIError(500, f"generation failed: {e}", kind="server_error"))
             return
+        save_acceptance(pair, self.session.tuning)  # a restarted server starts from it
         result = summary(last, req.kind)
         result["dflash"]["queue_position"] = job.position
         result["dflash"]["queue_wait_s"] = round(job.started - job.queued_at, 4)

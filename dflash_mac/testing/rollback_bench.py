@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-from dflash_mac.capture import target_head
 from dflash_mac.decode import DecodeState, GenerationConfig, speculative_stream
 from dflash_mac.loading import LoadedPair
 from dflash_mac.models.config import DraftConfig
 from dflash_mac.models.dflash import DFlashDraftModel
+from dflash_mac.policy import BlockChoice
 from dflash_mac.rollback import TargetRollback
+from dflash_mac.structure import target_head
 
 from .oracle import OracleDrafter
 from .tiny import draft_config
@@ -80,7 +81,7 @@ def measure(pair: LoadedPair, ids: list[int], ref: list[int], strategy: str, bs:
     oracle = LoadedPair(pair.target, drafter, _Tok(), "", "", bs, pair.target_config)
     state = DecodeState(oracle)
     state.rollback = TimedRollback(pair.target, state.target_cache, strategy, timing=timing)
-    cfg = GenerationConfig(max_tokens=len(ref), block_size=bs, use_eos=False)
+    cfg = GenerationConfig(max_tokens=len(ref), block=BlockChoice(bs), use_eos=False)
     tokens, t0 = [], None
     for ev in speculative_stream(oracle, ids, cfg, state=state):
         tokens += ev.tokens

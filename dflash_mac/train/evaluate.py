@@ -94,10 +94,11 @@ def dflash_run(
     first, cycle lengths, cycle block sizes)."""
     from dflash_mac.decode import GenerationConfig, speculative_stream
     from dflash_mac.models.distribution import SamplingParams
+    from dflash_mac.policy import BlockChoice
 
     cfg = GenerationConfig(
         max_tokens=max_tokens,
-        block_size=block_size,
+        block=BlockChoice(block_size),
         sampling=SamplingParams(temperature=temperature),
         seed=seed,
     )
@@ -230,8 +231,8 @@ def tv_agreement(
     (``softmax(scores / T)`` over its candidates, teacher-forced predecessors)."""
     import numpy as np
 
-    from dflash_mac.capture import target_head
     from dflash_mac.models.distribution import scatter_candidates
+    from dflash_mac.structure import target_head
 
     from .batches import target_forward
     from .blocks import block_inputs, sample_anchors

@@ -1,0 +1,264 @@
+"""How one DFlash cycle runs: draft, verify, accept, roll back (docs/design.md §6).
+
+`CyclePipeline` is the machinery beside the decode loop (decode.py) and the cost-curve
+measurement (calibrate.py), so that both run cycles one way: each cycle's device work is queued
+with `mx.async_eval` while the host does the previous cycle's bookkeeping, the verify of a
+hybrid target waits for the last rollback, and every cycle is timed from one host sync to the
+next for the block-size controller."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .capture import FeatureCapture, queues_layers
+from .models.penalties import Penalties, PenaltyContext, draft_sequential
+from .pair import Pair
+from .sampling import (
+    SamplingParams,
+    accept_greedy,
+    accept_sampled,
+    probabilities,
+    sample,
+    sample_logits,
+)
+
+
+def propose(
+    pair: Pair,
+    block: mx.array,
+    cache: list,
+    sp: SamplingParams,
+    key: mx.array,
+    penalty: PenaltyContext | None = None,
+):
+    """Draft tokens for block positions 1..bs-1 and q (None when greedy), lazily.
+
+    A drafter with its own `propose` (DFlash 2: the selector walk) drafts itself. With
+    penalties each position is drawn from its penalised q given the drafts before it."""
+    if (own := getattr(pair.drafter, "propose", None)) is not None:
+        return own(block, cache, sp, key, penalty) if penalty else own(block, cache, sp, key)
+    logits = pair.drafter(block[None], cache)[0]  # [bs-1, V]
+    if penalty is not None:
+        return draft_sequential(logits, penalty, sp, key)
+    if sp.greedy:
+        return mx.argmax(logits, axis=-1), None
+    q = probabilities(logits, sp)
+    return sample(q, key=key), q
+
+
+class DraftContext:
+    """Committed target features on their way into the drafter's context cache. Drafting
+    cycles append them with the next drafter pass; plain steps (block 1) leave them waiting, so
+    a run of plain steps costs no drafter work, and drafting resumes with one batched append."""
+
+    FLUSH_AT = 256  # waiting positions appended (and evaluated) at the latest
+
+    def __init__(self, drafter, cache: list):
+        self.drafter, self.cache = drafter, cache
+        self.pending: list[mx.array] = []
+        self.waiting = 0
+
+    def add(self, features: mx.array) -> None:
+        self.pending.append(features)
+        self.waiting += features.shape[1]
+        if self.waiting >= self.FLUSH_AT:
+            self.flush()
+            mx.async_eval([c.state for c in self.cache])
+
+    def flush(self) -> int:
+        """Append what waits to the cache (lazily); returns how many positions."""
+        n, feats = self.waiting, self.pending
+        if feats:
+            self.drafter.extend_context(mx.concatenate(feats, axis=1), self.cache)
+            self.pending, self.waiting = [], 0
+        return n
+
+    @property
+    def rows(self) -> int:
+        """Positions the drafter's (bounded) context cache holds."""
+        return getattr(self.cache[0], "rows", 0) if self.cache else 0
+
+
+@dataclass
+class Cycle:
+    """One cycle: its block, drafts and, once queued, the verify verdict (lazy arrays
+    evaluated in the background with `mx.async_eval`)."""
+
+    bs: int
+    block: mx.array  # [bs]: the anchor, then mask tokens
+    drafts: mx.array  # [bs-1]
+    q: mx.array | None  # [bs-1, V] the drafter's distributions (None when greedy)
+    key: mx.array
+    penalty: PenaltyContext | None = None  # penalties given the committed prefix
+    verdict: tuple[mx.array, mx.array] | None = None  # (accepted drafts, bonus token)
+    # [accepted, bonus, drafts...]: what the host reads, computed with the queued work (a
+    # new op at read time would wait behind whatever was queued after this cycle)
+    outcome: mx.array | None = None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a cycle's host sync read, and how long the cycle took."""
+
+    accepted: int  # drafts accepted
+    committed: list[int]  # the accepted drafts and the bonus token
+    seconds: float  # from the previous sync to this one
+    steady: bool  # timed amid cycles of its kind (what the cost model learns from)
+    host: float  # host bookkeeping in that interval
+
+
+class CyclePipeline:
+    """Runs the cycles of one request on its decode state (see the module docstring).
+
+    `size(room)` is the loop's block-size rule (called once per cycle, never more: the
+    controller's choice has side effects). A drafting cycle is queued right after the previous
+    sync, before the host's bookkeeping; a plain step (block 1) keeps its one position whatever
+    it samples, so it is settled before its sync and, when the next cycle is a plain step too,
+    that one is queued on the still-lazy token (as mlx-lm's `generate_step`). A drafting cycle
+    is never queued ahead of a plain step's sync: it would run inside that step's interval and
+    both would be timed wrong. Penalties bind the committed ids on the host, so they turn that
+    look-ahead off."""
+
+    def __init__(
+        self,
+        pair: Pair,
+        state,  # decode.DecodeState
+        cap: FeatureCapture,
+        sp: SamplingParams,
+        size: Callable[[int], int],
+        penalties: Penalties | None = None,
+        seed: int | None = None,
+        pipelined: bool = True,
+    ):
+        self.pair, self.state, self.cap, self.sp, self.size = pair, state, cap, sp, size
+        self.pen = penalties
+        self.ctx = DraftContext(pair.drafter, state.draft_cache)
+        self.rng = random.Random(seed)  # each cycle's key from the host: no device work for it
+        self.pipelined = pipelined
+        self.lookahead = pipelined and penalties is None
+        self.queued: Cycle | None = None  # the next cycle, queued ahead
+        self.chosen: int | None = None  # the next size, chosen before a plain step's sync
+        self.last_bs = 0  # the previous cycle's size (0: none yet)
+        self.queue_time = 0.0  # spent queueing device work since the last sync
+        self.t_sync = time.perf_counter()
+
+    def key(self) -> mx.array:
+        return mx.random.key(self.rng.getrandbits(32))
+
+    def first_token(self, logits: mx.array, prompt: list[int]) -> int:
+        """The token after the prompt from the prefill's last logits [V] (host sync)."""
+        if self.pen:
+            logits = self.pen.bind(prompt).apply(logits[None], mx.zeros((0,), mx.int32))[0]
+        if self.sp.greedy:
+            token = mx.argmax(logits).item()
+        else:
+            token = sample_logits(logits, self.sp, self.key()).item()
+        self.t_sync = time.perf_counter()
+        return token
+
+    # -- the cycle ---------------------------------------------------------------------------
+    def cycle(self, anchor: int, room: int) -> Cycle:
+        """The next cycle: the one queued ahead, else one queued now. Draft → verify queued."""
+        c = self.queued or self.start(self.chosen or self.size(room), anchor)
+        self.queued = self.chosen = None
+        if c.verdict is None:  # a hybrid's verify: queued once the last rollback is done
+            self.queue_verify(c)
+        return c
+
+    def finish(self, c: Cycle, anchor: int, room: int) -> Outcome:
+        """Accept → commit → roll back: the cycle's one host sync, its rejected positions rolled
+        back and its kept features handed to the drafter."""
+        ahead = self.lookahead and c.bs == 1 and room > 1
+        if ahead:
+            self.settle(c, [anchor])
+            self.chosen = self.size(room - 1)
+            if self.chosen == 1:
+                self.queued = self.start(1, c.verdict[1])
+        t_host = time.perf_counter()
+        a, bonus, *drafted = c.outcome.tolist()  # the one host sync of the cycle
+        committed = drafted[:a] + [bonus]
+        t_now = time.perf_counter()
+        host, seconds = t_host - self.t_sync - self.queue_time, t_now - self.t_sync
+        self.t_sync, self.queue_time = t_now, 0.0
+        if not ahead:
+            self.settle(c, [anchor] + committed[:-1])
+        # the cost model learns from cycles amid their kind: a plain step between plain steps
+        # (the last one before a drafting cycle builds nothing ahead: its interval is short),
+        # a drafting cycle after a drafting one (the first after plain steps also appends their
+        # context and restarts the pipeline, a one-off that would make drafting look dear)
+        steady = self.last_bs > 0 and (c.bs > 1) == (self.last_bs > 1)
+        steady = steady and not (ahead and self.queued is None)
+        self.last_bs = c.bs
+        return Outcome(a, committed, seconds, steady, host)
+
+    def ahead(self, anchor: int, room: int) -> None:
+        """Queue the next cycle right after the sync, before the host's bookkeeping."""
+        if self.queued is None and room > 0 and (self.pipelined or self.chosen):
+            self.queued = self.start(self.chosen or self.size(room), anchor)
+            self.chosen = None
+
+    def close(self) -> None:
+        """The request ends: drop a cycle queued and never used, append waiting features."""
+        if self.queued is not None and self.queued.verdict is not None:
+            self.state.rollback.trim(self.queued.bs)
+        self.queued = None
+        self.ctx.flush()
+
+    # -- its parts ---------------------------------------------------------------------------
+    def start(self, bs: int, anchor: int | mx.array) -> Cycle:
+        """Queue a cycle: the drafter pass for `[anchor, MASK...]` (none at block 1) and, unless
+        the target is a hybrid (whose rollback must watch its verify), the verify behind it.
+        The anchor may still be lazy (the token of a plain step not yet read back)."""
+        t = time.perf_counter()
+        key, sp = self.key(), self.sp
+        first = mx.array(anchor).astype(mx.int32).reshape(1)
+        penalty = (
+            self.pen.bind(self.state.ids[-self.pen.context_size :] + [anchor]) if self.pen else None
+        )
+        if bs == 1:  # a plain target step: no drafts, no split of the key
+            c = Cycle(1, first, mx.zeros((0,), mx.int32), None, key, penalty)
+        else:
+            k_draft, k_verify = mx.random.split(key)
+            masks = mx.array([self.pair.drafter.config.mask_token_id] * (bs - 1), mx.int32)
+            block = mx.concatenate([first, masks])
+            self.ctx.flush()
+            drafts, q = propose(self.pair, block, self.ctx.cache, sp, k_draft, penalty)
+            c = Cycle(bs, block, drafts, q, k_verify, penalty)
+        if self.state.rollback.hybrid:  # its verify is queued once the last rollback is done
+            mx.async_eval(c.drafts)
+        else:
+            if bs > 1 and queues_layers():  # the drafter runs while the verify is built
+                mx.async_eval(c.drafts)
+            self.queue_verify(c)
+        self.queue_time += time.perf_counter() - t
+        return c
+
+    def queue_verify(self, c: Cycle) -> None:
+        """Queue the cycle's verify pass and its outcome (`mx.async_eval`)."""
+        c.verdict = acc, bonus = self.verify(c)
+        c.outcome = mx.concatenate([acc.reshape(1), bonus.reshape(1), c.drafts])
+        mx.async_eval(c.outcome)
+
+    def verify(self, c: Cycle) -> tuple[mx.array, mx.array]:
+        """One target pass over [anchor, drafts]; (accepted drafts, bonus token), lazily."""
+        self.state.rollback.before_verify()
+        tokens = c.block if c.bs == 1 else mx.concatenate([c.block[:1], c.drafts])
+        logits = self.pair.target(tokens[None], cache=self.state.target_cache)[0]  # [bs, V]
+        if c.penalty is not None:  # p gets the same penalties as q, position by position
+            logits = c.penalty.apply(logits, c.drafts)
+        if self.sp.greedy:
+            return accept_greedy(c.drafts, logits)
+        if c.bs == 1:
+            return mx.array(0), sample_logits(logits, self.sp, c.key)
+        return accept_sampled(c.drafts, c.q, probabilities(logits, self.sp), c.key)
+
+    def settle(self, c: Cycle, kept: list) -> None:
+        """Roll back a cycle's rejected positions; its kept features go to the drafter."""
+        self.state.rollback.rollback(c.bs - len(kept), len(kept) - 1)
+        self.ctx.add(self.cap.features()[:, : len(kept)])
+        self.state.ids += kept

@@ -1,0 +1,85 @@
+"""The one set-up path of every front end (generate, chat, serve, bench): load the pair,
+quantize the drafter if asked, resolve the block size once, check the thinking mode, and say
+what the user should know as plain sentences. Front ends style the sentences (the terminal in
+yellow, the chat as toasts, the server in its log), run `calibrate` where `needs_calibration`
+says so (after their own inputs are checked), then `policy.load_tuning`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from . import calibrate as calibration
+from .api import reasoning_args
+from .loading import load, quantize_drafter
+from .pair import Pair
+from .policy import BlockChoice, block_size_for
+from .registry import pair_for, thinking_warning
+
+Loader = Callable[[str | os.PathLike | None, str | os.PathLike | None], Pair]
+
+
+@dataclass
+class Prepared:
+    """A pair ready to decode, its block-size choice and what the user should be told."""
+
+    pair: Pair
+    block: BlockChoice
+    warnings: list[str] = field(default_factory=list)  # plain sentences, no markup
+
+
+def prepare(
+    model: str | None,
+    draft: str | None,
+    *,
+    block_size: int | str | None = None,
+    draft_bits: int | None = None,
+    reasoning: str | None = None,
+    loader: Loader = load,
+) -> Prepared:
+    """Load and prepare a pair (see the module docstring). `loader`: how the pair is loaded
+    (a distributed job's front end passes the sharded load). A bad `--reasoning` for this
+    model's template raises its PromptError here, before any warning about it."""
+    pair = loader(model, draft)
+    if draft_bits is not None:
+        quantize_drafter(pair.drafter, draft_bits)
+    block = block_size_for(pair, block_size)
+    warnings = [block.warning] if block.warning else []
+    if reasoning is not None:
+        reasoning_args(pair.tokenizer, reasoning)
+    if said := thinking_mismatch(pair, reasoning):
+        warnings.append(said)
+    return Prepared(pair, block, warnings)
+
+
+def thinking_mismatch(pair: Pair, reasoning: str | None) -> str | None:
+    """A sentence when --reasoning (or the template's default) contradicts how the drafter
+    was trained (thinking on/off): acceptance collapses then (docs/design.md §8)."""
+    try:
+        entry = pair_for(pair.model_id, pair.draft_id)
+    except Exception:  # an unreadable registry must not stop generation
+        return None
+    return thinking_warning(entry, reasoning, pair.tokenizer)
+
+
+def needs_calibration(prepared: Prepared) -> bool:
+    """Whether `auto` has no cost curve for this pair on this machine yet (calibrate.py)."""
+    return calibration.needed(prepared.pair, prepared.block)
+
+
+def calibrate(prepared: Prepared, progress: calibration.Progress | None = None) -> tuple[bool, str]:
+    """Measure and save the quick cost curve (`needs_calibration`): (saved, one sentence
+    saying where, or why it could not be saved: a warning, generation goes on)."""
+    saved = calibration.calibrate(prepared.pair, prepared.block.size, progress)
+    if isinstance(saved, str):
+        return False, saved
+    return True, f"saved the cost curve of --block-size auto to {saved}"
+
+
+def calibration_title(prepared: Prepared) -> str:
+    return calibration.title(prepared.block)
+
+
+def calibration_steps() -> int:
+    return calibration.steps()
