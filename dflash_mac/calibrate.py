@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -40,7 +41,6 @@ from .policy import BlockChoice, cost_curve_path
 from .sampling import SamplingParams
 
 PLAIN_BURST = 8  # plain steps timed as a run, each queued before the previous one's sync
-DRAFT_CYCLES = 2  # drafting cycles timed after the first of a run
 SAMPLED_TEMP = 0.7  # the sampled curve's temperature (the chat default of most pairs)
 FULL_REPS = 12  # `bench --cost-curve`
 QUICK_REPS = 4  # the curve measured at first use of `auto`
@@ -50,30 +50,39 @@ CALIBRATE_ENV = "DFLASH_MAC_CALIBRATE"  # "0": no quick curve at first use
 Progress = Callable[[], None]  # called after each round over the sizes
 
 
-class FixedTimer:
-    """A block-size controller for the measurement: one fixed size, a given number of cycles,
-    keeping the times of the steady ones (what the loop's cost model would learn from)."""
+class ScriptedSizes:
+    """A block-size controller for the measurement: the sizes of a script, one per cycle,
+    keeping the times of the steady cycles at each size (what the loop's cost model learns
+    from: a plain step amid plain steps, a drafting cycle after a drafting one)."""
 
-    def __init__(self, bs: int, cycles: int):
-        self.last = Decision(bs, "measuring")
-        self.left, self.seconds = cycles, []
+    def __init__(self, sizes: list[int]):
+        self.script, self.next = sizes, 0
+        self.last = Decision(sizes[0], "measuring")
+        self.updates = 0
+        self.seconds: dict[int, list[float]] = {}
 
     def choose(self) -> Decision:
+        size = self.script[min(self.next, len(self.script) - 1)]
+        self.next += 1
+        self.last = Decision(size, "measuring")
         return self.last
 
     def update(self, bs: int, accepted: int, seconds: float | None, steady: bool = True) -> None:
-        self.left -= 1
+        self.updates += 1
         if steady and seconds:
-            self.seconds.append(seconds)
+            self.seconds.setdefault(bs, []).append(seconds)
+
+    @property
+    def done(self) -> bool:
+        return self.updates >= len(self.script)
 
 
-def time_cycles(pair: Pair, state: DecodeState, ids: list[int], cfg: GenerationConfig, bs: int):
-    """Run the decode loop on `ids` at block size `bs` for a few cycles; their steady times."""
-    n = PLAIN_BURST + 1 if bs == 1 else DRAFT_CYCLES + 1  # the first one is never steady
-    timer = FixedTimer(bs, n)
-    for _ in speculative_stream(pair, ids, cfg, state, lambda: timer.left <= 0, controller=timer):
-        pass
-    return timer.seconds
+def script(sizes: list[int], rng: random.Random) -> list[int]:
+    """One round's cycles: every size in a shuffled order (load drifts and the context growing
+    over the round hit all sizes alike), a run of plain steps, two cycles at each other size
+    (the first after plain steps is not steady)."""
+    order = rng.sample(sizes, len(sizes))
+    return [b for bs in order for b in [bs] * (PLAIN_BURST + 1 if bs == 1 else 2)]
 
 
 def measure(
@@ -91,35 +100,36 @@ def measure(
     vocab = pair.drafter.config.vocab_size
     ids = [(7919 * i + 11) % vocab for i in range(context)]
     sp = SamplingParams(temperature)
-    cfg = GenerationConfig(
-        max_tokens=(PLAIN_BURST + DRAFT_CYCLES + 2) * max_bs,
-        block=BlockChoice(max_bs),
-        sampling=sp,
-        seed=0,
-        use_eos=False,
-    )
-    state = DecodeState(pair)
-    times: dict[int, list[float]] = {bs: [] for bs in range(1, max_bs + 1)}
-    drafting: dict[int, list[float]] = {bs: [] for bs in range(2, max_bs + 1)}
+    sizes, rng = list(range(1, max_bs + 1)), random.Random(0)
+    times: dict[int, list[float]] = {bs: [] for bs in sizes}
+    drafting: dict[int, list[float]] = {bs: [] for bs in sizes[1:]}
     mask, key = pair.drafter.config.mask_token_id, mx.random.key(0)
-    for r in range(reps + WARMUP_ROUNDS):  # round robin: load drifts hit all sizes alike
-        for bs in times:
-            if state.rollback.hybrid:  # its state cannot be cut back to the prompt: anew
-                state = DecodeState(pair)
-            seconds = time_cycles(pair, state, ids, cfg, bs)
-            if not state.rollback.hybrid:
-                state.trim_to(len(ids) - 1)  # the next run prefills the last prompt token
-            if r < WARMUP_ROUNDS:
-                continue
-            times[bs] += seconds
-            if bs > 1:  # the drafter pass alone (it leaves its context cache as it was)
-                block = mx.array([ids[-1]] + [mask] * (bs - 1), mx.int32)
-                with mx.stream(generation_stream):
-                    t = time.perf_counter()
-                    mx.eval(propose(pair, block, state.draft_cache, sp, key)[0])
-                    drafting[bs].append(time.perf_counter() - t)
+    state = DecodeState(pair)
+    for r in range(reps + WARMUP_ROUNDS):
+        timer = ScriptedSizes(script(sizes, rng))
+        cfg = GenerationConfig(
+            sum(timer.script) + 1, BlockChoice(max_bs), sp, seed=r, use_eos=False
+        )
+        for _ in speculative_stream(
+            pair, ids, cfg, state, lambda t=timer: t.done, controller=timer
+        ):
+            pass
+        if state.rollback.hybrid:  # its state cannot be cut back to the prompt: anew
+            state = DecodeState(pair)
+        else:
+            state.trim_to(len(ids) - 1)  # the next round prefills the last prompt token
         if progress:
             progress()
+        if r < WARMUP_ROUNDS:
+            continue
+        for bs, seconds in timer.seconds.items():
+            times[bs] += seconds
+        for bs in drafting:  # the drafter pass alone (it leaves its context cache as it was)
+            block = mx.array([ids[-1]] + [mask] * (bs - 1), mx.int32)
+            with mx.stream(generation_stream):
+                t = time.perf_counter()
+                mx.eval(propose(pair, block, state.draft_cache, sp, key)[0])
+                drafting[bs].append(time.perf_counter() - t)
     seconds = {bs: statistics.median(ts) for bs, ts in times.items()}
     ratios = non_decreasing([seconds[bs] / seconds[1] for bs in range(2, max_bs + 1)])
     draft = {bs: statistics.median(ts) for bs, ts in drafting.items()}

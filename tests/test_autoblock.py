@@ -450,8 +450,8 @@ def test_a_long_prompt_on_a_losing_pair_decodes_plain_and_exact(tiny_pair, refs,
 
 def test_cost_curve_times_plain_steps_as_a_pipelined_run(tiny_pair, monkeypatch):
     """The curve is timed by the decode loop's own pipeline: bs 1 over a run of steps queued
-    ahead of their syncs (the plain decoding a drafting cycle replaces), and every run starts
-    from the prompt again."""
+    ahead of their syncs (the plain decoding a drafting cycle replaces), every size in each
+    round, and every round starts from the prompt again."""
     from dflash_mac import calibrate
     from dflash_mac.cycle import CyclePipeline
 
@@ -463,22 +463,21 @@ def test_cost_curve_times_plain_steps_as_a_pipelined_run(tiny_pair, monkeypatch)
         return real(self, bs, anchor)
 
     monkeypatch.setattr(CyclePipeline, "start", spy)
-    calibrate.measure(tiny_pair, max_bs=2, context=10, reps=1)
-    runs, run = [], []
-    for bs, offset, lazy in starts:  # a run starts where the prompt ends
-        if offset == 10 and run and not (bs == 1 and lazy):
-            runs.append(run)
-            run = []
-        run.append((bs, offset, lazy))
-    runs.append(run)
-    plain = [r for r in runs if r[0][0] == 1]
+    calibrate.measure(tiny_pair, max_bs=3, context=10, reps=1)
+    rounds = 1 + calibrate.WARMUP_ROUNDS
+    assert sum(offset == 10 for _, offset, _ in starts) == rounds  # each from the prompt
+    runs, run = [], []  # the runs of plain steps
+    for (bs, offset, lazy), nxt in zip(starts, starts[1:] + [(0, 0, False)]):
+        if bs == 1:
+            run.append((offset, lazy))
+            if nxt[0] != 1:
+                runs.append(run)
+                run = []
     burst = calibrate.PLAIN_BURST
-    assert len(plain) == 3 and len(runs) == 6  # reps + 2 warm-ups, both sizes
-    for r in plain:  # one after another, each on the previous step's lazy token
-        assert [o for _, o, _ in r][: burst + 1] == list(range(10, 11 + burst))
-        assert all(lazy for _, _, lazy in r[1:])
-    for r in runs:
-        assert r[0][1] == 10 and all(bs == r[0][0] for bs, _, _ in r)
+    assert len(runs) == rounds and all(len(r) >= burst + 1 for r in runs)
+    for r in runs:  # one after another, each on the previous step's lazy token
+        assert [o for o, _ in r] == list(range(r[0][0], r[0][0] + len(r)))
+        assert all(lazy for _, lazy in r[1:])
 
 
 def test_cycles_are_timed_only_after_one_of_their_kind(tiny_pair):

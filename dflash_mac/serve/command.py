@@ -6,6 +6,7 @@ removes the PID file on exit. One server per port: several models can be served 
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -59,13 +60,23 @@ def pid_alive(pid: int) -> bool:
 
 
 def check_free(host: str, port: int) -> None:
-    """Fail early (before loading the model) when the address is taken."""
+    """Fail early (before loading the model), in one sentence, when --port is out of range,
+    --host is no address of this machine, or the address is taken."""
+    if not 1 <= port <= 65535:
+        raise ServeError(f"--port must be between 1 and 65535 (got {port}).")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
+        except socket.gaierror as e:
+            raise ServeError(f"cannot listen on {host} ({e.strerror}); pass another --host.")
         except OSError as e:
+            if e.errno == errno.EADDRNOTAVAIL:  # resolves, but to no address of this machine
+                raise ServeError(
+                    f"cannot listen on {host} ({e.strerror}): it is not an address of this "
+                    "machine; pass another --host."
+                )
             raise ServeError(
                 f"cannot listen on {host}:{port} ({e.strerror}); pass another "
                 "--port or stop what is using it."
@@ -138,6 +149,18 @@ def run_server(app, host: str, port: int) -> None:
     Server(config).run()
 
 
+def check_options(prompt_cache_size: int, prompt_cache_bytes: int | None) -> None:
+    if prompt_cache_size < 1:
+        raise ServeError(f"--prompt-cache-size must be at least 1 (got {prompt_cache_size}).")
+    if prompt_cache_bytes is not None and prompt_cache_bytes < 0:
+        raise ServeError(f"--prompt-cache-bytes must be >= 0 (got {prompt_cache_bytes}).")
+
+
+def server_url(host: str, port: int) -> str:
+    """The OpenAI base URL clients use (an IPv6 host in brackets)."""
+    return f"http://{host if ':' not in host else f'[{host}]'}:{port}/v1"
+
+
 def announce(prepared, name: str, url: str, log_path: Path) -> None:
     """What is served where: a log line and one line on the terminal."""
     pair = prepared.pair
@@ -200,15 +223,12 @@ def serve(
 
     from .app import create_app
 
-    if prompt_cache_size < 1:
-        raise ServeError(f"--prompt-cache-size must be at least 1 (got {prompt_cache_size}).")
-    if prompt_cache_bytes is not None and prompt_cache_bytes < 0:
-        raise ServeError(f"--prompt-cache-bytes must be >= 0 (got {prompt_cache_bytes}).")
+    check_options(prompt_cache_size, prompt_cache_bytes)
     home = data_dir()
     log_path = log_file or home / log_name(port)
     check_free(host, port)
     setup_logging(log_path)
-    url = f"http://{host if ':' not in host else f'[{host}]'}:{port}/v1"
+    url = server_url(host, port)
     if host not in LOOPBACK and not api_key:
         warn_line(
             f"listening on {host} without --api-key: anyone who "

@@ -55,8 +55,8 @@ def test_bench_tiny_run(cli):
     report, sampled = json.loads(r.stdout)  # the default: greedy, then recommended sampling
     assert report["config"]["temp"] == 0 and sampled["config"]["temp"] > 0
     for doc in (report, sampled):
-        auto, fixed = doc["rows"]  # the default: auto (block size 0) and the pair's size
-        assert auto["block_size"] == 0 and fixed["block_size"] >= 2
+        auto, fixed = doc["rows"]  # the default: auto and the pair's size
+        assert auto["block_size"] == "auto" and fixed["block_size"] >= 2
         for row in (auto, fixed):
             assert row["prompts"] == 1 and row["trials"] == 1 and row["dflash_tokens"] > 0
             assert 1 <= row["tau"][0] <= fixed["block_size"]
