@@ -114,22 +114,21 @@ def measure(
             pair, ids, cfg, state, lambda t=timer: t.done, controller=timer
         ):
             pass
+        if not state.rollback.hybrid:
+            state.trim_to(len(ids) - 1)  # the next round prefills the last prompt token
+        if r >= WARMUP_ROUNDS:
+            for bs, seconds in timer.seconds.items():
+                times[bs] += seconds
+            for bs in drafting:  # the drafter pass alone (it leaves its context as it was)
+                block = mx.array([ids[-1]] + [mask] * (bs - 1), mx.int32)
+                with mx.stream(generation_stream):
+                    t = time.perf_counter()
+                    mx.eval(propose(pair, block, state.draft_cache, sp, key)[0])
+                    drafting[bs].append(time.perf_counter() - t)
         if state.rollback.hybrid:  # its state cannot be cut back to the prompt: anew
             state = DecodeState(pair)
-        else:
-            state.trim_to(len(ids) - 1)  # the next round prefills the last prompt token
         if progress:
             progress()
-        if r < WARMUP_ROUNDS:
-            continue
-        for bs, seconds in timer.seconds.items():
-            times[bs] += seconds
-        for bs in drafting:  # the drafter pass alone (it leaves its context cache as it was)
-            block = mx.array([ids[-1]] + [mask] * (bs - 1), mx.int32)
-            with mx.stream(generation_stream):
-                t = time.perf_counter()
-                mx.eval(propose(pair, block, state.draft_cache, sp, key)[0])
-                drafting[bs].append(time.perf_counter() - t)
     seconds = {bs: statistics.median(ts) for bs, ts in times.items()}
     ratios = non_decreasing([seconds[bs] / seconds[1] for bs in range(2, max_bs + 1)])
     draft = {bs: statistics.median(ts) for bs, ts in drafting.items()}
