@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PROMPT ?= Write a Python function that returns the n-th Fibonacci number.
 
-.PHONY: run test test-fast lint install bundle
+.PHONY: run test test-fast lint install bundle soak
 
 # PYTHONWARNINGS hides the notice setuptools prints on every editable install of a package
 # whose folders are mapped (models/ -> dflash_mac.models); pyproject.toml leaves no warning.
@@ -31,6 +31,14 @@ test-fast: install
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+# A bounded soak run of `serve` on the bundled pair (scripts/soak.py): SOAK_MINUTES of mixed
+# traffic, then its verdict; writes SOAK_OUT.json and SOAK_OUT.md. `make test` runs a
+# half-minute version (tests/e2e/test_soak.py).
+SOAK_MINUTES ?= 3
+SOAK_OUT ?= build/soak
+soak: install
+	$(BIN)/python scripts/soak.py --minutes $(SOAK_MINUTES) --out $(SOAK_OUT)
 
 # Rebuilds the bundled pair from scratch (models/bundled/MODEL_CARD.md): stdlib corpus ->
 # tokenizer -> v1 target and drafters -> long-context target -> drafters distilled on it. Every

@@ -1,11 +1,10 @@
-"""The engine side of the chat app: loading, the plain-decode baseline, the context window.
+"""The engine side of the chat app: loading, the turn statistics, the context window.
 
 Nothing here touches widgets; the app runs these in thread workers and posts messages."""
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +29,8 @@ class ChatOptions:
     reasoning: str | None = None
     draft_bits: int | None = None
     seed: int | None = None
+    chat_template: str | None = None  # a template that replaces the model's (its text)
+    max_kv_size: int | None = None  # the target's rotating window (None: unbounded)
 
     def generation_kwargs(self) -> dict:
         return {
@@ -51,17 +52,17 @@ class EngineInfo:
     kind: str
     block_size: int
     kernels: str
-    plain_tps: float  # the target's plain decode speed (0 = not measured)
     reasoning: bool  # the chat template has an on/off thinking switch
 
 
-def turn_stats(stats: DecodeStats, finish: str | None, plain_tps: float) -> dict:
-    """The numbers stored with an answer and shown in its stats line."""
+def turn_stats(stats: DecodeStats, finish: str | None) -> dict:
+    """The numbers stored with an answer and shown in its stats line: what this answer
+    measured. No speedup: a plain rate timed at another moment and context is no baseline
+    (`dflash-mac bench` times both back to back; docs/chat.md)."""
     return {
         "tokens": stats.generation_tokens,
         "tps": round(stats.decode_tps, 2),
         "tau": round(stats.tau, 3),
-        "speedup": round(stats.decode_tps / plain_tps, 3) if plain_tps else 0.0,
         "prompt": stats.prompt_tokens,
         "cached": stats.cached_tokens,
         "finish": finish,
@@ -207,26 +208,13 @@ def has_thinking_switch(tokenizer: Any) -> bool:
         return False
 
 
-def measure_plain_tps(target: Any, tokenizer: Any, tokens: int = 32) -> float:
-    """Plain (non-speculative) decode speed of the target with mlx-lm's generate_step: one
-    over the median time per token (robust to a busy machine), prefill and warm-up excluded."""
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
-
-    prompt = mx.array(tokenizer.encode("def fibonacci(n):\n"))
-    stamps = [time.perf_counter() for _ in generate_step(prompt, target, max_tokens=tokens)]
-    gaps = sorted(b - a for a, b in zip(stamps[2:], stamps[3:]))  # skip prefill and warm-up
-    median = gaps[len(gaps) // 2] if gaps else 0.0
-    return 1.0 / median if median > 0 else 0.0
-
-
 Status = Callable[[str, float | None], None]  # a loading step's text and fraction done
 
 
 def load_backend(opts: ChatOptions, status: Status | None = None) -> Backend:
     """Load the pair (`prepare.prepare`, as every front end), measure its cost curve when
-    `auto` has none on this machine (once), the plain baseline, and open a session (runs in a
-    worker; `status` hears each step)."""
+    `auto` has none on this machine (once), and open a session (runs in a worker; `status`
+    hears each step)."""
     from dflash_mac.cli.terminal import ranked_loader
     from dflash_mac.policy import load_tuning
     from dflash_mac.prepare import (
@@ -244,6 +232,7 @@ def load_backend(opts: ChatOptions, status: Status | None = None) -> Backend:
         block_size=opts.block_size,
         draft_bits=opts.draft_bits,
         reasoning=opts.reasoning,
+        chat_template=opts.chat_template,
         loader=ranked_loader(),  # under `dflash-mac launch`: rank 0 of a sharded target
     )
     pair, warnings = prepared.pair, list(prepared.warnings)
@@ -264,10 +253,9 @@ def load_backend(opts: ChatOptions, status: Status | None = None) -> Backend:
         kind=pair.kind,
         block_size=prepared.block.size,
         kernels=kernels_name(),
-        plain_tps=measure_plain_tps(pair.target, pair.tokenizer),
         reasoning=has_thinking_switch(pair.tokenizer),
     )
-    session = Session(pair, tuning=load_tuning(pair))
+    session = Session(pair, tuning=load_tuning(pair), max_kv_size=opts.max_kv_size)
     return Backend(
         session, info, pair.tokenizer, warnings, context=pair.context_length, block=prepared.block
     )

@@ -287,8 +287,7 @@ class ChatApp(ChatCommands, App):
         self.backend = message.backend
         info = self.backend.info
         self.panel.set_info(info, self.reasoning_label)
-        plain = f" · plain decode {info.plain_tps:.1f} tok/s" if info.plain_tps else ""
-        self.set_status(f"Ready · {info.kind} · block {info.block_size}{plain}")
+        self.set_status(f"Ready · {info.kind} · block {info.block_size}")
         for w in self.backend.warnings:
             self.notify(w, severity="warning", timeout=10)
         self.warm_up()
@@ -367,7 +366,7 @@ class ChatApp(ChatCommands, App):
         if turn is None:
             return
         snap = message.stats
-        stats = turn_stats(snap, message.finish, self.backend.info.plain_tps) if snap else {}
+        stats = turn_stats(snap, message.finish) if snap else {}
         if message.error:
             stats["error"] = message.error
             self.set_status(message.error, error=True)

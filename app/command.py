@@ -23,6 +23,8 @@ def chat(
     ),
     draft_bits: int | None = options.DRAFT_BITS,
     seed: int | None = typer.Option(None, "--seed", help="Random seed (sampling)."),
+    chat_template: str | None = options.CHAT_TEMPLATE,  # the file's text
+    max_kv_size: int | None = options.MAX_KV_SIZE,
     resume: bool = typer.Option(False, "--resume", "-r", help="Reopen the most recent chat."),
 ) -> None:
     """Chat in the terminal: streamed answers, a live acceptance histogram, saved chats."""
@@ -32,6 +34,7 @@ def chat(
     from .chat_app import ChatApp
 
     make_config(max_tokens, block_size, temp, top_p, top_k, min_p, seed)  # bad options fail here
+    check_pair(model, draft)
     from dflash_mac.cli.terminal import follow_if_worker
 
     follow_if_worker(model, draft)  # a distributed job's other ranks: no screen, follow rank 0
@@ -50,10 +53,20 @@ def chat(
         reasoning,
         draft_bits,
         seed,
+        chat_template,
+        max_kv_size,
     )
     app = ChatApp(opts, resume=resume)
     app.run()
     exit_now(app.return_code or 0)
+
+
+def check_pair(model: str | None, draft: str | None) -> None:
+    """Resolve the pair from its configs (no weights) so that a bad --model or --draft is the
+    whole sentence and exit 1 on the terminal, before the screen starts."""
+    from dflash_mac.loading import PairSpec
+
+    PairSpec.resolve(model, draft)
 
 
 def exit_now(code: int) -> None:

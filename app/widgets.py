@@ -69,13 +69,13 @@ class ChatMarkdown(Markdown):
 
 
 def turn_line(stats: dict) -> str:
-    """`412 tok · 96 tok/s · τ 4.6 · 1.9× · prefill 35 new + 120 cached`."""
+    """`412 tok · 96 tok/s · τ 4.6 · prefill 35 new + 120 cached` (a `speedup` stored by
+    older versions is not shown: backend.turn_stats says why)."""
     if "tokens" not in stats:  # failed before the first token
         return ""
-    speed = f"{stats['speedup']:.1f}×" if stats.get("speedup") else "–×"
     new = stats.get("prompt", 0) - stats.get("cached", 0)
     line = (
-        f"{stats['tokens']} tok · {stats['tps']:.0f} tok/s · τ {stats['tau']:.1f} · {speed}"
+        f"{stats['tokens']} tok · {stats['tps']:.0f} tok/s · τ {stats['tau']:.1f}"
         f" · prefill {new} new + {stats.get('cached', 0)} cached"
     )
     finish = stats.get("finish")
@@ -258,12 +258,9 @@ class HistogramPanel(Widget):
             out.append(bar(count, top, width), style="cyan")
             out.append(f" {count}\n")
         out.append("\n")
-        plain = info.plain_tps if info else 0.0
-        rows = [
+        rows = [  # this answer's own numbers only (no speedup: backend.turn_stats)
             ("τ", f"{s.tau:.2f}" if s and s.tau else "–"),
             ("decode", f"{s.decode_tps:.1f} tok/s" if s and s.decode_tps else "–"),
-            ("plain", f"{plain:.1f} tok/s" if plain else "–"),
-            ("speedup", f"{s.decode_tps / plain:.2f}×" if s and plain and s.decode_tps else "–"),
             ("tokens", str(s.generation_tokens) if s else "–"),
             (
                 "prefill",

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .autoblock import AutoTuning
+from .constraints import Grammar, json_grammar
+from .cycle import MAX_TOP_LOGPROBS, TokenLogprob
 from .decode import DecodeState, GenerationConfig, GenerationEvent, speculative_stream
 from .errors import PromptError  # noqa: F401  (re-exported)
 from .models.penalties import Penalties
@@ -84,23 +86,33 @@ def make_config(
     frequency_penalty: float | None = None,
     repetition_penalty: float | None = None,
     logit_bias: dict[int, float] | None = None,
+    logprobs: int | None = None,
+    json_schema: dict | Grammar | None = None,
 ) -> GenerationConfig:
-    """Validated per-request settings (PromptError with one sentence on bad input)."""
+    """Validated per-request settings (PromptError with one sentence on bad input).
+
+    `logprobs`: each committed token's log-probability and the top `logprobs` (0..20) on the
+    events; `json_schema`: the answer is JSON valid against this schema (a dict, or a grammar
+    compiled once with `constraints.json_grammar`)."""
     if max_tokens < 1:
         raise PromptError(f"--max-tokens must be at least 1 (got {max_tokens}).")
     if not isinstance(block_size, BlockChoice):
         parse_block_size(block_size)  # checked before any slow work; resolved with the pair
     if seed is not None and not 0 <= seed < 2**64:
         raise PromptError(f"--seed must be between 0 and 2**64 - 1 (got {seed}).")
+    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise PromptError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS} (got {logprobs}).")
     try:
         sp = SamplingParams(temp, top_p, top_k, min_p).validate()
         pen = Penalties.make(presence_penalty, frequency_penalty, repetition_penalty, logit_bias)
+        compiled = json_schema is None or hasattr(json_schema, "start")
+        grammar = json_schema if compiled else json_grammar(json_schema)
     except ValueError as e:
         raise PromptError(str(e))
     cfg = GenerationConfig(max_tokens, None, sp, seed, list(stop or []), use_eos)
     if isinstance(block_size, BlockChoice):
         cfg.block = block_size
-    cfg.penalties = pen
+    cfg.penalties, cfg.logprobs, cfg.grammar = pen, logprobs, grammar
     return cfg
 
 
@@ -155,13 +167,16 @@ def stream_generate(
     *,
     state: DecodeState | None = None,
     tuning: AutoTuning | None = None,
+    max_kv_size: int | None = None,
     **kwargs: Any,
 ) -> Iterator[GenerationEvent]:
     """Stream DFlash generation events for a prompt (text, messages or token ids).
 
     `block_size`: an integer, "auto" / None, or a `BlockChoice` a front end resolved once.
     `tuning`: what `--block-size auto` learnt so far, continued (a session's); without it `auto`
-    starts from what is saved for the pair on this machine (`policy.load_tuning`)."""
+    starts from what is saved for the pair on this machine (`policy.load_tuning`).
+    `max_kv_size`: a rotating window of that many target positions, as mlx-lm's (a `state`
+    brings its own)."""
     template_keys = ("system", "ignore_chat_template", "reasoning", "chat_template_args")
     tkw = {k: kwargs.pop(k) for k in template_keys if k in kwargs}
     should_stop = kwargs.pop("should_stop", None)
@@ -180,6 +195,8 @@ def stream_generate(
     cfg.max_tokens = check_context(pair, ids, cfg.max_tokens)
     if tuning is None and cfg.block.auto:
         tuning = load_tuning(pair)
+    if state is None and max_kv_size is not None:
+        state = DecodeState(pair, max_kv_size)
     yield from speculative_stream(
         pair, ids, cfg, state=state, should_stop=should_stop, tuning=tuning
     )
@@ -192,6 +209,7 @@ class GenerationResult:
     finish_reason: str
     stats: DecodeStats
     prompt_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None  # one per token, when asked
 
     def as_dict(self) -> dict:
         s = self.stats
@@ -205,15 +223,18 @@ class GenerationResult:
 
 def generate(pair: Pair, prompt: str | list[dict] | list[int], **kwargs: Any) -> GenerationResult:
     """Generate a whole completion; see `stream_generate` for the options."""
-    text, tokens, last = [], [], None
+    text, tokens, lps, last = [], [], [], None
     for ev in stream_generate(pair, prompt, **kwargs):
         text.append(ev.text)
         tokens += ev.tokens
+        lps += ev.logprobs or []
         last = ev
+    n = last.stats.generation_tokens
     return GenerationResult(
         "".join(text),
-        tokens[: last.stats.generation_tokens],
+        tokens[:n],
         last.finish_reason,
         last.stats,
         last.stats.prompt_tokens,
+        lps[:n] if kwargs.get("logprobs") is not None else None,
     )

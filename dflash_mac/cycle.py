@@ -8,6 +8,7 @@ next for the block-size controller."""
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .capture import FeatureCapture, queues_layers
+from .constraints import Constraint, Grammar
 from .models.penalties import Penalties, PenaltyContext, draft_sequential
 from .pair import Pair
 from .sampling import (
@@ -49,6 +51,90 @@ def propose(
         return mx.argmax(logits, axis=-1), None
     q = probabilities(logits, sp)
     return sample(q, key=key), q
+
+
+def propose_constrained(
+    pair: Pair,
+    block: mx.array,
+    cache: list,
+    sp: SamplingParams,
+    key: mx.array,
+    penalty: PenaltyContext | None,
+    con: Constraint,
+) -> tuple[mx.array, mx.array | None, mx.array]:
+    """Drafts under a grammar, one position at a time: each from its q masked by the grammar
+    (and penalised) given the drafts before it; (drafts [n], q [n, V] | None, masks [n+1, V]),
+    the last mask for the bonus position. The grammar runs on the host, so each draft is read
+    back (one small sync per draft); drafting stops after an end-of-sequence token, so n may
+    be less than bs-1. The drafter's backbone logits are used (DFlash 2's selector walk draws
+    from candidates the grammar may all refuse). The constraint is left advanced by the drafts."""
+    logits = pair.drafter(block[None], cache)[0]  # [bs-1, V]
+    keys = mx.random.split(key, logits.shape[0])
+    drafts: list[int] = []
+    qs, masks = [], []
+    for i in range(logits.shape[0]):
+        allowed = con.mask()
+        masks.append(allowed)
+        row = logits[i : i + 1]
+        if penalty is not None:
+            row = penalty.apply(row, mx.array(drafts, mx.int32), first=i)
+        row = mx.where(allowed, row, -mx.inf)
+        if sp.greedy:
+            d = mx.argmax(row, axis=-1)
+        else:
+            qs.append(probabilities(row, sp))
+            d = sample(qs[-1], key=keys[i])
+        drafts.append(d.item())  # the grammar's next state needs the token on the host
+        con.consume(drafts[-1])
+        if con.ended:
+            break
+    masks.append(con.mask())
+    q = mx.concatenate(qs) if qs else None
+    return mx.array(drafts, mx.int32), q, mx.stack(masks)
+
+
+MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A committed token's log-probability under the target (after logit bias, penalties and
+    the grammar, before temperature and the filters: mlx-lm's `generate_step` logprobs), and
+    the `top` most likely tokens there, most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def logprob_rows(logits: mx.array, tokens: mx.array, k: int) -> mx.array:
+    """Per row of ``logits [R, V]``: the log-probability of ``tokens [R]`` and the top k (ids,
+    then values), flat float32 ``[R * (1 + 2k)]`` (ids are exact in float32 below 2**24)."""
+    logits = logits.astype(mx.float32)
+    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    cols = [mx.take_along_axis(lp, tokens.astype(mx.int32)[:, None], axis=-1)]
+    k = min(k, lp.shape[-1])
+    if k:
+        idx = mx.argpartition(-lp, kth=k - 1, axis=-1)[:, :k]
+        vals = mx.take_along_axis(lp, idx, axis=-1)
+        order = mx.argsort(-vals, axis=-1)
+        cols += [
+            mx.take_along_axis(idx, order, axis=-1).astype(mx.float32),
+            mx.take_along_axis(vals, order, axis=-1),
+        ]
+    return mx.concatenate(cols, axis=-1).reshape(-1)
+
+
+def read_logprobs(flat: list[float], rows: int, tokens: list[int]) -> list[TokenLogprob]:
+    """The `TokenLogprob`s of `tokens` (the first rows) out of `logprob_rows`' output for
+    `rows` rows, read on the host; tokens the grammar refused (-inf) are left out of `top`."""
+    width = len(flat) // rows
+    k, out = (width - 1) // 2, []
+    for j, token in enumerate(tokens):
+        row = flat[j * width : (j + 1) * width]
+        top = tuple((int(i), v) for i, v in zip(row[1 : 1 + k], row[1 + k :]) if v > -math.inf)
+        out.append(TokenLogprob(token, row[0], top))
+    return out
 
 
 class DraftContext:
@@ -95,9 +181,10 @@ class Cycle:
     q: mx.array | None  # [bs-1, V] the drafter's distributions (None when greedy)
     key: mx.array
     penalty: PenaltyContext | None = None  # penalties given the committed prefix
+    masks: mx.array | None = None  # [bs, V] the grammar's allowed tokens per block position
     verdict: tuple[mx.array, mx.array] | None = None  # (accepted drafts, bonus token)
-    # [accepted, bonus, drafts...]: what the host reads, computed with the queued work (a
-    # new op at read time would wait behind whatever was queued after this cycle)
+    # [accepted, bonus, drafts..., logprob rows...]: what the host reads, computed with the
+    # queued work (a new op at read time would wait behind whatever was queued after this cycle)
     outcome: mx.array | None = None
 
 
@@ -110,6 +197,7 @@ class Outcome:
     seconds: float  # from the previous sync to this one
     steady: bool  # timed amid cycles of its kind (what the cost model learns from)
     host: float  # host bookkeeping in that interval
+    logprobs: list[TokenLogprob] | None = None  # of `committed`, when the request asks
 
 
 class CyclePipeline:
@@ -121,8 +209,10 @@ class CyclePipeline:
     it samples, so it is settled before its sync and, when the next cycle is a plain step too,
     that one is queued on the still-lazy token (as mlx-lm's `generate_step`). A drafting cycle
     is never queued ahead of a plain step's sync: it would run inside that step's interval and
-    both would be timed wrong. Penalties bind the committed ids on the host, so they turn that
-    look-ahead off."""
+    both would be timed wrong. Penalties bind the committed ids on the host, and a grammar
+    (`grammar`) follows them there, so both turn that look-ahead off. `logprobs` (the top k, 0
+    for the committed tokens' alone) adds each committed position's log-probabilities to the
+    outcome the host reads: still one sync per cycle."""
 
     def __init__(
         self,
@@ -134,13 +224,18 @@ class CyclePipeline:
         penalties: Penalties | None = None,
         seed: int | None = None,
         pipelined: bool = True,
+        logprobs: int | None = None,
+        grammar: Grammar | None = None,
     ):
         self.pair, self.state, self.cap, self.sp, self.size = pair, state, cap, sp, size
         self.pen = penalties
+        self.logprobs = logprobs
+        self.con: Constraint | None = grammar.start(pair) if grammar is not None else None
+        self.first_logprobs: list[TokenLogprob] | None = None  # of the first token
         self.ctx = DraftContext(pair.drafter, state.draft_cache)
         self.rng = random.Random(seed)  # each cycle's key from the host: no device work for it
         self.pipelined = pipelined
-        self.lookahead = pipelined and penalties is None
+        self.lookahead = pipelined and penalties is None and self.con is None
         self.queued: Cycle | None = None  # the next cycle, queued ahead
         self.chosen: int | None = None  # the next size, chosen before a plain step's sync
         self.last_bs = 0  # the previous cycle's size (0: none yet)
@@ -154,10 +249,21 @@ class CyclePipeline:
         """The token after the prompt from the prefill's last logits [V] (host sync)."""
         if self.pen:
             logits = self.pen.bind(prompt).apply(logits[None], mx.zeros((0,), mx.int32))[0]
+        if self.con:
+            logits = mx.where(self.con.mask(), logits, -mx.inf)
         if self.sp.greedy:
-            token = mx.argmax(logits).item()
+            token = mx.argmax(logits)
         else:
-            token = sample_logits(logits, self.sp, self.key()).item()
+            token = sample_logits(logits, self.sp, self.key())
+        if self.logprobs is None:
+            token = token.item()
+        else:  # the token and its log-probabilities in one read
+            rows = logprob_rows(logits[None], token.reshape(1), self.logprobs)
+            flat = mx.concatenate([token.reshape(1).astype(mx.float32), rows]).tolist()
+            token = int(flat[0])
+            self.first_logprobs = read_logprobs(flat[1:], 1, [token])
+        if self.con:
+            self.con.consume(token)
         self.t_sync = time.perf_counter()
         return token
 
@@ -180,8 +286,15 @@ class CyclePipeline:
             if self.chosen == 1:
                 self.queued = self.start(1, c.verdict[1])
         t_host = time.perf_counter()
-        a, bonus, *drafted = c.outcome.tolist()  # the one host sync of the cycle
+        out = c.outcome.tolist()  # the one host sync of the cycle
+        n = c.bs - 1
+        a, bonus, drafted = int(out[0]), int(out[1]), [int(d) for d in out[2 : 2 + n]]
         committed = drafted[:a] + [bonus]
+        lps = None if self.logprobs is None else read_logprobs(out[2 + n :], c.bs, committed)
+        if self.con:  # the grammar forgets the rejected drafts and takes the bonus
+            self.con.rollback(n - a)
+            if not self.con.ended:
+                self.con.consume(bonus)
         t_now = time.perf_counter()
         host, seconds = t_host - self.t_sync - self.queue_time, t_now - self.t_sync
         self.t_sync, self.queue_time = t_now, 0.0
@@ -194,7 +307,7 @@ class CyclePipeline:
         steady = self.last_bs > 0 and (c.bs > 1) == (self.last_bs > 1)
         steady = steady and not (ahead and self.queued is None)
         self.last_bs = c.bs
-        return Outcome(a, committed, seconds, steady, host)
+        return Outcome(a, committed, seconds, steady, host, lps)
 
     def ahead(self, anchor: int, room: int) -> None:
         """Queue the next cycle right after the sync, before the host's bookkeeping."""
@@ -222,13 +335,20 @@ class CyclePipeline:
         )
         if bs == 1:  # a plain target step: no drafts, no split of the key
             c = Cycle(1, first, mx.zeros((0,), mx.int32), None, key, penalty)
+            c.masks = self.con.mask()[None] if self.con else None
         else:
             k_draft, k_verify = mx.random.split(key)
             masks = mx.array([self.pair.drafter.config.mask_token_id] * (bs - 1), mx.int32)
             block = mx.concatenate([first, masks])
             self.ctx.flush()
-            drafts, q = propose(self.pair, block, self.ctx.cache, sp, k_draft, penalty)
-            c = Cycle(bs, block, drafts, q, k_verify, penalty)
+            if self.con is None:
+                drafts, q = propose(self.pair, block, self.ctx.cache, sp, k_draft, penalty)
+                c = Cycle(bs, block, drafts, q, k_verify, penalty)
+            else:  # it may draft fewer than bs-1 (it stops after an end-of-sequence token)
+                drafts, q, allowed = propose_constrained(
+                    self.pair, block, self.ctx.cache, sp, k_draft, penalty, self.con
+                )
+                c = Cycle(drafts.shape[0] + 1, block, drafts, q, k_verify, penalty, allowed)
         if self.state.rollback.hybrid:  # its verify is queued once the last rollback is done
             mx.async_eval(c.drafts)
         else:
@@ -240,22 +360,32 @@ class CyclePipeline:
 
     def queue_verify(self, c: Cycle) -> None:
         """Queue the cycle's verify pass and its outcome (`mx.async_eval`)."""
-        c.verdict = acc, bonus = self.verify(c)
-        c.outcome = mx.concatenate([acc.reshape(1), bonus.reshape(1), c.drafts])
+        acc, bonus, logits = self.verify(c)
+        c.verdict = acc, bonus
+        parts = [acc.reshape(1), bonus.reshape(1), c.drafts]
+        if self.logprobs is not None:  # every row's; the host reads the committed ones
+            row_tokens = mx.concatenate([c.drafts.astype(mx.int32), bonus.reshape(1)])
+            row_tokens = mx.where(mx.arange(c.bs) < acc, row_tokens, bonus)
+            rows = logprob_rows(logits, row_tokens, self.logprobs)
+            parts = [p.astype(mx.float32) for p in parts] + [rows]
+        c.outcome = mx.concatenate(parts)
         mx.async_eval(c.outcome)
 
-    def verify(self, c: Cycle) -> tuple[mx.array, mx.array]:
-        """One target pass over [anchor, drafts]; (accepted drafts, bonus token), lazily."""
+    def verify(self, c: Cycle) -> tuple[mx.array, mx.array, mx.array]:
+        """One target pass over [anchor, drafts]; (accepted drafts, bonus token, the
+        transformed logits [bs, V]), lazily."""
         self.state.rollback.before_verify()
         tokens = c.block if c.bs == 1 else mx.concatenate([c.block[:1], c.drafts])
         logits = self.pair.target(tokens[None], cache=self.state.target_cache)[0]  # [bs, V]
         if c.penalty is not None:  # p gets the same penalties as q, position by position
             logits = c.penalty.apply(logits, c.drafts)
+        if c.masks is not None:  # and the same grammar, given the drafts before each position
+            logits = mx.where(c.masks, logits, -mx.inf)
         if self.sp.greedy:
-            return accept_greedy(c.drafts, logits)
+            return (*accept_greedy(c.drafts, logits), logits)
         if c.bs == 1:
-            return mx.array(0), sample_logits(logits, self.sp, c.key)
-        return accept_sampled(c.drafts, c.q, probabilities(logits, self.sp), c.key)
+            return mx.array(0), sample_logits(logits, self.sp, c.key), logits
+        return (*accept_sampled(c.drafts, c.q, probabilities(logits, self.sp), c.key), logits)
 
     def settle(self, c: Cycle, kept: list) -> None:
         """Roll back a cycle's rejected positions; its kept features go to the drafter."""

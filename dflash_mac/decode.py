@@ -13,7 +13,9 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from .autoblock import AutoTuning, BlockController
 from .capture import FeatureCapture, queues_layers
-from .cycle import CyclePipeline
+from .constraints import Grammar
+from .cycle import CyclePipeline, TokenLogprob
+from .kvwindow import bound_context, target_cache
 from .models.penalties import Penalties
 from .pair import Mirror, Pair
 from .policy import BlockChoice, block_size_for
@@ -36,6 +38,8 @@ class GenerationConfig:
     prefill_step_size: int = 2048
     pipeline: bool = True  # queue the next drafter pass before the host bookkeeping
     penalties: Penalties | None = None  # None: no penalties, no cost
+    logprobs: int | None = None  # None: none; k: each committed token's and the top k
+    grammar: Grammar | None = None  # structured output (constraints.py); None: free text
 
 
 @dataclass
@@ -47,15 +51,25 @@ class GenerationEvent:
     accepted: int  # tokens committed by this cycle incl. the bonus (0 for the prefill token)
     stats: DecodeStats
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token in `tokens`, when asked
 
 
 class DecodeState:
-    """Target cache, drafter context cache and the ids they hold (kept by sessions)."""
+    """Target cache, drafter context cache and the ids they hold (kept by sessions).
 
-    def __init__(self, pair: Pair):
-        self.target_cache = make_prompt_cache(pair.target)
+    `max_kv_size`: the target keeps a rotating window of that many positions, as mlx-lm's
+    (`kvwindow.py`), and the drafter's context is bounded alike; None: unbounded."""
+
+    def __init__(self, pair: Pair, max_kv_size: int | None = None):
+        if max_kv_size is None:
+            self.target_cache = make_prompt_cache(pair.target)
+        else:
+            self.target_cache = target_cache(pair, max_kv_size)
         self.rollback = TargetRollback(pair.target, self.target_cache)
         self.draft_cache = pair.drafter.make_cache()
+        if max_kv_size is not None:
+            bound_context(self.draft_cache, max_kv_size)
+        self.max_kv_size = max_kv_size
         self.ids: list[int] = []
 
     def trim_to(self, n: int) -> None:
@@ -123,7 +137,8 @@ def speculative_stream(
     def size(room: int) -> int:
         return max(1, min(plan.choose().size if plan else block.size, room))
 
-    out = TextStream(pair.tokenizer, cfg.stop, pair.eos_ids if cfg.use_eos else set())
+    ends = cfg.use_eos or cfg.grammar is not None  # a grammar's end is the answer's end
+    out = TextStream(pair.tokenizer, cfg.stop, pair.eos_ids if ends else set())
     facts = mirror.facts() if mirror is not None else {}
     rec = StatsRecorder(
         block.size, len(prompt_ids), len(state.ids), block.auto, facts, mx.get_peak_memory
@@ -131,12 +146,14 @@ def speculative_stream(
     gathered = mirror.features if mirror is not None else None  # pipeline stages gather
     capture = FeatureCapture(pair.target, pair.layer_ids, queue=queues_layers(), features=gathered)
     with capture as cap, state.rollback.hooks(), mx.stream(generation_stream), request_end(mirror):
-        pipe = CyclePipeline(pair, state, cap, sp, size, cfg.penalties, cfg.seed, cfg.pipeline)
+        pen, asks = cfg.penalties, (cfg.logprobs, cfg.grammar)
+        pipe = CyclePipeline(pair, state, cap, sp, size, pen, cfg.seed, cfg.pipeline, *asks)
         logits = prefill(pair, state, prompt_ids, cap, cfg.prefill_step_size)
         anchor = pipe.first_token(logits, prompt_ids)
         rec.prefilled()
         text = out.push([anchor], cfg.max_tokens)
-        yield GenerationEvent(text, out.tokens[:], 0, rec.snapshot(1), out.finish_reason)
+        lps = pipe.first_logprobs and pipe.first_logprobs[: out.count]
+        yield GenerationEvent(text, out.tokens[:], 0, rec.snapshot(1), out.finish_reason, lps)
 
         while out.finish_reason is None and not (should_stop and should_stop()):
             room = cfg.max_tokens - out.count
@@ -151,8 +168,9 @@ def speculative_stream(
             reason = plan.last.reason if plan else ""
             rec.cycle(c.bs, r.accepted + 1, r.host, reason, pipe.ctx.rows)
             stats = rec.snapshot(out.count)
+            lps = r.logprobs and r.logprobs[: out.count - before]  # the tokens kept
             yield GenerationEvent(
-                text, out.tokens[before:], r.accepted + 1, stats, out.finish_reason
+                text, out.tokens[before:], r.accepted + 1, stats, out.finish_reason, lps
             )
 
         pipe.close()

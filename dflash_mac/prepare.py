@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from . import calibrate as calibration
 from .api import reasoning_args
+from .errors import PromptError
 from .loading import load, quantize_drafter
 from .pair import Pair
 from .policy import BlockChoice, block_size_for
@@ -36,21 +37,40 @@ def prepare(
     block_size: int | str | None = None,
     draft_bits: int | None = None,
     reasoning: str | None = None,
+    chat_template: str | None = None,
     loader: Loader = load,
 ) -> Prepared:
     """Load and prepare a pair (see the module docstring). `loader`: how the pair is loaded
-    (a distributed job's front end passes the sharded load). A bad `--reasoning` for this
-    model's template raises its PromptError here, before any warning about it."""
+    (a distributed job's front end passes the sharded load). `chat_template`: a Jinja chat
+    template that replaces the model's (`--chat-template FILE`'s text). A bad `--reasoning`
+    for this model's template raises its PromptError here, before any warning about it."""
     pair = loader(model, draft)
+    if chat_template is not None:
+        use_chat_template(pair.tokenizer, chat_template)
     if draft_bits is not None:
         quantize_drafter(pair.drafter, draft_bits)
     block = block_size_for(pair, block_size)
-    warnings = [block.warning] if block.warning else []
+    warnings = list(getattr(pair, "warnings", [])) + ([block.warning] if block.warning else [])
     if reasoning is not None:
         reasoning_args(pair.tokenizer, reasoning)
     if said := thinking_mismatch(pair, reasoning):
         warnings.append(said)
     return Prepared(pair, block, warnings)
+
+
+def use_chat_template(tokenizer, template: str) -> None:
+    """Make `template` the tokenizer's chat template (every prompt, tool and thinking check
+    reads it from there); a PromptError when it does not render a one-message chat."""
+    if getattr(tokenizer, "_chat_template", None) is not None:
+        tokenizer._chat_template = None  # mlx-lm's own renderer for the model would win
+    tokenizer.chat_template = template
+    tokenizer.has_chat_template = True
+    try:
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+        )
+    except Exception as e:  # Jinja syntax or a template that raises: the user's file
+        raise PromptError(f"the --chat-template file does not render a chat ({e}).")
 
 
 def thinking_mismatch(pair: Pair, reasoning: str | None) -> str | None:

@@ -34,7 +34,13 @@ def state_bytes(state: DecodeState) -> int:
 class PromptCache:
     """LRU of `DecodeState`s (oldest first). Not thread-safe: one decode at a time."""
 
-    def __init__(self, pair: Pair, max_entries: int = 1, max_bytes: int | None = None):
+    def __init__(
+        self,
+        pair: Pair,
+        max_entries: int = 1,
+        max_bytes: int | None = None,
+        max_kv_size: int | None = None,
+    ):
         if max_entries < 1:
             raise ValueError(f"--prompt-cache-size must be at least 1 (got {max_entries}).")
         if max_bytes is not None and max_bytes < 0:
@@ -42,6 +48,7 @@ class PromptCache:
         self.pair = pair
         self.max_entries = max_entries
         self.max_bytes = max_bytes
+        self.max_kv_size = max_kv_size  # every state's rotating window (None: unbounded)
         self.entries: list[DecodeState] = []
 
     def __len__(self) -> int:
@@ -53,6 +60,9 @@ class PromptCache:
 
     def clear(self) -> None:
         self.entries = []
+
+    def fresh(self) -> DecodeState:
+        return DecodeState(self.pair, self.max_kv_size)
 
     def take(self, ids: list[int]) -> tuple[DecodeState, int]:
         """The state to decode `ids` with, removed from the cache, and how many of its tokens
@@ -67,15 +77,15 @@ class PromptCache:
             if k > keep:
                 best, keep = state, k
         if best is None:
-            return DecodeState(self.pair), 0
+            return self.fresh(), 0
         if keep < len(best.ids):
             if 2 * keep < len(best.ids) and len(self.entries) < self.max_entries:
-                return DecodeState(self.pair), 0
+                return self.fresh(), 0
             self.entries.remove(best)
             try:
                 best.trim_to(keep)
             except RollbackError:  # caches that cannot be cut: start over
-                return DecodeState(self.pair), 0
+                return self.fresh(), 0
             return best, keep
         self.entries.remove(best)
         return best, keep

@@ -8,6 +8,7 @@ from typing import Any
 from mlx import nn
 
 from .errors import RollbackError
+from .kvwindow import WindowKVCache
 
 
 def trim_caches(cache: list[Any], n: int) -> None:
@@ -26,13 +27,14 @@ def trim_caches(cache: list[Any], n: int) -> None:
 class TargetRollback:
     """Rolls one target cache back to the committed tokens after each verify.
 
-    Trimmable caches (attention) are trimmed; the GatedDeltaNet caches of hybrid targets are
-    restored by replaying the recurrence over the accepted steps (dflash_mac/hybrid.py). Use:
-    `with rb.hooks(): ... rb.before_verify(); target(block, cache); rb.rollback(rejected, acc)`.
-    No host sync: everything stays lazy on the caller's stream."""
+    Trimmable caches (attention, a `kvwindow.WindowKVCache` too) are trimmed; the GatedDeltaNet
+    caches of hybrid targets are restored by replaying the recurrence over the accepted steps
+    (dflash_mac/hybrid.py). Use: `with rb.hooks(): ... rb.before_verify(); target(block, cache);
+    rb.rollback(rejected, acc)`. No host sync: everything stays lazy on the caller's stream."""
 
     def __init__(self, model: nn.Module, cache: list[Any], strategy: str = "replay"):
         self.cache = cache
+        self.windows = [c for c in cache if isinstance(c, WindowKVCache)]
         fixed = [i for i, c in enumerate(cache) if not c.is_trimmable()]
         self.trimmable = [c for i, c in enumerate(cache) if i not in fixed]
         self.gdn = None
@@ -52,6 +54,8 @@ class TargetRollback:
         return self.gdn if self.gdn is not None else nullcontext()
 
     def before_verify(self) -> None:
+        for c in self.windows:  # a rotating window masks each verified position as plain decoding
+            c.stepwise = True
         if self.gdn is not None:
             self.gdn.arm()
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from .api import PromptError, prompt_ids, stream_generate
 from .autoblock import AutoTuning
-from .decode import DecodeState, GenerationEvent
+from .decode import GenerationEvent
 from .pair import Pair
 from .policy import load_tuning
 from .prompt_cache import PromptCache, common_prefix
@@ -23,7 +23,8 @@ class Session:
 
     A prompt that extends cached ids prefills only its new suffix; an edit, regenerate or
     system-prompt change falls back to the longest common prefix (trim) or a fresh prefill.
-    `cache_size` / `cache_bytes` bound how many states (conversations) are kept.
+    `cache_size` / `cache_bytes` bound how many states (conversations) are kept;
+    `max_kv_size` gives each a rotating window (`kvwindow.py`).
     Not thread-safe: serve one request at a time."""
 
     def __init__(
@@ -32,17 +33,18 @@ class Session:
         cache_size: int = 1,
         cache_bytes: int | None = None,
         tuning: AutoTuning | None = None,
+        max_kv_size: int | None = None,
     ):
         self.pair = pair
         # what `--block-size auto` learns, continued from request to request
         self.tuning = tuning if tuning is not None else load_tuning(pair)
-        self.cache = PromptCache(pair, cache_size, cache_bytes)
-        self.state = DecodeState(pair)  # the state of the latest request
+        self.cache = PromptCache(pair, cache_size, cache_bytes, max_kv_size)
+        self.state = self.cache.fresh()  # the state of the latest request
 
     def reset(self) -> None:
         """Drop every cached state (after a failure, or to free memory)."""
         self.cache.clear()
-        self.state = DecodeState(self.pair)
+        self.state = self.cache.fresh()
 
     def reuse(self, ids: list[int]) -> int:
         """Take the cached state sharing the longest prefix with `ids` as `self.state` (cut back

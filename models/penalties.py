@@ -8,6 +8,7 @@ positions. A leaf like `distribution.py`: drafters and the engine both use it.""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -15,6 +16,36 @@ import mlx.core as mx
 from .distribution import SamplingParams, probabilities, sample
 
 CONTEXT_SIZE = 20  # mlx-lm's default window for all three penalties
+
+
+@dataclass(frozen=True)
+class Limit:
+    """The accepted range of one setting: the one rule (and wording) of the CLI and server."""
+
+    lo: float
+    hi: float
+    lo_open: bool = False
+
+    def check(self, name: str, value: float) -> None:
+        """ValueError with one sentence naming the setting as `name` when out of range."""
+        if value < self.lo or value > self.hi or (self.lo_open and value == self.lo):
+            low = f"> {self.lo}" if self.lo_open else f">= {self.lo}"
+            raise ValueError(f"{name} must be {low} and <= {self.hi} (got {value}).")
+
+
+# request field -> range (OpenAI's for presence / frequency and logit bias; repetition as vLLM)
+LIMITS = {
+    "presence_penalty": Limit(-2.0, 2.0),
+    "frequency_penalty": Limit(-2.0, 2.0),
+    "repetition_penalty": Limit(0.0, 10.0, lo_open=True),
+    "logit_bias": Limit(-100.0, 100.0),
+}
+Namer = Callable[[str], str]  # a request field as a front end names it
+
+
+def flag_name(field: str) -> str:
+    """The command line's name of a request field: `--presence-penalty`."""
+    return "--" + field.replace("_", "-")
 
 
 @dataclass(frozen=True)
@@ -40,7 +71,7 @@ class Penalties:
         pen = cls(
             float(presence_penalty or 0.0),
             float(frequency_penalty or 0.0),
-            None if repetition_penalty in (None, 0) else float(repetition_penalty),
+            None if repetition_penalty is None else float(repetition_penalty),
             tuple((int(k), float(v)) for k, v in (logit_bias or {}).items()),
             context_size,
         ).validate()
@@ -50,22 +81,34 @@ class Penalties:
     def active(self) -> bool:
         return bool(self.presence or self.frequency or self.repetition or self.logit_bias)
 
-    def validate(self, vocab: int | None = None) -> Penalties:
-        """Raise ValueError with one sentence naming the bad option."""
-        if self.repetition is not None and self.repetition < 0:
-            raise ValueError(f"--repetition-penalty must be >= 0 (got {self.repetition}).")
+    def validate(self, vocab: int | None = None, name: Namer = flag_name) -> Penalties:
+        """Raise ValueError with one sentence naming the bad setting (`name`: how the front
+        end names a request field)."""
+        for field, value in (
+            ("presence_penalty", self.presence),
+            ("frequency_penalty", self.frequency),
+            ("repetition_penalty", self.repetition),
+        ):
+            if value is not None:
+                LIMITS[field].check(name(field), value)
         if self.context_size < 1:
             raise ValueError(f"the penalty context must be at least 1 (got {self.context_size}).")
-        for tok, _ in self.logit_bias:
-            if tok < 0 or (vocab is not None and tok >= vocab):
-                top = f" {vocab - 1}" if vocab is not None else ""
-                raise ValueError(f"--logit-bias token {tok} is not in the vocabulary (0..{top}).")
+        for tok, bias in self.logit_bias:
+            check_bias_token(tok, vocab, name)
+            LIMITS["logit_bias"].check(name("logit_bias"), bias)
         return self
 
     def bind(self, history: list[int]) -> PenaltyContext:
         """The context for one block whose committed prefix ends with `history`."""
         tail = history[-self.context_size :]
         return PenaltyContext(self, mx.array(tail, dtype=mx.int32), len(tail))
+
+
+def check_bias_token(tok: int, vocab: int | None, name: Namer = flag_name) -> None:
+    """A logit-bias key must be a token id of the vocabulary (0..vocab-1 when known)."""
+    if tok < 0 or (vocab is not None and tok >= vocab):
+        known = f" (0..{vocab - 1})" if vocab is not None else ""
+        raise ValueError(f"{name('logit_bias')} token {tok} is not in the vocabulary{known}.")
 
 
 @dataclass

@@ -90,7 +90,6 @@ def fake_backend(session: FakeSession | None = None, reasoning: bool = False) ->
         kind="DFlash",
         block_size=8,
         kernels="reference",
-        plain_tps=40.0,
         reasoning=reasoning,
     )
     return Backend(session or FakeSession(), info)

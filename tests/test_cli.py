@@ -201,7 +201,7 @@ def test_generate_penalty_flags():
     )
     one_error(
         run("generate", "hi", "--repetition-penalty", "-1"),
-        "--repetition-penalty must be >= 0 (got -1.0).",
+        "--repetition-penalty must be > 0.0 and <= 10.0 (got -1.0).",
     )
     plain = json.loads(run("generate", "def add(a, b):", "-n", "12", "--json").stdout)["tokens"]
     banned = json.dumps({str(t): -100 for t in plain[:4]})

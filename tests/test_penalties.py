@@ -16,6 +16,7 @@ from test_sampling import PROMPT, V, chi_square_p, small_pair  # noqa: F401  (fi
 import dflash_mac.cycle as engine
 from dflash_mac.api import PromptError, generate, make_config
 from dflash_mac.sampling import SamplingParams, probabilities
+from dflash_mac.serve.schema import APIError, parse_chat
 from dflash_mac.session import Session
 
 PEN = dict(presence_penalty=0.6, frequency_penalty=0.4, repetition_penalty=1.3)
@@ -64,8 +65,40 @@ def test_nothing_set_costs_nothing_and_bad_values_are_refused():
     assert Penalties.make() is None
     assert Penalties.make(0.0, 0.0, None, {}) is None
     assert make_config().penalties is None
-    with pytest.raises(PromptError, match=r"^--repetition-penalty must be >= 0 \(got -1.0\)\.$"):
+    with pytest.raises(PromptError) as e:
         make_config(repetition_penalty=-1.0)
+    assert str(e.value) == "--repetition-penalty must be > 0.0 and <= 10.0 (got -1.0)."
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("repetition_penalty", 0),  # once "off" on the command line, a 400 on the server
+        ("presence_penalty", 5),  # once accepted on the command line, a 400 on the server
+        ("frequency_penalty", -3),
+        ("logit_bias", 101),
+    ],
+)
+def test_one_penalty_rule_for_the_cli_and_the_server(field, value):
+    """The command line and the server refuse the same values in the same words; each names
+    the setting its own way (a flag, a request field)."""
+    kw = {field: {7: value} if field == "logit_bias" else value}
+    with pytest.raises(PromptError) as cli:
+        make_config(**kw)
+    body = {field: {"7": value} if field == "logit_bias" else value}
+    with pytest.raises(APIError) as server:
+        parse_chat({"messages": [{"role": "user", "content": "x"}], **body}, 16, 16)
+    flag = "--" + field.replace("_", "-")
+    assert str(cli.value) == f"{flag} must be {RANGES[field]} (got {float(value)})."
+    assert server.value.message == f"'{field}' must be {RANGES[field]} (got {value})."
+
+
+RANGES = {
+    "repetition_penalty": "> 0.0 and <= 10.0",
+    "presence_penalty": ">= -2.0 and <= 2.0",
+    "frequency_penalty": ">= -2.0 and <= 2.0",
+    "logit_bias": ">= -100.0 and <= 100.0",
+}
 
 
 def test_logit_bias_outside_the_vocabulary_is_refused(tiny_pair):
@@ -192,7 +225,7 @@ def test_penalised_joint_distribution_matches_target(small_pairs, drafter, case)
 
 
 CONTROLS = {  # the penalties each wrong rule shows up under
-    "p-ignores-block-drafts": {"presence_penalty": 2.5, "frequency_penalty": 1.0},
+    "p-ignores-block-drafts": {"presence_penalty": 2.0, "frequency_penalty": 1.5},  # in range
     # the raw q puts half its mass on token 4, which the penalised q never draws
     "q-unpenalised": {"logit_bias": {4: -5.0}, "frequency_penalty": 0.3},
 }

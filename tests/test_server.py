@@ -266,7 +266,7 @@ def test_disconnect_stops_generation(server, client):
 BAD = [
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
-    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": "yes"}, "logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
     (
         {
@@ -278,7 +278,7 @@ BAD = [
     (
         {
             "messages": [{"role": "user", "content": "x"}],
-            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
+            "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 1}}},
         },
         "response_format",
     ),

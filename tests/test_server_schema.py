@@ -50,6 +50,8 @@ def test_chat_fields_map_to_engine_options():
         "frequency_penalty": 0.0,
         "repetition_penalty": None,
         "logit_bias": None,
+        "logprobs": None,
+        "json_schema": None,
     }
     assert req.template == {"reasoning": "high", "chat_template_args": {"enable_thinking": False}}
 

@@ -15,7 +15,9 @@ from dflash_mac.policy import save_acceptance
 from dflash_mac.sampling import SamplingParams
 
 from .run import (
+    ALL_SUITES,
     AUTO,
+    SUITES,
     BenchConfig,
     BenchError,
     BenchPrompt,
@@ -145,7 +147,10 @@ def bench_command(
     model: str | None = options.MODEL,
     draft: str | None = options.DRAFT,
     suite: str = typer.Option(
-        "code", "--suite", "-s", help="Prompt suite: code, math, chat or all."
+        "code",
+        "--suite",
+        "-s",
+        help=f"Prompt suite: {', '.join(SUITES)}, or all ({', '.join(ALL_SUITES)}).",
     ),
     prompts_file: Path | None = typer.Option(
         None, "--prompts", help='JSONL prompts ({"id", "messages"|"prompt"}) instead of a suite.'

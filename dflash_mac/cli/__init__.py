@@ -67,6 +67,16 @@ LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
         "serve",
         "Serve the pair as an OpenAI-compatible API (for Continue, Cline, Aider, Zed, ...).",
     ),
+    "ps": (
+        "dflash_mac.cli.servers",
+        "ps_command",
+        "List the running servers: port, PID, URL, model and uptime.",
+    ),
+    "stop": (
+        "dflash_mac.cli.servers",
+        "stop_command",
+        "Stop the server on PORT, or every running server with --all.",
+    ),
 }
 
 
@@ -234,6 +244,8 @@ def generate(
     ignore_chat_template: bool = typer.Option(
         False, "--ignore-chat-template", help="Use the prompt as raw text."
     ),
+    chat_template: str | None = options.CHAT_TEMPLATE,  # the file's text
+    max_kv_size: int | None = options.MAX_KV_SIZE,
     draft_bits: int | None = options.DRAFT_BITS,
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print statistics after the text."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
@@ -261,11 +273,18 @@ def generate(
     )
     check_settings(max_tokens, block_size, settings)  # before the slow load
     prepared = load_pair(
-        model, draft, block_size=block_size, draft_bits=draft_bits, reasoning=reasoning
+        model,
+        draft,
+        block_size=block_size,
+        draft_bits=draft_bits,
+        reasoning=reasoning,
+        chat_template=chat_template,
     )
     ids, budget = fit_prompt(prepared.pair, text, template, max_tokens)
     tuning = calibrate_auto(prepared)
-    result = run_generation(prepared, ids, tuning, budget, stop, settings, echo=not as_json)
+    result = run_generation(
+        prepared, ids, tuning, budget, stop, settings, echo=not as_json, max_kv_size=max_kv_size
+    )
     report_generation(prepared.pair, result, as_json, verbose)
 
 
@@ -292,14 +311,30 @@ def fit_prompt(pair, text: str, template: dict, max_tokens: int) -> tuple[list[i
     return ids, budget.max_tokens
 
 
-def run_generation(prepared, ids, tuning, max_tokens: int, stop, settings: dict, echo: bool):
+def run_generation(
+    prepared,
+    ids,
+    tuning,
+    max_tokens: int,
+    stop,
+    settings: dict,
+    echo: bool,
+    max_kv_size: int | None = None,
+):
     """Stream the answer (to stdout unless `echo` is off), then remember what `auto` saw."""
     from dflash_mac.policy import save_acceptance
 
     from .terminal import stream_to_terminal
 
     result = stream_to_terminal(
-        prepared, ids, echo=echo, tuning=tuning, max_tokens=max_tokens, stop=stop, **settings
+        prepared,
+        ids,
+        echo=echo,
+        tuning=tuning,
+        max_tokens=max_tokens,
+        stop=stop,
+        max_kv_size=max_kv_size,
+        **settings,
     )
     save_acceptance(prepared.pair, tuning)  # the next process starts from what this one saw
     return result
@@ -319,7 +354,7 @@ def report_generation(pair, result, as_json: bool, verbose: bool) -> None:
         err.print(summary_line(result), highlight=False)
 
 
-NO_MATH_COMMANDS = ("models", "pull", "launch")
+NO_MATH_COMMANDS = ("models", "pull", "launch", "ps", "stop")
 
 
 def needs_blas(argv: list[str]) -> bool:

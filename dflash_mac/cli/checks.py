@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -157,15 +158,39 @@ def memory_per_rank_gb(entry: PairEntry, context: int, ranks: int) -> dict[str, 
     return {"rank0": share + need["drafter"], "worker": share, "total": need["total"]}
 
 
+def model_context(entry: PairEntry, hf_cache: Path | None = None) -> int | None:
+    """The target's context in tokens (`max_position_embeddings`) from a config.json already
+    on disk: the package's own pair, or any cached variant; None when none is."""
+    from huggingface_hub import try_to_load_from_cache
+
+    if entry.local:
+        paths = [entry.target_path / "config.json"]
+    else:
+        found = (try_to_load_from_cache(i, "config.json", hf_cache) for i in entry.target_ids())
+        paths = [Path(p) for p in found if isinstance(p, str)]
+    for path in paths:
+        try:
+            cfg = json.loads(path.read_text())
+            value = cfg.get("text_config", cfg).get("max_position_embeddings")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def check_memory(f: Facts, entry: PairEntry, context: int, ranks: int = 1) -> Check:
-    """Unified memory vs what the chosen pair needs at the chosen context (per rank when the
-    target is sharded over `ranks` Macs: `dflash-mac launch`)."""
+    """Unified memory vs what the chosen pair needs at the chosen context, never more than the
+    model's own context (per rank when the target is sharded over `ranks` Macs)."""
     from .models import fmt_size
 
+    whole = model_context(entry, f.hf_cache) or context
+    at = f"{whole} tokens, the model's whole context" if whole < context else f"{context} tokens"
+    context = min(context, whole)
     need = memory_need_gb(entry, context)
     have, budget = f.memory_bytes / 1e9, f.budget_bytes / 1e9
     msg = (
-        f"'{entry.name}' needs ≈{need['total']:.1f} GB at {context} tokens (weights "
+        f"'{entry.name}' needs ≈{need['total']:.1f} GB at {at} (weights "
         f"{fmt_size((need['target'] + need['drafter']) * 1e9)} + KV "
         f"{fmt_size(need['kv'] * 1e9)}); {have:.1f} GB memory, {budget:.1f} GB usable "
         "for models"
@@ -176,7 +201,7 @@ def check_memory(f: Facts, entry: PairEntry, context: int, ranks: int = 1) -> Ch
         msg = (
             f"'{entry.name}' over {ranks} Macs needs ≈{per['rank0']:.1f} GB on rank 0 (its "
             f"share of the target and KV + the drafter) and ≈{per['worker']:.1f} GB on each "
-            f"other rank at {context} tokens; this Mac has {have:.1f} GB, {budget:.1f} GB "
+            f"other rank at {at}; this Mac has {have:.1f} GB, {budget:.1f} GB "
             "usable for models"
         )
     if not have:

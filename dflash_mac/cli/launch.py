@@ -291,6 +291,17 @@ def forward_term(ranks: list[Rank]) -> None:
         ranks[0].signal(signal.SIGTERM)
 
 
+def check_separator(argv: list[str], command: list[str]) -> None:
+    """The command must follow `--`: without it, its own options (`generate hi -n 5`) would be
+    read as launch's (`-n` ranks)."""
+    if "--" in argv and argv[argv.index("--") + 1 :] == command:
+        return
+    raise LaunchError(
+        f"put -- before the command to run, e.g. launch -n 2 -- {command[0]} ...; without it, "
+        "the command's own options (such as -n) are taken as launch's."
+    )
+
+
 def launch(
     command: list[str] = typer.Argument(
         None, help="The dflash-mac command to run on every rank, after --."
@@ -322,6 +333,7 @@ def launch(
 
     if not command:
         raise LaunchError("give the command to run after --, e.g. launch -n 2 -- generate Hi.")
+    check_separator(sys.argv[1:], command)
     if command[0] not in ("generate", "serve", "bench", "chat"):
         raise LaunchError(f"launch runs generate, serve, bench or chat, not '{command[0]}'.")
     if parallel is not None and parallel not in PARALLEL_MODES:

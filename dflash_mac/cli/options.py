@@ -3,6 +3,8 @@ one set of short flags."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
 MODEL_HELP = (
@@ -24,3 +26,55 @@ MODEL = typer.Option(None, "--model", "-m", help=MODEL_HELP)
 DRAFT = typer.Option(None, "--draft", "-d", help=DRAFT_HELP)
 BLOCK_SIZE = typer.Option(None, "--block-size", "-b", help=BLOCK_HELP)
 DRAFT_BITS = typer.Option(None, "--draft-bits", help="Quantize the drafter to 4 or 8 bits.")
+
+
+def read_chat_template(path: str | None) -> str | None:
+    """`--chat-template FILE`: the file's text, read while the options are parsed (before any
+    slow work); one sentence when it cannot be used."""
+    if path is None:
+        return None
+    from dflash_mac.errors import PromptError
+
+    file = Path(path).expanduser()
+    try:
+        text = file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise PromptError(f"--chat-template {path} does not exist; pass a Jinja template file.")
+    except IsADirectoryError:
+        raise PromptError(f"--chat-template {path} is a folder; pass a Jinja template file.")
+    except UnicodeDecodeError:
+        raise PromptError(f"--chat-template {path} is not UTF-8 text; pass a Jinja template file.")
+    except OSError as e:
+        raise PromptError(f"--chat-template {path} cannot be read ({e.strerror}).")
+    if not text.strip():
+        raise PromptError(f"--chat-template {path} is empty; pass a Jinja template file.")
+    return text
+
+
+CHAT_TEMPLATE = typer.Option(
+    None,
+    "--chat-template",
+    metavar="FILE",
+    help="A Jinja chat template file used instead of the model's own.",
+    callback=read_chat_template,
+)
+
+
+def check_max_kv_size(value: int | None) -> int | None:
+    """`--max-kv-size N` checked while the options are parsed (before any slow work)."""
+    if value is None:
+        return None
+    from dflash_mac.kvwindow import check_max_kv_size as check
+
+    return check(value)
+
+
+MAX_KV_SIZE = typer.Option(
+    None,
+    "--max-kv-size",
+    metavar="N",
+    help="Keep a rotating window of the target's last N positions (as mlx-lm's; the first 4 "
+    "are always kept) and bound the drafter's context alike: memory stops growing with the "
+    "conversation.",
+    callback=check_max_kv_size,
+)

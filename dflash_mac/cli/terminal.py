@@ -43,6 +43,7 @@ def load_pair(
     block_size: int | str | None = None,
     draft_bits: int | None = None,
     reasoning: str | None = None,
+    chat_template: str | None = None,
 ) -> Prepared:
     """`prepare.prepare` with a spinner, its warnings printed. Commands that run `auto` call
     `calibrate_auto` next, once their other inputs are checked."""
@@ -54,6 +55,7 @@ def load_pair(
             block_size=block_size,
             draft_bits=draft_bits,
             reasoning=reasoning,
+            chat_template=chat_template,
             loader=loader,
         )
     for warning in prepared.warnings:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -21,7 +22,9 @@ from dflash_mac.policy import BlockChoice, block_size_for
 from dflash_mac.registry import BUNDLED_TARGET
 from dflash_mac.session import Session
 
+from .cors import LOOPBACK_ORIGINS, cors
 from .ollama import OllamaRoutes
+from .requestlog import RequestLog
 from .routes import Routes, Settings
 from .schema import APIError
 from .worker import Worker
@@ -53,16 +56,22 @@ def create_app(
     prompt_cache_size: int = 4,
     prompt_cache_bytes: int | None = None,
     tuning: AutoTuning | None = None,
+    cors_origins: tuple[str, ...] = LOOPBACK_ORIGINS,
+    max_kv_size: int | None = None,
 ) -> Starlette:
     """The ASGI app (see `routes.Settings` for the settings). `max_queue` requests may wait
     behind the running one, more get a 429; a pair gets a session whose prompt cache keeps
     `prompt_cache_size` conversations (`prompt_cache_bytes` at most) and whose `auto` starts
     from `tuning` (else what is saved for the pair). `block`: the block-size choice (default:
-    `auto` up to the pair's default size)."""
+    `auto` up to the pair's default size). Browser pages from `cors_origins` (`cors.py`) may
+    call every route; each request gets its log line (`requestlog.py`). `max_kv_size`: each
+    cached conversation keeps a rotating window of that many target positions."""
     if isinstance(pair_or_session, Session):
         session = pair_or_session
     else:
-        session = Session(pair_or_session, prompt_cache_size, prompt_cache_bytes, tuning)
+        session = Session(
+            pair_or_session, prompt_cache_size, prompt_cache_bytes, tuning, max_kv_size
+        )
     block = block or block_size_for(session.pair, None)
     worker = Worker(session, block, max_queue)
     name = model_name(session.pair)
@@ -76,6 +85,7 @@ def create_app(
     app = Starlette(
         routes=routes.table() + OllamaRoutes(routes).table(),
         lifespan=lifespan,
+        middleware=[Middleware(RequestLog), *cors(cors_origins)],
         exception_handlers={APIError: api_error, HTTPException: api_error},
     )
     app.state.worker, app.state.session, app.state.model_name = worker, session, name

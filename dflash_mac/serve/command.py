@@ -1,8 +1,9 @@
 """`dflash-mac serve`: load a pair and run the OpenAI-compatible server (uvicorn).
 
 Writes `serve-PORT.pid` and `serve-PORT.url` to the data directory (`DFLASH_MAC_HOME`, else the
-platform user data dir) so a launcher can find and stop it, logs to `serve-PORT.log` there, and
-removes the PID file on exit. One server per port: several models can be served side by side."""
+platform user data dir) so a launcher (or `dflash-mac ps` / `stop`) can find and stop it, logs
+to `serve-PORT.log` there and a line per request to the terminal (`--log-level`), and removes
+the PID file on exit. One server per port: several models can be served side by side."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TextIO
 
 import typer
 from rich.console import Console
@@ -20,6 +23,9 @@ from rich.console import Console
 from dflash_mac.cli import options
 from dflash_mac.errors import UserError
 from dflash_mac.platform import data_dir
+
+from .cors import LOOPBACK_ORIGINS, parse_origins
+from .requestlog import log as request_log
 
 
 def pid_name(port: int) -> str:
@@ -83,27 +89,67 @@ def check_free(host: str, port: int) -> None:
             )
 
 
-POLLED = ("/health", "/metrics")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-def not_polling(record: logging.LogRecord) -> bool:
-    """Drop uvicorn's access lines for /health and /metrics: launchers (the menu bar) poll them
-    every few seconds and would push everything else out of the log's tail."""
-    if record.name != "uvicorn.access" or not isinstance(record.args, tuple):
-        return True
-    path = str(record.args[2]) if len(record.args) > 2 else ""
-    return path.split("?")[0] not in POLLED
+def check_log_level(value: str) -> str:
+    """`--log-level`, checked while the options are parsed."""
+    if value.lower() not in LOG_LEVELS:
+        raise ServeError(f"--log-level must be one of {', '.join(LOG_LEVELS)} (got {value!r}).")
+    return value.lower()
 
 
-def setup_logging(path: Path) -> None:
-    """Server, request and uvicorn logs go to `path` (appended), without polling lines."""
+class TerminalFormat(logging.Formatter):
+    """`12:03:04 POST /v1/chat/completions 200 · …`; other records with their level, and
+    tracebacks left to the log file."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = record.getMessage()
+        if record.name != request_log.name:
+            message = f"{record.levelname.lower()}: {message}"
+        if record.exc_info:
+            message += " (traceback in the log file)"
+        return f"{self.formatTime(record, '%H:%M:%S')} {message}"
+
+
+def for_terminal(level: int) -> Callable[[logging.LogRecord], bool]:
+    """Request lines and warnings at info and above; every record at debug."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        return (
+            level == logging.DEBUG
+            or record.name == request_log.name
+            or record.levelno >= logging.WARNING
+        )
+
+    return keep
+
+
+def same_file(stream: TextIO, path: Path) -> bool:
+    """Whether `stream` writes to `path` (a launcher that sends stderr to the log file)."""
+    try:
+        a, b = os.fstat(stream.fileno()), path.stat()
+    except (OSError, ValueError):
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def setup_logging(path: Path, level: str = "info") -> None:
+    """Logs go to `path` (appended: server, requests, uvicorn; the polled routes' lines only
+    at debug) and, from `level` up, one line per request and warnings to the terminal."""
+    chosen = getattr(logging, level.upper())
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path, encoding="utf-8")
-    handler.addFilter(not_polling)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.addHandler(handler)
-    root.setLevel(logging.INFO)
+    if not same_file(sys.stderr, path):
+        terminal = logging.StreamHandler(sys.stderr)
+        terminal.setLevel(chosen)
+        terminal.addFilter(for_terminal(chosen))
+        terminal.setFormatter(TerminalFormat())
+        root.addHandler(terminal)
+    root.setLevel(min(chosen, logging.INFO))
 
 
 class PidFile:
@@ -142,7 +188,14 @@ def run_server(app, host: str, port: int) -> None:
             app.state.worker.stop()
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(app, host=host, port=port, log_config=None, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_config=None,
+        access_log=False,  # requestlog.py writes each request's line, with its numbers
+        timeout_graceful_shutdown=5,
+    )
     # uvicorn re-raises the signal after shutting down: make SIGTERM a clean exit so that
     # `finally` blocks (the PID file) run.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -215,6 +268,22 @@ def serve(
     prompt_cache_bytes: int | None = typer.Option(
         None, "--prompt-cache-bytes", help="Memory cap of the prompt cache in bytes (LRU)."
     ),
+    chat_template: str | None = options.CHAT_TEMPLATE,  # the file's text
+    max_kv_size: int | None = options.MAX_KV_SIZE,
+    cors_origins: str | None = typer.Option(
+        None,
+        "--cors-origins",
+        help="Browser origins that may call the server, comma-separated (* is a wildcard: "
+        "http://localhost:*), * for any, none for no CORS. Default: pages on this machine "
+        f"({', '.join(LOOPBACK_ORIGINS)}).",
+    ),
+    log_level: str = typer.Option(
+        "info",
+        "--log-level",
+        help="What the terminal shows: debug (also the polled /health and /metrics), info "
+        "(a line per request), warning (failed requests and warnings), error.",
+        callback=check_log_level,
+    ),
 ) -> None:
     """Serve the pair as an OpenAI-compatible API (for Continue, Cline, Aider, Zed, ...)."""
     from dflash_mac.cli.terminal import calibrate_auto, follow_if_worker, load_pair, warn_line
@@ -224,10 +293,11 @@ def serve(
     from .app import create_app
 
     check_options(prompt_cache_size, prompt_cache_bytes)
+    origins = parse_origins(cors_origins)
     home = data_dir()
     log_path = log_file or home / log_name(port)
     check_free(host, port)
-    setup_logging(log_path)
+    setup_logging(log_path, log_level)
     url = server_url(host, port)
     if host not in LOOPBACK and not api_key:
         warn_line(
@@ -235,7 +305,13 @@ def serve(
             "can reach this machine can use the model."
         )
     with PidFile(home, url, port):  # during loading too: a launcher sees "starting"
-        prepared = load_pair(model, draft, block_size=block_size, draft_bits=draft_bits)
+        prepared = load_pair(
+            model,
+            draft,
+            block_size=block_size,
+            draft_bits=draft_bits,
+            chat_template=chat_template,
+        )
         tuning = calibrate_auto(prepared)  # before the first request: once per pair and machine
         app = create_app(
             prepared.pair,
@@ -247,6 +323,8 @@ def serve(
             max_queue=max_queue,
             prompt_cache_size=prompt_cache_size,
             prompt_cache_bytes=prompt_cache_bytes,
+            cors_origins=origins,
+            max_kv_size=max_kv_size,
         )
         announce(prepared, app.state.model_name, url, log_path)
         run_server(app, host, port)

@@ -53,7 +53,8 @@ class Metrics:
         "requests",
         "completed",
         "cancelled",
-        "failed",
+        "failed",  # the server's own failures (a 500): /health is degraded
+        "invalid",  # requests refused with a 400 once queued (the client's fault)
         "rejected",
         "prompt_tokens",
         "cached_tokens",
@@ -113,10 +114,11 @@ class Metrics:
 
     def health(self) -> dict:
         """/health: "ok", or "degraded" with the last error while the last generation failed;
-        request counts for launchers (the menu bar)."""
+        request counts for launchers (the menu bar): `failed` counts only the server's own
+        failures, `invalid` the clients' bad requests."""
         with self.lock:
             err = self.last_error
-            counts = {k: self.totals[k] for k in ("requests", "completed", "failed")}
+            counts = {k: self.totals[k] for k in ("requests", "completed", "failed", "invalid")}
         return {
             "status": "degraded" if err else "ok",
             **({"last_error": err["message"]} if err else {}),

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .responses import Responder, next_item, start_job
+from .responses import Responder, next_item
 from .routes import Routes, body_of
 from .schema import APIError, GenRequest, bad, parse_chat, parse_completion
 from .worker import Job
@@ -26,6 +26,7 @@ from .worker import Job
 OLLAMA_VERSION = "0.12.0"  # the Ollama API level these routes follow
 NDJSON = "application/x-ndjson"
 THINK_LEVELS = {"low", "medium", "high"}
+FLOATS = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}  # MLX dtype → Ollama
 Handler = Callable[[Request], Awaitable[Response]]
 
 
@@ -87,23 +88,31 @@ def num_ctx(options: Any) -> int | None:
     return value
 
 
-def think_body(think: Any) -> dict:
+def apply_think(req: GenRequest, think: Any) -> None:
+    """Ollama's `think` as the CLI's --reasoning: true is `on` (a template without a thinking
+    switch gets the CLI's sentence as a 400), a level is that level; false turns a switch off
+    and, as in Ollama, is no error where there is none."""
     if think is None:
-        return {}
-    if isinstance(think, bool):
-        return {"chat_template_kwargs": {"enable_thinking": think}}
-    if think in THINK_LEVELS:
-        return {"reasoning_effort": think}
-    raise bad("think", "'think' must be true, false, low, medium or high.")
+        return
+    if think is False:
+        args = req.template.get("chat_template_args", {})
+        req.template["chat_template_args"] = {**args, "enable_thinking": False}
+    elif think is True or (isinstance(think, str) and think in THINK_LEVELS):
+        req.template["reasoning"] = "on" if think is True else think
+    else:
+        raise bad("think", "'think' must be true, false, low, medium or high.")
 
 
 def format_body(fmt: Any) -> dict:
+    """Ollama's `format`: "json" (any JSON object) or a JSON schema, as OpenAI's
+    `response_format` (enforced by a grammar, schema.py)."""
     if fmt in (None, ""):
         return {}
-    raise bad(
-        "format",
-        "'format' (JSON output) is not enforced by dflash-mac serve; ask for JSON in the prompt.",
-    )
+    if fmt == "json":
+        return {"response_format": {"type": "json_object"}}
+    if isinstance(fmt, dict):
+        return {"response_format": {"type": "json_schema", "json_schema": {"schema": fmt}}}
+    raise bad("format", "'format' must be \"json\" or a JSON schema object.")
 
 
 def chat_messages(messages: Any) -> list[dict]:
@@ -162,15 +171,31 @@ class OllamaRoutes:
         cfg = self.routes.pair.target_config
         text = cfg.get("text_config", cfg)
         family = str(text.get("model_type") or cfg.get("model_type") or "unknown")
-        bits = (cfg.get("quantization") or {}).get("bits")
         return {
             "parent_model": "",
             "format": "mlx",
             "family": family,
             "families": [family],
             "parameter_size": f"{self.parameters() / 1e9:.2f}B",
-            "quantization_level": f"Q{bits}" if bits else "F16",
+            "quantization_level": self.quantization_level(),
         }
+
+    def quantization_level(self) -> str:
+        """Ollama's name for how the weights are stored: `Q4` / `Q8` from the quantization
+        bits, else the floating dtype that holds most of them (`F32`, `F16`, `BF16`)."""
+        import mlx.core as mx
+        from mlx.utils import tree_flatten
+
+        pair = self.routes.pair
+        if bits := (pair.target_config.get("quantization") or {}).get("bits"):
+            return f"Q{bits}"
+        sizes: dict[str, int] = {}
+        for _, v in tree_flatten(pair.target.parameters()):
+            if mx.issubdtype(v.dtype, mx.floating):
+                name = str(v.dtype).rpartition(".")[2]
+                sizes[name] = sizes.get(name, 0) + v.size
+        most = max(sizes, key=sizes.get) if sizes else ""
+        return FLOATS.get(most, most.upper() or "unknown")
 
     def parameters(self) -> int:
         from mlx.utils import tree_flatten
@@ -193,12 +218,6 @@ class OllamaRoutes:
             "digest": digest,
             "details": self.details(),
         }
-
-    def check_model(self, body: dict) -> None:
-        wanted = body.get("model") or body.get("name")
-        names = (self.routes.name, self.tag, str(self.routes.pair.model_id))
-        if wanted not in names:
-            raise APIError(404, f"model {wanted!r} not found; this server serves {self.tag!r}.")
 
     async def root(self, request: Request) -> Response:
         """Ollama clients probe `/` to see whether a server runs."""
@@ -224,7 +243,7 @@ class OllamaRoutes:
         body = await body_of(request)
         if not isinstance(body, dict):
             raise bad("body", "the request body must be a JSON object.")
-        self.check_model(body)
+        # Any name, as the generation routes take any (clients use `dflash-mac`, docs/editors.md).
         pair, details = self.routes.pair, self.details()
         arch = details["family"]
         capabilities = ["completion"]
@@ -256,15 +275,12 @@ class OllamaRoutes:
             raise bad("body", "the request body must be a JSON object.")
         if not body.get("messages"):
             return self.loaded(body, "message")
-        oa = {
-            **common_body(body),
-            **think_body(body.get("think")),
-            "messages": chat_messages(body["messages"]),
-        }
+        oa = {**common_body(body), "messages": chat_messages(body["messages"])}
         if body.get("tools"):
             oa["tools"] = body["tools"]
         s = self.routes.settings
         req = parse_chat(oa, s.max_tokens, s.max_tokens, s.default_temp)
+        apply_think(req, body.get("think"))
         if req.tools:
             self.routes.give_tools(req)
         req.context_cap = num_ctx(body.get("options"))
@@ -292,10 +308,10 @@ class OllamaRoutes:
             messages = [{"role": "system", "content": system}] if system else []
             oa = {
                 **common_body(body),
-                **think_body(body.get("think")),
                 "messages": [*messages, {"role": "user", "content": prompt}],
             }
             req = parse_chat(oa, s.max_tokens, s.max_tokens, s.default_temp)
+            apply_think(req, body.get("think"))
         req.context_cap = num_ctx(body.get("options"))
         return await self.run(request, req, "response")
 
@@ -308,7 +324,7 @@ class OllamaRoutes:
 
     async def run(self, request: Request, req: GenRequest, field: str) -> Response:
         began = time.perf_counter()
-        job, payload = await start_job(self.routes.worker, req, request)
+        job, payload = await self.routes.start(request, req)
         out = Responder(req, self.routes.name, payload, self.routes.tool_support.format)
         model = req.model or self.tag
         answer = Answer(out, model, field, began)

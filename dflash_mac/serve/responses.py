@@ -14,6 +14,7 @@ from starlette.requests import Request
 from dflash_mac import __version__
 from dflash_mac.think import ThinkSplitter
 
+from .logprobs import completion_logprobs
 from .schema import APIError, GenRequest
 from .tools import ToolFormat, ToolStream, openai_call
 from .worker import Job, Ready, Worker
@@ -48,6 +49,22 @@ class Responder:
         )
         self.calls: list[dict] = []  # OpenAI tool_calls entries so far
         self.new_calls: list[dict] = []  # those of the last delta
+        self.asks_logprobs = req.sampling.get("logprobs") is not None
+        self.logprobs: list[dict] = []  # every token's entry (logprobs.entries), in order
+        self.sent = 0  # entries already streamed
+        self.text_sent = 0  # characters of completion text streamed (text_offset)
+
+    def add_logprobs(self, content: list[dict]) -> None:
+        """The entries of the tokens whose text comes next (a worker "logprobs" item)."""
+        self.logprobs += content
+
+    def logprobs_of(self, content: list[dict], offset: int = 0) -> dict | None:
+        """A choice's `logprobs` in the API's shape (None when the request did not ask)."""
+        if not self.asks_logprobs:
+            return None
+        if self.chat:
+            return {"content": content, "refusal": None}
+        return completion_logprobs(content, offset)
 
     def parts(self, text: str, final: bool = False) -> tuple[str, str]:
         """(reasoning, content) of a text delta; tool calls go to `new_calls` / `calls`."""
@@ -73,10 +90,14 @@ class Responder:
     def chunk(
         self, delta: dict | None = None, text: str = "", finish: str | None = None, **extra: Any
     ) -> dict:
+        """One SSE chunk; it carries the log-probabilities not streamed yet."""
+        pending, self.sent = self.logprobs[self.sent :], len(self.logprobs)
+        lps = self.logprobs_of(pending, self.text_sent) if pending else None
         if self.chat:
-            choice = {"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta or {}, "logprobs": lps, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text, "logprobs": lps, "finish_reason": finish}
+            self.text_sent += len(text)
         out = {**self.base, "choices": [choice], **extra}
         if self.req.include_usage:
             out.setdefault("usage", None)
@@ -107,10 +128,12 @@ class Responder:
                 message["tool_calls"] = [
                     {k: v for k, v in c.items() if k != "index"} for c in self.calls
                 ]
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+            lps = self.logprobs_of(self.logprobs)
+            choice = {"index": 0, "message": message, "logprobs": lps, "finish_reason": finish}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish}
+            lps = self.logprobs_of(self.logprobs)
+            choice = {"index": 0, "text": content, "logprobs": lps, "finish_reason": finish}
             obj = "text_completion"
         return {
             **self.base,
@@ -158,7 +181,9 @@ async def stream_events(job: Job, out: Responder) -> AsyncIterator[str]:
             yield sse(out.chunk({"role": "assistant", "content": ""}))
         while True:
             kind, payload = await job.items.get()
-            if kind == "text":
+            if kind == "logprobs":
+                out.add_logprobs(payload)
+            elif kind == "text":
                 text, finish = payload
                 for c in out.deltas(text, final=finish is not None):
                     yield sse(c)

@@ -17,10 +17,11 @@ from dflash_mac.policy import BlockChoice
 from dflash_mac.session import Session
 
 from .metrics import prometheus
+from .requestlog import JOB
 from .responses import Responder, next_item, start_job, stream_events
 from .schema import APIError, GenRequest, parse_chat, parse_completion
 from .tools import ToolSupport
-from .worker import Worker
+from .worker import Job, Ready, Worker
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 Handler = Callable[[Request], Awaitable[Response]]
@@ -108,8 +109,14 @@ class Routes:
         req = parse_completion(await body_of(request), s.max_tokens, s.max_tokens, s.default_temp)
         return await self.generate(request, req)
 
+    async def start(self, request: Request, req: GenRequest) -> tuple[Job, Ready]:
+        """Queue `req` (`responses.start_job`); the job is kept for the request's log line."""
+        job, ready = await start_job(self.worker, req, request)
+        setattr(request.state, JOB, job)
+        return job, ready
+
     async def generate(self, request: Request, req: GenRequest) -> Response:
-        job, payload = await start_job(self.worker, req, request)
+        job, payload = await self.start(request, req)
         out = Responder(req, self.name, payload, self.tool_support.format)
         if req.stream:
             return StreamingResponse(
@@ -120,6 +127,8 @@ class Routes:
             kind, payload = item
             if kind == "text":
                 texts.append(payload[0])
+            elif kind == "logprobs":
+                out.add_logprobs(payload)
             elif kind == "done":
                 result = payload
             elif kind == "error":

@@ -10,6 +10,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from dflash_mac.constraints import ANY_OBJECT, JsonGrammar, json_grammar
+from dflash_mac.cycle import MAX_TOP_LOGPROBS
+from dflash_mac.models.penalties import LIMITS
+
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 REASONING_EFFORT = {
     "none": "off",
@@ -65,7 +69,7 @@ class GenRequest:
     include_usage: bool = False
     max_tokens: int = 0
     model: str | None = None
-    sampling: dict = field(default_factory=dict)  # temp .. use_eos, penalties, logit_bias
+    sampling: dict = field(default_factory=dict)  # make_config's: temp .. logprobs, json_schema
     template: dict = field(default_factory=dict)  # reasoning, chat_template_args, ...
     tools: list[dict] | None = None  # function tools the template was given (chat)
     tool_choice: str | dict | None = None
@@ -136,24 +140,34 @@ def unsupported(body: dict) -> None:
         refuse("n", "one choice per request; send n=1 or leave it out")
     if body.get("best_of") not in (None, 1):
         refuse("best_of", "one choice per request")
-    if body.get("logprobs") not in (None, False, 0):
-        refuse("logprobs", "no log-probabilities are returned")
-    if body.get("top_logprobs") not in (None, 0):
-        refuse("top_logprobs", "no log-probabilities are returned")
     if body.get("functions"):
         refuse("functions", "the legacy form; send 'tools' instead")
     if body.get("function_call") not in (None, "none"):
         refuse("function_call", "the legacy form; send 'tool_choice' instead")
-    fmt = body.get("response_format")
-    if fmt not in (None, {"type": "text"}):
-        refuse(
-            "response_format", "only plain text output; json_object / json_schema are not enforced"
-        )
     if body.get("modalities") not in (None, ["text"]):
         refuse("modalities", "text only")
     for name in ("audio", "prediction", "web_search_options"):
         if body.get(name):
             refuse(name, "not implemented")
+
+
+def field_name(field: str) -> str:
+    """How the server names a request field in its messages: `'presence_penalty'`."""
+    return f"'{field}'"
+
+
+def penalty(body: dict, name: str, default: float | None) -> float | None:
+    """A penalty (or one logit bias) within the engine's range, the CLI's rule and wording."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise bad(name, f"'{name}' must be a number.")
+    try:
+        LIMITS[name].check(field_name(name), value)
+    except ValueError as e:
+        raise bad(name, str(e))
+    return float(value)
 
 
 def logit_bias(body: dict) -> dict[int, float] | None:
@@ -169,22 +183,59 @@ def logit_bias(body: dict) -> dict[int, float] | None:
             tok = int(k)
         except (TypeError, ValueError):
             raise bad("logit_bias", f"'logit_bias' keys must be token ids (got {k!r}).")
-        out[tok] = number({"logit_bias": v}, "logit_bias", 0.0, -100.0, 100.0)
+        out[tok] = penalty({"logit_bias": v}, "logit_bias", 0.0)
     return out
 
 
 def penalties(body: dict) -> dict:
     """Presence, frequency and repetition penalties and logit bias (lossless: the engine
     applies them to the target and the drafter alike)."""
-    rep = body.get("repetition_penalty")
     return {
-        "presence_penalty": number(body, "presence_penalty", 0.0, -2.0, 2.0),
-        "frequency_penalty": number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        "repetition_penalty": None
-        if rep is None
-        else number(body, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True),
+        "presence_penalty": penalty(body, "presence_penalty", 0.0),
+        "frequency_penalty": penalty(body, "frequency_penalty", 0.0),
+        "repetition_penalty": penalty(body, "repetition_penalty", None),
         "logit_bias": logit_bias(body),
     }
+
+
+def logprobs(body: dict, kind: str) -> int | None:
+    """How many top log-probabilities per token (0: the chosen token's only), or None. Chat:
+    `logprobs` true and `top_logprobs`; completions: `logprobs` as a number."""
+    name = "logprobs" if kind == "completion" else "top_logprobs"
+    n = None if body.get(name) is False else integer(body, name, None, lo=0)
+    if n is not None and n > MAX_TOP_LOGPROBS:
+        raise bad(name, f"'{name}' must be at most {MAX_TOP_LOGPROBS} (got {n}).")
+    if kind == "completion":
+        return n
+    if flag(body, "logprobs"):
+        return n or 0
+    if n:
+        raise bad("top_logprobs", "'top_logprobs' needs 'logprobs': true.")
+    return None
+
+
+def response_format(body: dict) -> JsonGrammar | None:
+    """OpenAI's `response_format`: text (None), json_object or json_schema, compiled here so
+    that a schema the grammar engine cannot enforce is a 400 before anything runs."""
+    fmt = body.get("response_format")
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if fmt is None or kind == "text":
+        return None
+    if kind == "json_object":
+        schema = ANY_OBJECT
+    elif kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise bad("response_format", "'json_schema' must have a 'schema' object.")
+    else:
+        raise bad(
+            "response_format", "'response_format' type must be text, json_object or json_schema."
+        )
+    try:
+        return json_grammar(schema)
+    except ValueError as e:
+        raise bad("response_format", str(e))
 
 
 def common(
@@ -213,6 +264,8 @@ def common(
         "stop": stop_strings(body),
         "use_eos": not flag(body, "ignore_eos"),
         **penalties(body),
+        "logprobs": logprobs(body, kind),
+        "json_schema": response_format(body),
     }
     if sampling["seed"] is not None:
         sampling["seed"] %= 2**32

@@ -18,12 +18,14 @@ from typing import Any
 
 from dflash_mac.api import PromptError, fit_max_tokens
 from dflash_mac.distributed.group import lost_peer_message
+from dflash_mac.models.penalties import check_bias_token
 from dflash_mac.policy import BlockChoice, save_acceptance
 from dflash_mac.session import Session
 from dflash_mac.think import prompt_opens_think
 
+from .logprobs import entries
 from .metrics import Metrics, summary
-from .schema import APIError, GenRequest
+from .schema import APIError, GenRequest, field_name
 
 log = logging.getLogger("dflash_mac.serve")
 
@@ -53,8 +55,9 @@ class QueueFull(APIError):
 class Job:
     """One request's link to the worker: a cancel flag and a queue of (kind, payload) items.
 
-    Kinds: "ready" (Ready), "text" ((text, finish_reason)), "done" (summary dict),
-    "error" (APIError), then always "end"."""
+    Kinds: "ready" (Ready), "logprobs" (the next text's `logprobs.entries`, when asked),
+    "text" ((text, finish_reason)), "done" (summary dict), "error" (APIError), then always
+    "end"."""
 
     def __init__(self, req: GenRequest, loop: asyncio.AbstractEventLoop):
         self.req = req
@@ -64,6 +67,7 @@ class Job:
         self.checked = time.monotonic()  # last client-disconnect check (event loop side)
         self.started = self.queued_at = time.monotonic()
         self.position = 0  # requests ahead of this one when it was queued (0: ran at once)
+        self.result: dict | None = None  # the "done" summary (the server's request line)
 
     def emit(self, kind: str, payload: Any = None) -> None:
         try:
@@ -155,6 +159,13 @@ class Worker:
     def _should_stop(self, job: Job) -> bool:
         return job.cancelled.is_set() or self._stopping.is_set()
 
+    def cut_short(self, why: str) -> APIError:
+        """The error that ends a cancelled request: 503 when the server is shutting down
+        (SIGTERM), else 499 (the client went away)."""
+        if self._stopping.is_set():
+            return APIError(503, "the server is shutting down.", kind="server_error")
+        return APIError(499, why)
+
     def context_of(self, req: GenRequest) -> int:
         """The model's context, or less when the request caps it (Ollama's num_ctx)."""
         return min(self.session.pair.context_length, req.context_cap or 1 << 62)
@@ -170,6 +181,11 @@ class Worker:
         vocab = pair.target_config.get("text_config", pair.target_config).get("vocab_size")
         if vocab and any(not 0 <= t < vocab for t in ids):
             raise APIError(400, f"prompt token ids must be in [0, {vocab}).", param="prompt")
+        for tok in req.sampling.get("logit_bias") or {}:
+            try:
+                check_bias_token(tok, vocab, field_name)
+            except ValueError as e:
+                raise APIError(400, str(e), param="logit_bias")
         try:
             fit_max_tokens(self.context_of(req), len(ids), 1)
         except PromptError as e:
@@ -179,7 +195,7 @@ class Worker:
     def _run(self, job: Job) -> None:
         if self._should_stop(job):
             self.metrics.count("cancelled")
-            job.emit("error", APIError(499, "cancelled before it started."))
+            job.emit("error", self.cut_short("cancelled before it started."))
             return
         req, pair = job.req, self.session.pair
         job.started = time.monotonic()
@@ -196,14 +212,16 @@ class Worker:
                 block_size=self.block,
                 **req.sampling,
             ):
+                if ev.logprobs is not None:  # before the text they belong to
+                    job.emit("logprobs", entries(pair, ev.logprobs))
                 job.emit("text", (ev.text, ev.finish_reason))
                 last = ev
-        except APIError as e:
-            self.metrics.count("failed")
+        except APIError as e:  # the request's own fault (a 400): not the server's failure
+            self.metrics.count("invalid")
             job.emit("error", e)
             return
         except PromptError as e:
-            self.metrics.count("failed")
+            self.metrics.count("invalid")
             job.emit("error", APIError(400, str(e)))
             return
         except Exception as e:  # a bug: keep serving, from a clean state
@@ -221,7 +239,11 @@ class Worker:
         result["dflash"]["queue_position"] = job.position
         result["dflash"]["queue_wait_s"] = round(job.started - job.queued_at, 4)
         self.metrics.record(result)
-        job.emit("done", result)
+        job.result = result
+        if result["finish_reason"] == "cancelled":  # not an OpenAI finish reason: an error ends it
+            job.emit("error", self.cut_short("the request was cancelled."))
+        else:
+            job.emit("done", result)
         u, d = result["usage"], result["dflash"]
         log.info(
             "%s: prompt %d tok (%d cached), %d tok out, %.1f tok/s, tau %.2f, %s",

@@ -23,7 +23,10 @@ from .loop import StepReport, TrainingCallback
 
 def train(
     target: str = typer.Option(
-        ..., "--target", "-m", help="Target model: local folder or Hugging Face id (mlx-lm)."
+        ...,
+        "--target",
+        "-m",
+        help="Target model: pair name, local folder or Hugging Face id (mlx-lm).",
     ),
     data: Path = typer.Option(
         ...,
@@ -32,6 +35,9 @@ def train(
         '{"text"|"prompt": ...} per line; the target answers them.',
     ),
     out: Path = typer.Option(..., "--out", "-o", help="Output drafter folder (z-lab format)."),
+    force: bool = typer.Option(
+        False, "--force", help="Overwrite the drafter already in --out (else refused)."
+    ),
     block_size: int = typer.Option(16, "--block-size", "-b", help="Trained block size."),
     layers: int = typer.Option(1, "--layers", help="Drafter decoder layers."),
     target_layer_ids: str | None = typer.Option(
@@ -129,8 +135,9 @@ def train(
     from .trainer import train_drafter
 
     check_inputs(data, eval_prompts, init_from)
+    check_out(out, force)
     args = TrainingArgs(
-        target=target,
+        target=target_source(target),
         prompts=data,
         out_dir=out,
         block_size=block_size,
@@ -253,6 +260,26 @@ def check_inputs(data: Path, eval_prompts: Path | None, init_from: Path | None) 
             raise TrainError(f"{flag} {path} {what}; pass a JSONL file of prompts.")
     if init_from is not None and not (init_from / "config.json").is_file():
         raise TrainError(f"--init-from {init_from} is not a drafter folder (no config.json).")
+
+
+def target_source(target: str) -> str:
+    """A pair name (`bundled`, `qwen3-8b`) as the target it loads, as every other command
+    takes it; folders and Hub ids as given."""
+    from dflash_mac.registry import load_registry
+
+    entry = load_registry().get(target)
+    return entry.target_source() if entry is not None and not Path(target).exists() else target
+
+
+def check_out(out: Path, force: bool) -> None:
+    """Refuse to overwrite what --out already holds (a trained drafter) unless --force."""
+    if out.is_file():
+        raise TrainError(f"--out {out} is a file; pass a folder for the drafter.")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise TrainError(
+            f"--out {out} already exists and is not empty; pass --force to overwrite it, "
+            "or another folder."
+        )
 
 
 def layer_ids(text: str | None) -> list[int] | None:

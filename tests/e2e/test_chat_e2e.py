@@ -7,6 +7,7 @@ to abort some exits: "terminate called without an active exception", status 134)
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -27,7 +28,7 @@ pytestmark = [
 
 CLI = Path(sys.executable).with_name("dflash-mac")
 STATS = re.compile(
-    r"(\d+) tok · \d+ tok/s · τ [\d.]+ · [\d.–]+× · prefill (\d+) new \+ (\d+) "
+    r"(\d+) tok · \d+ tok/s · τ [\d.]+ · prefill (\d+) new \+ (\d+) "
     r"cached( · stopped)?"
 )
 
@@ -35,13 +36,13 @@ STATS = re.compile(
 class Terminal:
     """One `dflash-mac chat` in a 120x40 tmux session on its own tmux server."""
 
-    def __init__(self, home: Path, socket: str, max_tokens: int) -> None:
+    def __init__(self, home: Path, socket: str, max_tokens: int, extra: str = "") -> None:
         self.home, self.socket = home, socket
         self.exit_file = home / f"exit-{socket}"
         # The terminal's size, not the test runner's COLUMNS/LINES (some plugins export them).
         env = f"-u COLUMNS -u LINES DFLASH_MAC_HOME={shlex.quote(str(home))} HF_HUB_OFFLINE=1"
         shell = (
-            f"env {env} {shlex.quote(str(CLI))} chat -n {max_tokens}; "
+            f"env {env} {shlex.quote(str(CLI))} chat -n {max_tokens} {extra}; "
             f"echo $? > {shlex.quote(str(self.exit_file))}"
         )
         self.tmux(
@@ -116,9 +117,9 @@ def terminal(tmp_path):
         pytest.skip("the bundled pair is not built")
     opened: list[Terminal] = []
 
-    def start(max_tokens: int) -> Terminal:
+    def start(max_tokens: int, extra: str = "") -> Terminal:
         name = f"dflash-chat-e2e-{os.getpid()}-{tmp_path.name}-{len(opened)}"  # unique per run
-        term = Terminal(tmp_path, name, max_tokens)
+        term = Terminal(tmp_path, name, max_tokens, extra)
         opened.append(term)
         term.wait(lambda s: "Ready ·" in s, "the model to load", timeout=60)
         return term
@@ -162,3 +163,21 @@ def test_chat_streams_stops_reuses_the_prefix_and_quits_cleanly(terminal):
             term.wait(lambda s: stats_lines(s) and "Ready." in s, "the reply", timeout=45)
         statuses.append(term.quit())
     assert statuses == [0, 0, 0, 0, 0]
+
+
+def test_chat_template_file_builds_the_prompt(terminal, tmp_path):
+    """`chat --chat-template FILE` prompts with the file's template, as `generate` does."""
+    from .test_serve_features import TEMPLATE
+
+    path = tmp_path / "chat.jinja"
+    path.write_text(TEMPLATE)
+    env = {**os.environ, "DFLASH_MAC_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    args = ["generate", "hi", "--chat-template", str(path), "-n", "2", "--json"]
+    r = subprocess.run([str(CLI), *args], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    want = json.loads(r.stdout)["prompt_tokens"]
+    term = terminal(2, f"--chat-template {shlex.quote(str(path))}")
+    term.ask("hi")
+    screen = term.wait(lambda s: stats_lines(s) and "Ready." in s, "the reply", timeout=45)
+    assert int(stats_lines(screen)[-1].group(2)) == want
+    assert term.quit() == 0
