@@ -110,29 +110,26 @@ class Server:
             self.proc.wait(10)
 
 
-@pytest.fixture(scope="module")
-def server(cli: Cli, tmp_path_factory):
-    """One `dflash-mac serve` per module (bundled pair, free loopback port)."""
+def start_serve(cli: Cli, log: Path, *args: str) -> Server:
+    """`dflash-mac serve ARGS` on a free loopback port, its output in `log` (not yet healthy:
+    call `wait_healthy`)."""
     port = free_port()
-    log = tmp_path_factory.mktemp("serve") / "serve.out"
     with log.open("w") as out:
         proc = subprocess.Popen(
-            [
-                cli.command,
-                "serve",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--max-tokens",
-                "64",
-            ],
+            [cli.command, "serve", "--port", str(port), *args],
             env=cli.env,
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
         )
-    srv = Server(proc, f"http://127.0.0.1:{port}", Path(cli.env["DFLASH_MAC_HOME"]), log)
+    return Server(proc, f"http://127.0.0.1:{port}", Path(cli.env["DFLASH_MAC_HOME"]), log)
+
+
+@pytest.fixture(scope="module")
+def server(cli: Cli, tmp_path_factory):
+    """One `dflash-mac serve` per module (bundled pair, free loopback port)."""
+    log = tmp_path_factory.mktemp("serve") / "serve.out"
+    srv = start_serve(cli, log, "--host", "127.0.0.1", "--max-tokens", "64")
     try:
         srv.wait_healthy(60)
         yield srv

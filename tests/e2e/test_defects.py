@@ -13,7 +13,7 @@ import ollama
 import openai
 import pytest
 
-from .conftest import Cli, Server, free_port
+from .conftest import Cli, Server, free_port, start_serve
 
 pytestmark = pytest.mark.slow  # starts the installed command in subprocesses
 
@@ -31,16 +31,7 @@ def one_error(res: subprocess.CompletedProcess) -> str:
 
 def start_server(cli: Cli, log: Path, *extra: str) -> Server:
     """`dflash-mac serve` on a free loopback port, healthy."""
-    port = free_port()
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [cli.command, "serve", "--port", str(port), *extra],
-            env=cli.env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
-    srv = Server(proc, f"http://127.0.0.1:{port}", Path(cli.env["DFLASH_MAC_HOME"]), log)
+    srv = start_serve(cli, log, *extra)
     srv.wait_healthy(90)
     return srv
 

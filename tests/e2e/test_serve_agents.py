@@ -12,29 +12,17 @@ import ollama
 import openai
 import pytest
 
-from .conftest import Cli, Server, free_port
+from .conftest import Server, start_serve
 
 pytestmark = pytest.mark.slow  # starts the installed command in subprocesses
 
 PLUGIN = Path(__file__).resolve().parents[2] / "app" / "menubar" / "dflash-mac.5s.sh"
 
 
-def start(cli: Cli, port: int, out: Path) -> Server:
-    with out.open("w") as f:
-        proc = subprocess.Popen(
-            [cli.command, "serve", "--port", str(port), "--max-tokens", "16"],
-            env=cli.env,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
-    return Server(proc, f"http://127.0.0.1:{port}", Path(cli.env["DFLASH_MAC_HOME"]), out)
-
-
 @pytest.fixture(scope="module")
 def servers(cli, tmp_path_factory):
     folder = tmp_path_factory.mktemp("two")
-    started = [start(cli, free_port(), folder / f"serve{i}.out") for i in range(2)]
+    started = [start_serve(cli, folder / f"serve{i}.out", "--max-tokens", "16") for i in range(2)]
     try:
         for srv in started:
             srv.wait_healthy(90)

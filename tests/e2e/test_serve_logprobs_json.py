@@ -14,7 +14,7 @@ import ollama
 import openai
 import pytest
 
-from .conftest import Cli, Server, free_port
+from .conftest import Cli, Server, start_serve
 
 pytestmark = pytest.mark.slow  # starts the installed command in subprocesses
 
@@ -32,16 +32,7 @@ SCHEMA = {
 
 
 def start(cli: Cli, out: Path, *extra: str) -> Server:
-    port = free_port()
-    with out.open("w") as f:
-        proc = subprocess.Popen(
-            [cli.command, "serve", "--port", str(port), "--max-tokens", "128", *extra],
-            env=cli.env,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
-    return Server(proc, f"http://127.0.0.1:{port}", Path(cli.env["DFLASH_MAC_HOME"]), out)
+    return start_serve(cli, out, "--max-tokens", "128", *extra)
 
 
 @pytest.fixture(scope="module")
