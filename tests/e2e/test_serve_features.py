@@ -65,14 +65,15 @@ def custom(tmp_path_factory, template_file):
         srv.kill()
 
 
-def wait_for_line(srv: Server, pattern: str, seconds: float = 10) -> str:
-    """The server output once it holds `pattern` (the line is written when the response ends)."""
+def wait_for_line(srv: Server, pattern: str, since: int = 0, seconds: float = 10) -> str:
+    """The server output written after offset `since` once it holds `pattern` (the line is
+    written when the response ends, so a shared server may still show an earlier request's)."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        if re.search(pattern, text := srv.output()):
+        if re.search(pattern, text := srv.output()[since:]):
             return text
         time.sleep(0.1)
-    pytest.fail(f"no line matching {pattern!r} in:\n{srv.output()}")
+    pytest.fail(f"no line matching {pattern!r} in:\n{srv.output()[since:]}")
 
 
 def preflight(root: str, origin: str) -> httpx.Response:
@@ -126,8 +127,9 @@ def test_default_cors_lets_loopback_pages_in_and_no_one_else(server):
 def test_one_terminal_line_per_request(server):
     oa = openai.OpenAI(base_url=server.root + "/v1", api_key="x", max_retries=0, timeout=60)
     messages = [{"role": "user", "content": "Count to ten."}]
+    mark = len(server.output())
     r = oa.chat.completions.create(model="m", messages=messages, max_tokens=5, temperature=0)
-    text = wait_for_line(server, r"POST /v1/chat/completions 200 · ")
+    text = wait_for_line(server, r"POST /v1/chat/completions 200 · ", since=mark)
     lines = [m for m in LINE.finditer(text) if m.group(2) == "/v1/chat/completions"]
     assert int(lines[-1].group(4)) == r.usage.completion_tokens
     stream = oa.chat.completions.create(
@@ -137,11 +139,12 @@ def test_one_terminal_line_per_request(server):
     ollama.Client(host=server.root, timeout=60).generate(
         model="dflash-mac", prompt="hi", options={"num_predict": 2}
     )
-    text = wait_for_line(server, r"POST /api/generate 200 · \d+ tok")
+    text = wait_for_line(server, r"POST /api/generate 200 · \d+ tok", since=mark)
     assert len([m for m in LINE.finditer(text) if m.group(2) == "/v1/chat/completions"]) >= 2
     httpx.get(server.root + "/health", timeout=10)  # polled by launchers: not at info
+    mark = len(server.output())
     httpx.post(server.root + "/v1/chat/completions", content=b"{", timeout=10)
-    text = wait_for_line(server, r"POST /v1/chat/completions 400 · [\d.]+ s")
+    text = wait_for_line(server, r"POST /v1/chat/completions 400 · [\d.]+ s", since=mark)
     assert "GET /health" not in text and "Traceback" not in text
 
 
