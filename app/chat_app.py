@@ -171,7 +171,7 @@ class ChatApp(ChatCommands, App):
                 yield VerticalScroll(id="log")
                 with Horizontal(id="status"):
                     yield Label(
-                        f"Loading {self.opts.model or 'the bundled pair'}…", id="status-text"
+                        f"Loading {self.opts.model or 'the default pair'}…", id="status-text"
                     )
                     yield ProgressBar(total=None, show_eta=False, show_percentage=False)
                 yield ChatInput(id="input", placeholder=PLACEHOLDER)

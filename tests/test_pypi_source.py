@@ -105,7 +105,7 @@ def test_the_loader_resolves_a_pypi_gguf(tmp_path, monkeypatch):
     assert path.name == "m.gguf" and path.read_bytes() == (tmp_path / "m.gguf").read_bytes()
 
 
-def test_the_registry_lists_smollm2_as_a_source_without_a_drafter():
+def test_the_registry_lists_smollm2_as_a_source_of_the_default_pair():
     reg = load_registry()
     src = reg.get_source("smollm2-135m-gguf")
     assert src is not None and reg.get("smollm2-135m-gguf") is None
@@ -114,8 +114,8 @@ def test_the_registry_lists_smollm2_as_a_source_without_a_drafter():
         "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
     )
     assert resolve_pair("smollm2-135m-gguf", "some/drafter") == (src.spec, "some/drafter")
-    with pytest.raises(LoadError, match="no known DFlash drafter"):
-        resolve_pair("smollm2-135m-gguf", None)
+    drafter = reg.get("smollm2-135m").draft_source()  # the pair that pins the file
+    assert resolve_pair("smollm2-135m-gguf", None) == (src.spec, drafter)
 
 
 def minimal(**source) -> dict:

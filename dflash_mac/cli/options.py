@@ -9,7 +9,7 @@ import typer
 
 MODEL_HELP = (
     "Target model: local folder, Hugging Face id or pair name from `dflash-mac models` "
-    "(default: the bundled pair)."
+    "(default: the registry's default pair, smollm2-135m, or $DFLASH_MAC_PAIR)."
 )
 DRAFT_HELP = (
     "DFlash drafter: local folder, Hugging Face id, or auto (default: the registry's drafter "

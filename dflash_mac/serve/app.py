@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response
 from dflash_mac.autoblock import AutoTuning
 from dflash_mac.pair import Pair
 from dflash_mac.policy import BlockChoice, block_size_for
-from dflash_mac.registry import BUNDLED_TARGET
+from dflash_mac.registry import BUNDLED_TARGET, load_registry
 from dflash_mac.session import Session
 
 from .cors import LOOPBACK_ORIGINS, cors
@@ -35,6 +35,8 @@ def model_name(pair: Pair) -> str:
     path = Path(str(pair.model_id))
     if path.resolve() == BUNDLED_TARGET.resolve():
         return "dflash-mac-bundled"
+    if entry := load_registry().find_target(pair.model_id):
+        return entry.name if entry.file_spec else str(pair.model_id)  # not a pypi: string
     return path.name if path.exists() else str(pair.model_id)
 
 

@@ -38,9 +38,11 @@ def installed_command() -> str:
 
 
 def user_env(home: Path) -> dict[str, str]:
-    """The environment of a user: no dflash-mac settings but the data directory, offline."""
+    """The environment of a user: no dflash-mac settings but the data directory, offline, on
+    the tiny pair (the real default pair is pulled and run in test_default_pair.py)."""
     env = {k: v for k, v in os.environ.items() if not k.lstrip("_").startswith("DFLASH_MAC_")}
     env.update(DFLASH_MAC_HOME=str(home), HF_HUB_OFFLINE="1", NO_COLOR="1", COLUMNS="200")
+    env.update(DFLASH_MAC_PAIR="tiny-code")
     return env
 
 

@@ -132,10 +132,14 @@ def test_doctor_self_test_passes(cli):
 def test_models_table_and_json(cli):
     r = cli("models")
     assert r.returncode == 0, r.stderr
-    assert "bundled" in r.stdout and "qwen3-8b" in r.stdout
+    assert "tiny-code" in r.stdout and "smollm2-135m" in r.stdout and "qwen3-8b" in r.stdout
     r = cli("models", "--json")
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
-    assert data["default"] == "bundled"
-    bundled = next(p for p in data["pairs"] if p["name"] == "bundled")
-    assert bundled["local"] and bundled["default"]
+    assert data["default"] == "tiny-code"  # DFLASH_MAC_PAIR (user_env); the registry's below
+    tiny = next(p for p in data["pairs"] if p["name"] == "tiny-code")
+    assert tiny["local"] and tiny["default"] and tiny["names"] == ["bundled"]
+    env = {k: v for k, v in cli.env.items() if k != "DFLASH_MAC_PAIR"}
+    data = json.loads(Cli(cli.command, env)("models", "--json").stdout)
+    smol = next(p for p in data["pairs"] if p["name"] == "smollm2-135m")
+    assert data["default"] == "smollm2-135m" and smol["default"] and not smol["local"]
