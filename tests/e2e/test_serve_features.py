@@ -16,7 +16,7 @@ import ollama
 import openai
 import pytest
 
-from .conftest import Cli, Server, free_port, installed_command, user_env
+from .conftest import Cli, Server, installed_command, start_serve, user_env
 
 pytestmark = pytest.mark.slow  # starts the installed command in subprocesses
 
@@ -42,18 +42,10 @@ def custom(tmp_path_factory, template_file):
     browser origin, our chat template."""
     home = tmp_path_factory.mktemp("custom-home")
     cli = Cli(installed_command(), user_env(home))
-    port, out = free_port(), tmp_path_factory.mktemp("custom") / "serve.out"
+    out = tmp_path_factory.mktemp("custom") / "serve.out"
     args = ["--log-level", "warning", "--cors-origins", "https://app.example"]
     args += ["--chat-template", str(template_file), "--max-tokens", "16"]
-    with out.open("w") as f:
-        proc = subprocess.Popen(
-            [cli.command, "serve", "--port", str(port), *args],
-            env=cli.env,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
-    srv = Server(proc, f"http://127.0.0.1:{port}", home, out)
+    srv = start_serve(cli, out, *args)
     try:
         srv.wait_healthy(90)
         yield srv, cli
