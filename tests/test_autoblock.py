@@ -541,6 +541,12 @@ class SlowDrafter:
         return self.real(block, cache) + 0.0 * self.work().sum()
 
 
+def seconds_of(work) -> float:
+    t0 = time.perf_counter()
+    mx.eval(work())
+    return time.perf_counter() - t0
+
+
 def test_a_probe_after_plain_steps_runs_outside_their_timing(tiny_pair):
     """A drafting cycle after a plain step is queued after that step's sync: queued ahead, its
     work ran inside the plain step's interval, so the one-token step looked dear and the probe
@@ -555,9 +561,7 @@ def test_a_probe_after_plain_steps_runs_outside_their_timing(tiny_pair):
         return x
 
     mx.eval(work())
-    t0 = time.perf_counter()
-    mx.eval(work())
-    slow = time.perf_counter() - t0
+    slow = min(seconds_of(work) for _ in range(3))  # the least is the work's own time
     pair = with_drafter(tiny_pair, SlowDrafter(tiny_pair.drafter, work))
     timed = []
 
@@ -571,7 +575,9 @@ def test_a_probe_after_plain_steps_runs_outside_their_timing(tiny_pair):
     drafting = [s for (b, s), (b0, _) in zip(timed[1:], timed) if b == 2 and b0 == 2]
     plain = [s for b, s in timed if b == 1 and s]
     assert len(drafting) >= 5 and len(plain) >= 5
-    assert min(drafting) > 0.7 * slow, (slow, drafting)
+    # Noise only adds time: a drafting cycle holds at least most of the work, a plain step
+    # (a one-token forward of the tiny target) far less than half of it.
+    assert min(drafting) > 0.6 * slow, (slow, drafting)
     assert max(plain) < 0.5 * slow, (slow, plain)
 
 
