@@ -19,6 +19,7 @@ from .kvwindow import bound_context, target_cache
 from .models.penalties import Penalties
 from .pair import Mirror, Pair
 from .policy import BlockChoice, block_size_for
+from .prefix_tree import SpanRecorder
 from .rollback import TargetRollback, trim_caches
 from .sampling import SamplingParams
 from .stats import DecodeStats, StatsRecorder
@@ -71,6 +72,7 @@ class DecodeState:
             bound_context(self.draft_cache, max_kv_size)
         self.max_kv_size = max_kv_size
         self.ids: list[int] = []
+        self.record: SpanRecorder | None = None  # what the prompt cache keeps of this request
 
     def trim_to(self, n: int) -> None:
         """Keep the first `n` cached positions in both caches."""
@@ -85,14 +87,19 @@ def prefill(pair: Pair, state: DecodeState, ids: list[int], cap: FeatureCapture,
     """Run the target on the uncached suffix of `ids` in chunks (as mlx-lm does: all but the last
     token in chunks, then the last token alone); feed every position's features to the drafter.
     Returns the last position's logits [V]."""
-    new = ids[len(state.ids) :]
+    pos, record = len(state.ids), state.record
+    new = ids[pos:]
     assert new, "prefill needs at least one new token"
     head = new[:-1]
+    step = min(step, record.max_chunk) if record else step
     chunks = [head[i : i + step] for i in range(0, len(head), step)] + [new[-1:]]
     for chunk in chunks:
         logits = pair.target(mx.array(chunk)[None], cache=state.target_cache)
         pair.drafter.extend_context(cap.features(), state.draft_cache)
         mx.eval([c.state for c in state.target_cache], logits)
+        pos += len(chunk)
+        if record:  # the prompt cache keeps these rows (the drafter's before its window drops them)
+            record.chunk(ids[:pos], state.target_cache, state.draft_cache)
     state.ids = list(ids)
     return logits[0, -1]
 

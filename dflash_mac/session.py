@@ -13,6 +13,7 @@ from .autoblock import AutoTuning
 from .decode import GenerationEvent
 from .pair import Pair
 from .policy import load_tuning
+from .prefix_disk import DiskTier
 from .prompt_cache import PromptCache, common_prefix
 
 __all__ = ["Session", "common_prefix"]
@@ -34,11 +35,12 @@ class Session:
         cache_bytes: int | None = None,
         tuning: AutoTuning | None = None,
         max_kv_size: int | None = None,
+        disk: DiskTier | None = None,
     ):
         self.pair = pair
         # what `--block-size auto` learns, continued from request to request
         self.tuning = tuning if tuning is not None else load_tuning(pair)
-        self.cache = PromptCache(pair, cache_size, cache_bytes, max_kv_size)
+        self.cache = PromptCache(pair, cache_size, cache_bytes, max_kv_size, disk)
         self.state = self.cache.fresh()  # the state of the latest request
 
     def reset(self) -> None:

@@ -141,10 +141,13 @@ def test_trim_within_last_verify_and_refusal(pair, cases):
     assert_cache_equals_fresh_prefill(pair, state)
     with pytest.raises(RollbackError, match="prefilled again"):
         state.trim_to(len(ids))
-    session = Session(oracle)  # sessions fall back to a fresh prefill
+    # The prompt cache keeps recurrent states only where a span ends: a prefix that ends
+    # inside one cannot be rebuilt (a fresh prefill), the whole state can.
+    session = Session(oracle)
     session.cache.put(state)
     assert session.reuse(ids + [1, 2]) == 0 and session.state is not state
-    assert len(session.cache) == 0  # the state that could not be cut is dropped
+    assert session.reuse(state.ids + [1, 2]) == len(state.ids)
+    assert_cache_equals_fresh_prefill(pair, session.state)
 
 
 def test_hooks_are_per_instance_and_removed(pair, cases):

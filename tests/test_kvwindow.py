@@ -100,7 +100,7 @@ def test_api_and_session_pass_the_window(tiny_pair, refs):
     assert isinstance(session.state.target_cache[0], WindowKVCache)
     events = session.stream(ids, max_tokens=N, block_size=4, use_eos=False)
     assert [t for e in events for t in e.tokens] == ref
-    assert all(isinstance(s.target_cache[0], WindowKVCache) for s in session.cache.entries)
+    assert all(isinstance(s.target_cache[0], WindowKVCache) for s in session.cache.whole.entries)
 
 
 def test_trim_reaches_back_within_the_slack_only(tiny_pair):

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from dflash_mac.api import generate
-from dflash_mac.prompt_cache import PromptCache, state_bytes
+from dflash_mac.prompt_cache import PromptCache
 from dflash_mac.session import Session
 
 N = 16
@@ -79,7 +79,7 @@ def test_lru_eviction_by_count(tiny_pair, convs):
 def test_lru_eviction_by_bytes(tiny_pair, convs):
     probe = Session(tiny_pair, cache_size=4)
     turn(probe, convs["a"])
-    one = state_bytes(probe.cache.entries[0])
+    one = probe.cache.nbytes
     assert one > 0
     s = Session(tiny_pair, cache_size=4, cache_bytes=one * 3 // 2)  # room for one state
     out_a, _ = turn(s, convs["a"])
@@ -96,15 +96,16 @@ def test_lru_eviction_by_bytes(tiny_pair, convs):
 
 
 def test_a_short_shared_prefix_does_not_cut_another_conversation(tiny_pair, convs):
-    """A new prompt sharing a little with a cached conversation starts fresh while there is
-    room; an edit sharing most of it reuses (and cuts) that state."""
+    """A new prompt sharing a little with a cached conversation reuses that little and leaves
+    the conversation whole (its node is split, not cut back); an edit reuses up to the edit."""
     tok = tiny_pair.tokenizer
     s = Session(tiny_pair, cache_size=3)
     a = convs["a"]
     out_a, _ = turn(s, a)
     other = a[:2] + tok.encode(" something else entirely, and longer")
-    _, cached = turn(s, other)
-    assert cached == 0 and len(s.cache) == 2
+    out_o, cached = turn(s, other)
+    assert cached == 2 and len(s.cache) == 2
+    assert out_o == fresh(tiny_pair, other)
     _, cached = turn(s, a + out_a)  # "a" is intact
     assert cached == len(a) + len(out_a) - 1
     edit = a + out_a[:-3] + tok.encode("X")
