@@ -282,3 +282,18 @@ def decode(arrays: dict[str, mx.array], meta: dict[str, str]) -> Span:
     if drafter is not None:
         drafter = [r or [] for r in drafter]  # position-only drafter layers keep no rows
     return Span(start, tokens, target, drafter, layers("r", meta["recurrent"]))
+
+
+def summary(folder: Path) -> dict:
+    """What one pair's folder holds (read-only: bad files are left for the server to remove):
+    files, bytes, cached positions and when it was last used."""
+    files = size = tokens = 0
+    used = 0.0
+    for path in folder.glob("*" + SUFFIX):
+        try:
+            meta, stat = read_header(path), path.stat()
+            tokens += int(meta["end"]) - int(meta["start"])
+        except (OSError, ValueError, KeyError):
+            continue
+        files, size, used = files + 1, size + stat.st_size, max(used, stat.st_mtime)
+    return {"files": files, "bytes": size, "tokens": tokens, "used": used}

@@ -67,6 +67,11 @@ LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
         "serve",
         "Serve the pair as an OpenAI-compatible API (for Continue, Cline, Aider, Zed, ...).",
     ),
+    "cache": (
+        "dflash_mac.cli.cache",
+        "cache_command",
+        "List or clear the prompt cache on disk (kept by `serve` across restarts).",
+    ),
     "ps": (
         "dflash_mac.cli.servers",
         "ps_command",

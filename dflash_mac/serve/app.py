@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 from dflash_mac.autoblock import AutoTuning
 from dflash_mac.pair import Pair
 from dflash_mac.policy import BlockChoice, block_size_for
+from dflash_mac.prefix_disk import DiskTier
 from dflash_mac.registry import BUNDLED_TARGET, load_registry
 from dflash_mac.session import Session
 
@@ -60,6 +61,7 @@ def create_app(
     tuning: AutoTuning | None = None,
     cors_origins: tuple[str, ...] = LOOPBACK_ORIGINS,
     max_kv_size: int | None = None,
+    prompt_cache_disk_bytes: int = 0,
 ) -> Starlette:
     """The ASGI app (see `routes.Settings` for the settings). `max_queue` requests may wait
     behind the running one, more get a 429; a pair gets a session whose prompt cache keeps
@@ -67,13 +69,15 @@ def create_app(
     from `tuning` (else what is saved for the pair). `block`: the block-size choice (default:
     `auto` up to the pair's default size). Browser pages from `cors_origins` (`cors.py`) may
     call every route; each request gets its log line (`requestlog.py`). `max_kv_size`: each
-    cached conversation keeps a rotating window of that many target positions."""
+    cached conversation keeps a rotating window of that many target positions;
+    `prompt_cache_disk_bytes` > 0: cached prefixes also go to disk (`prefix_disk.py`) and are
+    read back after a restart."""
     if isinstance(pair_or_session, Session):
         session = pair_or_session
     else:
-        session = Session(
-            pair_or_session, prompt_cache_size, prompt_cache_bytes, tuning, max_kv_size
-        )
+        pair = pair_or_session
+        disk = DiskTier.for_pair(pair, prompt_cache_disk_bytes) if prompt_cache_disk_bytes else None
+        session = Session(pair, prompt_cache_size, prompt_cache_bytes, tuning, max_kv_size, disk)
     block = block or block_size_for(session.pair, None)
     worker = Worker(session, block, max_queue)
     name = model_name(session.pair)
@@ -83,6 +87,7 @@ def create_app(
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield
         worker.close()
+        session.cache.close()  # pending disk writes
 
     app = Starlette(
         routes=routes.table() + OllamaRoutes(routes).table(),

@@ -41,6 +41,7 @@ def log_name(port: int) -> str:
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+DISK_BYTES = 4 << 30  # the prompt cache on disk, per pair (agent prefixes of ~100k tokens)
 err = Console(stderr=True)
 
 
@@ -202,11 +203,15 @@ def run_server(app, host: str, port: int) -> None:
     Server(config).run()
 
 
-def check_options(prompt_cache_size: int, prompt_cache_bytes: int | None) -> None:
+def check_options(
+    prompt_cache_size: int, prompt_cache_bytes: int | None, prompt_cache_disk_bytes: int = 0
+) -> None:
     if prompt_cache_size < 1:
         raise ServeError(f"--prompt-cache-size must be at least 1 (got {prompt_cache_size}).")
     if prompt_cache_bytes is not None and prompt_cache_bytes < 0:
         raise ServeError(f"--prompt-cache-bytes must be >= 0 (got {prompt_cache_bytes}).")
+    if prompt_cache_disk_bytes < 0:
+        raise ServeError(f"--prompt-cache-disk-bytes must be >= 0 (got {prompt_cache_disk_bytes}).")
 
 
 def server_url(host: str, port: int) -> str:
@@ -268,6 +273,12 @@ def serve(
     prompt_cache_bytes: int | None = typer.Option(
         None, "--prompt-cache-bytes", help="Memory cap of the prompt cache in bytes (LRU)."
     ),
+    prompt_cache_disk_bytes: int = typer.Option(
+        DISK_BYTES,
+        "--prompt-cache-disk-bytes",
+        help="Disk cap of the prompt cache in the data directory, kept across restarts "
+        "(0: memory only). See `dflash-mac cache ls`.",
+    ),
     chat_template: str | None = options.CHAT_TEMPLATE,  # the file's text
     max_kv_size: int | None = options.MAX_KV_SIZE,
     cors_origins: str | None = typer.Option(
@@ -292,7 +303,7 @@ def serve(
 
     from .app import create_app
 
-    check_options(prompt_cache_size, prompt_cache_bytes)
+    check_options(prompt_cache_size, prompt_cache_bytes, prompt_cache_disk_bytes)
     origins = parse_origins(cors_origins)
     home = data_dir()
     log_path = log_file or home / log_name(port)
@@ -325,6 +336,7 @@ def serve(
             prompt_cache_bytes=prompt_cache_bytes,
             cors_origins=origins,
             max_kv_size=max_kv_size,
+            prompt_cache_disk_bytes=prompt_cache_disk_bytes,
         )
         announce(prepared, app.state.model_name, url, log_path)
         run_server(app, host, port)

@@ -163,4 +163,6 @@ def prometheus(stats: dict) -> str:
     for i, n in enumerate(last.get("acceptance_histogram", []), 1):
         lines.append(f'dflash_last_acceptance_histogram{{length="{i}"}} {n}')
     lines += [f"dflash_memory_{k} {v}" for k, v in stats.get("memory", {}).items()]
+    cache = stats.get("prompt_cache", {})
+    lines += [f"dflash_prompt_cache_{k} {v}" for k, v in cache.items() if isinstance(v, int)]
     return "\n".join(lines) + "\n"

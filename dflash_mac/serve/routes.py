@@ -181,6 +181,7 @@ class Routes:
             "queued": worker.queued,
             "max_queue": worker.max_queue,
             "cached_tokens": len(self.session.state.ids),
+            "prompt_cache": self.session.cache.stats(),
             **worker.metrics.snapshot(),
         }
 
