@@ -2,13 +2,15 @@
 written in the background after a request and read when memory misses, so cached prefixes
 survive a restart.
 
-A file is named by the hash of the pair's key and every token up to its span's end, and says
-its parent's name: a chain of files rebuilds a prefix. The folder is per pair
-(`<data dir>/prompt-cache/<target>--<drafter>-<fingerprint>`), and every file repeats the
-pair's key, so another model or drafter never reads it. Writes are atomic (a temporary file,
-then a rename); a corrupt, truncated or foreign file is removed with one log line; a full or
-unwritable disk turns the tier off with one warning. Bounded by bytes: least recently used
-files without children go first."""
+A file holds the rows of a span of at most `BLOCK` positions, ending at a multiple of it or
+where a tree node ends. It is named by the hash of the pair's key and every token up to its
+end, and says its parent's name: a chain of files rebuilds a prefix, and a prompt that shares
+only part of a cached conversation finds the files up to the last block they share. The
+folder is per pair (`<data dir>/prompt-cache/<target>--<drafter>-<fingerprint>`), and every
+file repeats the pair's key, so another model or drafter never reads it. Writes are atomic
+(a temporary file, then a rename); a corrupt, truncated or foreign file is removed with one
+log line; a full or unwritable disk turns the tier off with one warning. Bounded by bytes:
+least recently used files without children go first."""
 
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from .prefix_tree import Node, Span
 log = logging.getLogger("dflash_mac.prompt_cache")
 FORMAT = "dflash-mac-prefix/1"
 SUFFIX = ".safetensors"
+BLOCK = 256  # files end at every multiple of this many positions: prefixes found on disk
 
 
 def cache_root() -> Path:
@@ -82,8 +85,8 @@ class Entry:
 class DiskTier:
     """One pair's folder of span files, with an index in memory (thread-safe)."""
 
-    def __init__(self, folder: Path, key: str, max_bytes: int):
-        self.folder, self.key, self.max_bytes = folder, key, max_bytes
+    def __init__(self, folder: Path, key: str, max_bytes: int, block: int = BLOCK):
+        self.folder, self.key, self.max_bytes, self.block = folder, key, max_bytes, block
         self.lock = threading.Lock()
         self.index: dict[str, Entry] = {}
         self.broken = False
@@ -111,10 +114,12 @@ class DiskTier:
             self.index[path.name[: -len(SUFFIX)]] = entry
 
     @classmethod
-    def for_pair(cls, pair: Pair, max_bytes: int, root: Path | None = None) -> DiskTier:
+    def for_pair(
+        cls, pair: Pair, max_bytes: int, root: Path | None = None, block: int = BLOCK
+    ) -> DiskTier:
         key = fingerprint(pair)
         name = f"{pair_file(pair).removesuffix('.json')}-{key}"
-        return cls((root or cache_root()) / name, key, max_bytes)
+        return cls((root or cache_root()) / name, key, max_bytes, block)
 
     def name(self, ids: list[int]) -> str:
         h = hashlib.sha256(self.key.encode())
@@ -189,11 +194,14 @@ class DiskTier:
         if self.broken or not nodes:
             return
         for node in nodes:
-            s = node.span
-            parent = self.name(ids[: s.start]) if s.start else ""
-            arrays, meta = encode(s)
-            meta.update(format=FORMAT, pair=self.key, parent=parent)
-            self.jobs.put((self.name(ids[: s.end]), arrays, meta, s.start, s.end))
+            s, b = node.span, self.block
+            cuts = [s.start, *range((s.start // b + 1) * b, s.end, b), s.end]
+            for lo, hi in zip(cuts, cuts[1:]):
+                piece = s if (lo, hi) == (s.start, s.end) else s.part(lo, hi)
+                arrays, meta = encode(piece)
+                mx.eval(list(arrays.values()))  # here: the writer thread has no stream
+                meta.update(format=FORMAT, pair=self.key, parent=self.name(ids[:lo]) if lo else "")
+                self.jobs.put((self.name(ids[:hi]), arrays, meta, lo, hi))
             node.saved = True
         if self.writer is None:
             self.writer = threading.Thread(target=self.write_all, daemon=True, name="cache-disk")

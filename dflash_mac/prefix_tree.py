@@ -54,7 +54,9 @@ class Span:
 
         keep = self.recurrent if hi == self.end else None
         toks = self.tokens[lo - self.start : hi - self.start]
-        return Span(lo, toks, cut(self.target), cut(self.drafter), keep)
+        out = Span(lo, toks, cut(self.target), cut(self.drafter), keep)
+        mx.eval(out.arrays())  # on this thread's stream (the disk writer must not compute)
+        return out
 
 
 @dataclass(eq=False)

@@ -283,3 +283,17 @@ def test_hybrid_targets_restore_recurrent_states_exactly(hybrid, tmp_path):
     again = Session(hybrid, disk=DiskTier.for_pair(hybrid, 1 << 30, tmp_path))
     assert again.reuse(x + [3]) == len(x) and again.cache.last.source == "disk"
     assert_same_caches(again.state, cold_state(hybrid, x))
+
+
+def test_after_a_restart_a_new_conversation_finds_the_shared_blocks(tiny_pair, texts, tmp_path):
+    """Files end at every block boundary: a conversation sharing only the system prompt with
+    a cached one reads the blocks they share (in memory it would share every token)."""
+    x, y = texts["x"], texts["y"]
+    shared = next(i for i, (a, b) in enumerate(zip(x, y)) if a != b)
+    s = Session(tiny_pair, disk=DiskTier.for_pair(tiny_pair, 1 << 30, tmp_path, block=16))
+    turn(s, x)
+    s.cache.close()
+    again = Session(tiny_pair, disk=DiskTier.for_pair(tiny_pair, 1 << 30, tmp_path, block=16))
+    out, cached = turn(again, y)
+    assert cached == shared // 16 * 16 > 0 and again.cache.last.source == "disk"
+    assert out == fresh(tiny_pair, y)

@@ -150,7 +150,8 @@ def bench_command(
         "code",
         "--suite",
         "-s",
-        help=f"Prompt suite: {', '.join(SUITES)}, or all ({', '.join(ALL_SUITES)}).",
+        help=f"Prompt suite: {', '.join(SUITES)}, or all ({', '.join(ALL_SUITES)}); agent: "
+        "multi-turn agent transcripts through the prompt cache (TTFT cold / RAM / disk).",
     ),
     prompts_file: Path | None = typer.Option(
         None, "--prompts", help='JSONL prompts ({"id", "messages"|"prompt"}) instead of a suite.'
@@ -241,6 +242,10 @@ def bench_command(
         raise BenchError("--shape works with --cost-curve only.")
     if cost_curve:
         return cost_curve_command(model, draft, draft_bits, err, shape, shape_dtype)
+    if suite == "agent":
+        return agent_command(
+            model, draft, prompts_file, limit, max_tokens, block_size, draft_bits, fmt, out, err
+        )
     sampling = dict(top_p=top_p or 1.0, top_k=top_k or 0, min_p=min_p)
     sizes, temps = check_options(fmt, block_size, trials, cooldown, temp, max_tokens, sampling)
     prompts = read_prompts(prompts_file) if prompts_file else suite_prompts(suite, warn_line)
@@ -271,6 +276,41 @@ def bench_command(
         docs.append(measure_setting(pair, prompts, ids, cfg, tuning, label, common, err, live))
     save_acceptance(pair, tuning)  # what `auto` saw: the next process starts from it
     finish(docs, fmt, out, strict, err)
+
+
+def agent_command(model, draft, transcripts, limit, max_tokens, block_size, bits, fmt, out, err):
+    """`--suite agent` (bench/agent.py): the transcripts replayed turn by turn, greedy."""
+    from dflash_mac.cli.terminal import calibrate_auto, load_pair
+
+    from .agent import agent_markdown, agent_report, read_transcripts, run_agent_bench
+    from .writers import append_jsonl, to_json
+
+    if fmt not in ("md", "json"):
+        raise BenchError(f"--suite agent writes md or json (got --format {fmt}).")
+    if block_size is not None and "," in str(block_size):
+        raise BenchError("--suite agent runs one block size (auto or a number), not a sweep.")
+    doc = read_transcripts(transcripts)
+    prepared = load_pair(model, draft, draft_bits=bits)
+    tuning = calibrate_auto(prepared)
+    block = block_size or "auto"
+    start = load_average()
+
+    def progress(line: str) -> None:
+        err.print(line, highlight=False)
+
+    turns = run_agent_bench(prepared.pair, doc, max_tokens, block, tuning, limit, progress)
+    config = {"suite": "agent", "transcripts": str(transcripts or "shipped"), "limit": limit}
+    config |= {"max_tokens": max_tokens, "block_size": block, "temp": 0.0}
+    report = agent_report(
+        turns, header(prepared.pair) | {"load_avg": [start, load_average()]}, config
+    )
+    typer.echo(agent_markdown(report) if fmt == "md" else to_json(report), nl=False)
+    if out:
+        append_jsonl(out, report)
+    bad = report["total"]["turns"] - report["total"]["identical"]
+    if bad:
+        err.print(f"[bold red]error:[/] {bad} turn(s) answered differently", highlight=False)
+        raise typer.Exit(1)
 
 
 def check_options(
