@@ -244,7 +244,9 @@ class SpanRecorder:
         lo, hi = self.end, len(ids)
         if hi <= lo:
             return
-        assert all(c.offset == hi for c in target_cache if hasattr(c, "offset")), "ids != cache"
+        offsets = [c.offset for c in target_cache + draft_cache if hasattr(c, "offset")]
+        if any(o != hi for o in offsets):  # stopped mid-cycle: keep only what prefill wrote
+            return
         kept = min(hi, rows.drafter_kept(draft_cache, lo))
         if kept > lo:
             target = rows.target_rows(target_cache, lo, kept)

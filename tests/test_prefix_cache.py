@@ -297,3 +297,16 @@ def test_after_a_restart_a_new_conversation_finds_the_shared_blocks(tiny_pair, t
     out, cached = turn(again, y)
     assert cached == shared // 16 * 16 > 0 and again.cache.last.source == "disk"
     assert out == fresh(tiny_pair, y)
+
+
+def test_a_stream_closed_mid_answer_gives_back_what_is_consistent(tiny_pair, texts):
+    """A client that disconnects closes the stream between cycles: the prompt stays cached and
+    the next request decodes exactly as a fresh one."""
+    x = texts["x"]
+    s = Session(tiny_pair)
+    stream = s.stream(x, max_tokens=40, use_eos=False, block_size=4)
+    seen = [t for _, ev in zip(range(3), stream) for t in ev.tokens]
+    stream.close()
+    nxt = x + seen + [7]
+    out, cached = turn(s, nxt)
+    assert len(x) <= cached <= len(x) + len(seen) and out == fresh(tiny_pair, nxt)
