@@ -158,6 +158,18 @@ def agent_report(turns: list[AgentTurn], header: dict, config: dict) -> dict:
     }
 
 
+def validate(doc: dict) -> list[str]:
+    """Problems of an agent report document ([] when none)."""
+    problems = [f"missing {k!r}" for k in ("header", "config", "turns", "total") if k not in doc]
+    fields = set(AgentTurn.__dataclass_fields__)
+    for i, row in enumerate(doc.get("turns", [])):
+        if set(row) != fields:
+            problems.append(f"turns[{i}]: fields {sorted(set(row) ^ fields)}")
+    if doc.get("total", {}).get("turns") != len(doc.get("turns", [])):
+        problems.append("total.turns does not count the turns")
+    return problems
+
+
 def agent_markdown(doc: dict) -> str:
     h, t = doc["header"], doc["total"]
     lines = [

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from dflash_mac.bench import agent as agent_bench
+
 pytestmark = pytest.mark.slow  # starts the installed command
 
 TRANSCRIPTS = Path(__file__).resolve().parent.parent / "data" / "agent_tiny.json"
@@ -20,7 +22,7 @@ def test_agent_bench_reports_every_turn(cli, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr and "disk tier is off" not in r.stderr
     doc = json.loads(r.stdout)
-    assert doc == json.loads(out.read_text())
+    assert doc == json.loads(out.read_text()) and agent_bench.validate(doc) == []
     turns = doc["turns"]
     assert [(t["conversation"], t["turn"]) for t in turns] == [
         ("add", 1), ("sub", 1), ("add", 2), ("sub", 2)
