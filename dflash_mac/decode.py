@@ -53,6 +53,7 @@ class GenerationEvent:
     stats: DecodeStats
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token in `tokens`, when asked
+    stop: str | None = None  # the stop string that ended the text (finish_reason "stop")
 
 
 class DecodeState:
@@ -160,7 +161,9 @@ def speculative_stream(
         rec.prefilled()
         text = out.push([anchor], cfg.max_tokens)
         lps = pipe.first_logprobs and pipe.first_logprobs[: out.count]
-        yield GenerationEvent(text, out.tokens[:], 0, rec.snapshot(1), out.finish_reason, lps)
+        yield GenerationEvent(
+            text, out.tokens[:], 0, rec.snapshot(1), out.finish_reason, lps, out.stopped_by
+        )
 
         while out.finish_reason is None and not (should_stop and should_stop()):
             room = cfg.max_tokens - out.count
@@ -177,8 +180,9 @@ def speculative_stream(
             stats = rec.snapshot(out.count)
             lps = r.logprobs and r.logprobs[: out.count - before]  # the tokens kept
             yield GenerationEvent(
-                text, out.tokens[before:], r.accepted + 1, stats, out.finish_reason, lps
-            )
+                text, out.tokens[before:], r.accepted + 1, stats, out.finish_reason, lps,
+                out.stopped_by,
+            )  # fmt: skip
 
         pipe.close()
         if out.finish_reason is None:

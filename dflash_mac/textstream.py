@@ -40,6 +40,7 @@ class TextStream:
         self.finish_reason: str | None = None
         self._emitted = 0
         self._cut: int | None = None  # text length kept after a stop string
+        self.stopped_by: str | None = None  # the stop string that ended the text
 
     @property
     def count(self) -> int:
@@ -77,8 +78,11 @@ class TextStream:
 
     def _find_stop(self) -> int | None:
         text = self.detok.text
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        return min(hits) if hits else None
+        hits = [(i, s) for s in self.stop if (i := text.find(s)) >= 0]
+        if not hits:
+            return None
+        at, self.stopped_by = min(hits)
+        return at
 
     def _delta(self, final: bool) -> str:
         text = self.text

@@ -23,6 +23,7 @@ from dflash_mac.prefix_disk import DiskTier
 from dflash_mac.registry import BUNDLED_TARGET, load_registry
 from dflash_mac.session import Session
 
+from .anthropic import AnthropicRoutes
 from .cors import LOOPBACK_ORIGINS, cors
 from .ollama import OllamaRoutes
 from .requestlog import RequestLog
@@ -90,7 +91,7 @@ def create_app(
         session.cache.close()  # pending disk writes
 
     app = Starlette(
-        routes=routes.table() + OllamaRoutes(routes).table(),
+        routes=routes.table() + OllamaRoutes(routes).table() + AnthropicRoutes(routes).table(),
         lifespan=lifespan,
         middleware=[Middleware(RequestLog), *cors(cors_origins)],
         exception_handlers={APIError: api_error, HTTPException: api_error},

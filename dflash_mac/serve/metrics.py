@@ -27,6 +27,7 @@ def summary(ev: Any, kind: str) -> dict:
     return {
         "kind": kind,
         "finish_reason": ev.finish_reason,
+        "stop_sequence": getattr(ev, "stop", None),  # which stop string ended it, if one did
         "usage": {
             "prompt_tokens": s.prompt_tokens,
             "completion_tokens": s.generation_tokens,

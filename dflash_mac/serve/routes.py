@@ -63,14 +63,15 @@ class Routes:
         key = self.settings.api_key
 
         async def wrapped(request: Request) -> Response:
-            if key is not None:
+            if key is not None:  # `Authorization: Bearer` (OpenAI, Ollama) or `x-api-key`
                 scheme, _, token = request.headers.get("authorization", "").partition(" ")
-                if scheme.lower() != "bearer" or not hmac.compare_digest(
-                    token.strip().encode(), key.encode()
-                ):
+                token = token.strip() if scheme.lower() == "bearer" else ""
+                token = token or request.headers.get("x-api-key", "").strip()
+                if not token or not hmac.compare_digest(token.encode(), key.encode()):
                     raise APIError(
                         401,
-                        "missing or wrong API key; send 'Authorization: Bearer <key>'.",
+                        "missing or wrong API key; send 'Authorization: Bearer <key>' "
+                        "(or 'x-api-key: <key>').",
                         code="invalid_api_key",
                     )
             return await handler(request)
