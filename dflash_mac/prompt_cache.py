@@ -4,8 +4,9 @@ Caches that can be cut by position live in a radix tree of token spans (`prefix_
 bounded by bytes and by conversations (leaves), with an optional disk tier under it
 (`prefix_disk.py`) that survives restarts. A request gets a fresh `DecodeState` rebuilt from
 the tree, records what its prefill and decoding write (`SpanRecorder`), and gives it back to
-the tree at the end. Rotating windows (`--max-kv-size`) cannot be cut by position: their
-states are kept whole in a small LRU instead (`StateLRU`)."""
+the tree at the end. Rotating windows (`--max-kv-size`) cannot be cut by position, and a
+target sharded over ranks must keep its ranks in step: their states are kept whole in a small
+LRU instead (`StateLRU`)."""
 
 from __future__ import annotations
 
@@ -72,7 +73,11 @@ class PromptCache:
         self.max_bytes = max_bytes
         self.max_kv_size = max_kv_size  # every state's rotating window (None: unbounded)
         probe = self.fresh()
-        self.shared = cache_rows.cacheable(probe.target_cache, probe.draft_cache)
+        # a target sharded over ranks keeps its other ranks' caches in step through forward
+        # passes: a state rebuilt from rows on rank 0 alone would leave them behind
+        self.shared = pair.mirror is None and cache_rows.cacheable(
+            probe.target_cache, probe.draft_cache
+        )
         self.hybrid = cache_rows.has_recurrent(probe.target_cache)
         self.tree = PrefixTree()
         self.whole = StateLRU(self)  # rotating windows only

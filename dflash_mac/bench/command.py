@@ -38,10 +38,11 @@ def display_id(name: str) -> str:
     if name.startswith("pypi:"):  # pypi:NAME==VERSION/PATH#sha256=...: the hash is in the registry
         wheel, _, path = name.removeprefix("pypi:").split("#")[0].partition("/")
         return f"{wheel}/{Path(path).name}"
-    try:
-        return str(Path(name).resolve().relative_to(PACKAGE_MODELS))
-    except ValueError:
-        return name
+    parts = Path(name).parts  # also a report written from another checkout's models/
+    for i in range(len(parts) - 1, 0, -1):
+        if parts[i - 1] == "models" and (PACKAGE_MODELS / parts[i]).is_dir():
+            return "/".join(parts[i:])
+    return name
 
 
 def _quant(q: dict | None) -> str:
@@ -154,11 +155,15 @@ def bench_command(
         "code",
         "--suite",
         "-s",
-        help=f"Prompt suite: {', '.join(SUITES)}, or all ({', '.join(ALL_SUITES)}); agent: "
-        "multi-turn agent transcripts through the prompt cache (TTFT cold / RAM / disk).",
+        help=f"Prompt suite: {', '.join(SUITES)}, agent, or all ({', '.join(ALL_SUITES)}). "
+        "agent: multi-turn agent transcripts through the prompt cache (first-token time cold, "
+        "from memory, from disk).",
     ),
     prompts_file: Path | None = typer.Option(
-        None, "--prompts", help='JSONL prompts ({"id", "messages"|"prompt"}) instead of a suite.'
+        None,
+        "--prompts",
+        help='JSONL prompts ({"id", "messages"|"prompt"}) instead of a suite; with --suite '
+        'agent a transcripts JSON ({"system", "conversations"}).',
     ),
     limit: int | None = typer.Option(
         None, "--limit", help="Use the first K prompts of each suite."
