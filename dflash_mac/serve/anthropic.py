@@ -19,7 +19,7 @@ from starlette.routing import Route
 
 from dflash_mac.errors import PromptError
 
-from .responses import Responder, next_item
+from .responses import Responder, collect
 from .routes import SSE_HEADERS, Routes, body_of
 from .schema import APIError, GenRequest, bad, parse_chat
 from .worker import Job
@@ -241,18 +241,7 @@ class AnthropicRoutes:
         if req.stream:
             events = self.stream(job, out, base, ready.prompt_tokens)
             return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
-        texts, result = [], None
-        while (item := await next_item(job, request))[0] != "end":
-            kind, payload = item
-            if kind == "text":
-                texts.append(payload[0])
-            elif kind == "done":
-                result = payload
-            elif kind == "error":
-                raise payload
-        if result is None:
-            raise APIError(499, "the request was cancelled.")
-        reasoning, content = out.parts("".join(texts), final=True)
+        reasoning, content, result = await collect(job, request, out)
         blocks = [{"type": "thinking", "thinking": reasoning, "signature": ""}] if reasoning else []
         blocks += [{"type": "text", "text": content}] if content or not out.calls else []
         blocks += [tool_block(c) for c in out.calls]

@@ -173,6 +173,26 @@ async def next_item(job: Job, request: Request | None) -> tuple[str, Any]:
             pass
 
 
+async def collect(job: Job, request: Request, out: Responder) -> tuple[str, str, dict]:
+    """A whole (non-streamed) answer: (reasoning, content, result); the job's error raised,
+    a 499 when it was cancelled."""
+    texts, result = [], None
+    while (item := await next_item(job, request))[0] != "end":
+        kind, payload = item
+        if kind == "text":
+            texts.append(payload[0])
+        elif kind == "logprobs":
+            out.add_logprobs(payload)
+        elif kind == "done":
+            result = payload
+        elif kind == "error":
+            raise payload
+    if result is None:
+        raise APIError(499, "the request was cancelled.")
+    reasoning, content = out.parts("".join(texts), final=True)
+    return reasoning, content, result
+
+
 async def stream_events(job: Job, out: Responder) -> AsyncIterator[str]:
     """SSE: role chunk, deltas, final chunk, optional usage chunk, [DONE]. Leaving early (client
     disconnect) cancels the generation at its next cycle."""

@@ -18,7 +18,7 @@ from dflash_mac.session import Session
 
 from .metrics import prometheus
 from .requestlog import JOB
-from .responses import Responder, next_item, start_job, stream_events
+from .responses import Responder, collect, start_job, stream_events
 from .schema import APIError, GenRequest, parse_chat, parse_completion
 from .tools import ToolSupport
 from .worker import Job, Ready, Worker
@@ -123,21 +123,7 @@ class Routes:
             return StreamingResponse(
                 stream_events(job, out), media_type="text/event-stream", headers=SSE_HEADERS
             )
-        texts, result = [], None
-        while (item := await next_item(job, request))[0] != "end":
-            kind, payload = item
-            if kind == "text":
-                texts.append(payload[0])
-            elif kind == "logprobs":
-                out.add_logprobs(payload)
-            elif kind == "done":
-                result = payload
-            elif kind == "error":
-                raise payload
-        if result is None:
-            raise APIError(499, "the request was cancelled.")
-        reasoning, content = out.parts("".join(texts), final=True)
-        return JSONResponse(out.whole(reasoning, content, result))
+        return JSONResponse(out.whole(*await collect(job, request, out)))
 
     # -- models, stats, health ----------------------------------------------------------------
 
