@@ -88,12 +88,14 @@ def make_config(
     logit_bias: dict[int, float] | None = None,
     logprobs: int | None = None,
     json_schema: dict | Grammar | None = None,
+    copy: bool = True,
 ) -> GenerationConfig:
     """Validated per-request settings (PromptError with one sentence on bad input).
 
     `logprobs`: each committed token's log-probability and the top `logprobs` (0..20) on the
     events; `json_schema`: the answer is JSON valid against this schema (a dict, or a grammar
-    compiled once with `constraints.json_grammar`)."""
+    compiled once with `constraints.json_grammar`); `copy`: copy drafting where the last tokens
+    repeat earlier text (`copydraft.py`)."""
     if max_tokens < 1:
         raise PromptError(f"--max-tokens must be at least 1 (got {max_tokens}).")
     if not isinstance(block_size, BlockChoice):
@@ -112,7 +114,7 @@ def make_config(
     cfg = GenerationConfig(max_tokens, None, sp, seed, list(stop or []), use_eos)
     if isinstance(block_size, BlockChoice):
         cfg.block = block_size
-    cfg.penalties, cfg.logprobs, cfg.grammar = pen, logprobs, grammar
+    cfg.penalties, cfg.logprobs, cfg.grammar, cfg.copy = pen, logprobs, grammar, copy
     return cfg
 
 

@@ -108,8 +108,8 @@ def measure(
     for r in range(reps + WARMUP_ROUNDS):
         timer = ScriptedSizes(script(sizes, rng))
         cfg = GenerationConfig(
-            sum(timer.script) + 1, BlockChoice(max_bs), sp, seed=r, use_eos=False
-        )
+            sum(timer.script) + 1, BlockChoice(max_bs), sp, seed=r, use_eos=False, copy=False
+        )  # the drafter's cycles at each size: no copies in between
         for _ in speculative_stream(
             pair, ids, cfg, state, lambda t=timer: t.done, controller=timer
         ):

@@ -18,6 +18,7 @@ import mlx.core as mx
 
 from .capture import FeatureCapture, queues_layers
 from .constraints import Constraint, Grammar
+from .copydraft import CopyIndex, CopyPolicy
 from .models.penalties import Penalties, PenaltyContext, draft_sequential
 from .pair import Pair
 from .sampling import (
@@ -186,6 +187,7 @@ class Cycle:
     # [accepted, bonus, drafts..., logprob rows...]: what the host reads, computed with the
     # queued work (a new op at read time would wait behind whatever was queued after this cycle)
     outcome: mx.array | None = None
+    copied: bool = False  # drafts copied from earlier text (copydraft.py), not drafted
 
 
 @dataclass(frozen=True)
@@ -226,6 +228,7 @@ class CyclePipeline:
         pipelined: bool = True,
         logprobs: int | None = None,
         grammar: Grammar | None = None,
+        copy: bool = False,
     ):
         self.pair, self.state, self.cap, self.sp, self.size = pair, state, cap, sp, size
         self.pen = penalties
@@ -236,6 +239,10 @@ class CyclePipeline:
         self.rng = random.Random(seed)  # each cycle's key from the host: no device work for it
         self.pipelined = pipelined
         self.lookahead = pipelined and penalties is None and self.con is None
+        # copy drafting (penalties and grammars bind drafts on the host: not with those)
+        self.copies = copy and penalties is None and self.con is None
+        self.index: CopyIndex | None = None  # built from the prompt (`first_token`)
+        self.policy = CopyPolicy()
         self.queued: Cycle | None = None  # the next cycle, queued ahead
         self.chosen: int | None = None  # the next size, chosen before a plain step's sync
         self.last_bs = 0  # the previous cycle's size (0: none yet)
@@ -264,13 +271,15 @@ class CyclePipeline:
             self.first_logprobs = read_logprobs(flat[1:], 1, [token])
         if self.con:
             self.con.consume(token)
+        if self.copies:
+            self.index = CopyIndex(prompt)
         self.t_sync = time.perf_counter()
         return token
 
     # -- the cycle ---------------------------------------------------------------------------
     def cycle(self, anchor: int, room: int) -> Cycle:
         """The next cycle: the one queued ahead, else one queued now. Draft → verify queued."""
-        c = self.queued or self.start(self.chosen or self.size(room), anchor)
+        c = self.queued or self.start(self.chosen or self.size(room), anchor, room)
         self.queued = self.chosen = None
         if c.verdict is None:  # a hybrid's verify: queued once the last rollback is done
             self.queue_verify(c)
@@ -283,12 +292,14 @@ class CyclePipeline:
         if ahead:
             self.settle(c, [anchor])
             self.chosen = self.size(room - 1)
-            if self.chosen == 1:
+            if self.chosen == 1 and not self.may_copy():
                 self.queued = self.start(1, c.verdict[1])
         t_host = time.perf_counter()
         out = c.outcome.tolist()  # the one host sync of the cycle
         n = c.bs - 1
         a, bonus, drafted = int(out[0]), int(out[1]), [int(d) for d in out[2 : 2 + n]]
+        if c.copied:
+            self.policy.update(n, a)
         committed = drafted[:a] + [bonus]
         lps = None if self.logprobs is None else read_logprobs(out[2 + n :], c.bs, committed)
         if self.con:  # the grammar forgets the rejected drafts and takes the bonus
@@ -312,7 +323,7 @@ class CyclePipeline:
     def ahead(self, anchor: int, room: int) -> None:
         """Queue the next cycle right after the sync, before the host's bookkeeping."""
         if self.queued is None and room > 0 and (self.pipelined or self.chosen):
-            self.queued = self.start(self.chosen or self.size(room), anchor)
+            self.queued = self.start(self.chosen or self.size(room), anchor, room)
             self.chosen = None
 
     def close(self) -> None:
@@ -323,8 +334,22 @@ class CyclePipeline:
         self.ctx.flush()
 
     # -- its parts ---------------------------------------------------------------------------
-    def start(self, bs: int, anchor: int | mx.array) -> Cycle:
-        """Queue a cycle: the drafter pass for `[anchor, MASK...]` (none at block 1) and, unless
+    def may_copy(self) -> bool:
+        """Whether the next cycle may copy (then it waits for its anchor, not queued ahead)."""
+        return self.index is not None and self.policy.paused == 0 and self.index.may_match()
+
+    def copy_cycle(self, anchor: int, key: mx.array, room: int) -> Cycle | None:
+        """A cycle whose drafts are copied from earlier text, if there are any (its q, all mass
+        on each copied token, is made in `verify`)."""
+        drafts = self.index.propose(anchor, min(self.policy.length(), room - 1))
+        if not drafts:
+            return None
+        block = mx.array([anchor, *drafts], mx.int32)
+        return Cycle(len(drafts) + 1, block, block[1:], None, key, copied=True)
+
+    def start(self, bs: int, anchor: int | mx.array, room: int = 0) -> Cycle:
+        """Queue a cycle: the drafter pass for `[anchor, MASK...]` (none at block 1), or drafts
+        copied from earlier text where the last tokens repeat (`room` > 1 left), and, unless
         the target is a hybrid (whose rollback must watch its verify), the verify behind it.
         The anchor may still be lazy (the token of a plain step not yet read back)."""
         t = time.perf_counter()
@@ -333,7 +358,10 @@ class CyclePipeline:
         penalty = (
             self.pen.bind(self.state.ids[-self.pen.context_size :] + [anchor]) if self.pen else None
         )
-        if bs == 1:  # a plain target step: no drafts, no split of the key
+        copy = isinstance(anchor, int) and room > 1 and self.index is not None
+        if copy and (c := self.copy_cycle(anchor, key, room)) is not None:
+            pass  # no drafter pass: its context waits, as after a plain step
+        elif bs == 1:  # a plain target step: no drafts, no split of the key
             c = Cycle(1, first, mx.zeros((0,), mx.int32), None, key, penalty)
             c.masks = self.con.mask()[None] if self.con else None
         else:
@@ -385,10 +413,16 @@ class CyclePipeline:
             return (*accept_greedy(c.drafts, logits), logits)
         if c.bs == 1:
             return mx.array(0), sample_logits(logits, self.sp, c.key), logits
-        return (*accept_sampled(c.drafts, c.q, probabilities(logits, self.sp), c.key), logits)
+        p = probabilities(logits, self.sp)
+        q = c.q
+        if c.copied:  # a copied token is a draft with all of q's mass on it
+            q = (mx.arange(p.shape[-1])[None] == c.drafts[:, None]).astype(p.dtype)
+        return (*accept_sampled(c.drafts, q, p, c.key), logits)
 
     def settle(self, c: Cycle, kept: list) -> None:
         """Roll back a cycle's rejected positions; its kept features go to the drafter."""
         self.state.rollback.rollback(c.bs - len(kept), len(kept) - 1)
         self.ctx.add(self.cap.features()[:, : len(kept)])
         self.state.ids += kept
+        if self.index is not None:
+            self.index.extend(kept)

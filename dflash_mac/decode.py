@@ -41,6 +41,7 @@ class GenerationConfig:
     penalties: Penalties | None = None  # None: no penalties, no cost
     logprobs: int | None = None  # None: none; k: each committed token's and the top k
     grammar: Grammar | None = None  # structured output (constraints.py); None: free text
+    copy: bool = True  # copy drafting where the last tokens repeat earlier text (copydraft.py)
 
 
 @dataclass
@@ -154,7 +155,7 @@ def speculative_stream(
     gathered = mirror.features if mirror is not None else None  # pipeline stages gather
     capture = FeatureCapture(pair.target, pair.layer_ids, queue=queues_layers(), features=gathered)
     with capture as cap, state.rollback.hooks(), mx.stream(generation_stream), request_end(mirror):
-        pen, asks = cfg.penalties, (cfg.logprobs, cfg.grammar)
+        pen, asks = cfg.penalties, (cfg.logprobs, cfg.grammar, cfg.copy)
         pipe = CyclePipeline(pair, state, cap, sp, size, pen, cfg.seed, cfg.pipeline, *asks)
         logits = prefill(pair, state, prompt_ids, cap, cfg.prefill_step_size)
         anchor = pipe.first_token(logits, prompt_ids)
@@ -170,13 +171,13 @@ def speculative_stream(
             c = pipe.cycle(anchor, room)  # draft, and the verify queued behind it
             r = pipe.finish(c, anchor, room)  # accept: the one host sync; commit, roll back
             anchor = r.committed[-1]  # the bonus token: the next cycle's anchor
-            if plan:
+            if plan and not c.copied:  # copies say nothing about the drafter's blocks
                 plan.update(c.bs, r.accepted, r.seconds, r.steady)
             pipe.ahead(anchor, room - len(r.committed))  # queued before the bookkeeping
             before = out.count
             text = out.push(r.committed, cfg.max_tokens)
             reason = plan.last.reason if plan else ""
-            rec.cycle(c.bs, r.accepted + 1, r.host, reason, pipe.ctx.rows)
+            rec.cycle(c.bs, r.accepted + 1, r.host, reason, pipe.ctx.rows, c.copied)
             stats = rec.snapshot(out.count)
             lps = r.logprobs and r.logprobs[: out.count - before]  # the tokens kept
             yield GenerationEvent(

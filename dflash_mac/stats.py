@@ -82,6 +82,7 @@ class DecodeStats:
     parallel: str = ""  # tensor | pipeline ("" in one process)
     collectives_per_cycle: int = 0  # per target forward, counted in its graph at start-up
     collective_ms_per_cycle: float = 0.0  # that many all_sums, timed by a start-up probe
+    copied: tuple[bool, ...] = ()  # per cycle: its drafts were copied (copydraft.py)
 
     @property
     def tau(self) -> float:
@@ -105,10 +106,28 @@ class DecodeStats:
     def plain_steps(self) -> int:
         return sum(b == 1 for b in self.block_sizes)
 
+    def drafter_cycles(self) -> tuple[list[int], list[int] | None]:
+        """(committed, sizes) of the cycles the drafter drafted or plain steps: copies apart."""
+        lengths, sizes = list(self.acceptance_lengths), list(self.block_sizes) or None
+        if not any(self.copied) or len(self.copied) != len(lengths):
+            return lengths, sizes
+        keep = [not c for c in self.copied]
+        lengths = [a for a, k in zip(lengths, keep) if k]
+        return lengths, sizes and [b for b, k in zip(sizes, keep) if k]
+
     @property
     def draft_lengths(self) -> list[int]:
-        """Committed tokens of each drafting cycle (`drafting`)."""
-        return drafting(list(self.acceptance_lengths), list(self.block_sizes) or None)
+        """Committed tokens of each drafting cycle (`drafting`; copies apart)."""
+        return drafting(*self.drafter_cycles())
+
+    @property
+    def copy_cycles(self) -> int:
+        return sum(self.copied)
+
+    @property
+    def copy_tokens(self) -> int:
+        """Tokens committed by copy cycles (accepted copies and their bonus tokens)."""
+        return sum(a for a, c in zip(self.acceptance_lengths, self.copied) if c)
 
     @property
     def host_ms_per_cycle(self) -> float:
@@ -132,9 +151,8 @@ class DecodeStats:
 
     @property
     def position_acceptance(self) -> list[float]:
-        return position_acceptance(
-            list(self.acceptance_lengths), self.block_size, list(self.block_sizes) or None
-        )
+        lengths, sizes = self.drafter_cycles()
+        return position_acceptance(lengths, self.block_size, sizes)
 
     @property
     def prefill_tps(self) -> float:
@@ -175,6 +193,8 @@ class DecodeStats:
             "block_reason": self.block_reason,
             "host_ms_per_cycle": self.host_ms_per_cycle,
             "draft_context": self.draft_context,
+            "copy_cycles": self.copy_cycles,
+            "copy_tokens": self.copy_tokens,
             **(
                 {
                     "ranks": self.ranks,
@@ -212,6 +232,7 @@ class StatsRecorder:
         self.t0 = self.t_decode = time.perf_counter()
         self.lengths: list[int] = []
         self.sizes: list[int] = []
+        self.copied: list[bool] = []
         self.reason, self.host, self.context = "", 0.0, 0
 
     def prefilled(self) -> None:
@@ -219,9 +240,12 @@ class StatsRecorder:
         self.t_decode = time.perf_counter()
         self.base = replace(self.base, prefill_time=self.t_decode - self.t0)
 
-    def cycle(self, bs: int, committed: int, host: float, reason: str, context: int) -> None:
+    def cycle(
+        self, bs: int, committed: int, host: float, reason: str, context: int, copied=False
+    ) -> None:
         self.lengths.append(committed)
         self.sizes.append(bs)
+        self.copied.append(copied)
         self.reason, self.context = reason, context
         self.host += host
 
@@ -230,6 +254,7 @@ class StatsRecorder:
             self.base,
             acceptance_lengths=tuple(self.lengths),
             block_sizes=tuple(self.sizes),
+            copied=tuple(self.copied),
             block_reason=self.reason,
             host_time=self.host,
             draft_context=self.context,

@@ -458,9 +458,9 @@ def test_cost_curve_times_plain_steps_as_a_pipelined_run(tiny_pair, monkeypatch)
     starts = []
     real = CyclePipeline.start
 
-    def spy(self, bs, anchor):
+    def spy(self, bs, anchor, room=0):
         starts.append((bs, self.state.target_cache[0].offset, isinstance(anchor, mx.array)))
-        return real(self, bs, anchor)
+        return real(self, bs, anchor, room)
 
     monkeypatch.setattr(CyclePipeline, "start", spy)
     calibrate.measure(tiny_pair, max_bs=3, context=10, reps=1)

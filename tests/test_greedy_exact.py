@@ -46,8 +46,10 @@ def baseline(pair, ids: list[int], n: int) -> list[int]:
 
 
 def run(pair, ids, **kw) -> tuple[list[int], list, str]:
+    """The drafter's cycles (no copy drafting, tested in test_copydraft.py)."""
     if "block_size" in kw:  # a fixed size
         kw["block"] = BlockChoice(kw.pop("block_size"))
+    kw.setdefault("copy", False)
     events = list(speculative_stream(pair, ids, GenerationConfig(**kw)))
     tokens = [t for e in events for t in e.tokens]
     return tokens, [e.accepted for e in events[1:]], events[-1].finish_reason

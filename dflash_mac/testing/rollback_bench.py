@@ -81,7 +81,7 @@ def measure(pair: LoadedPair, ids: list[int], ref: list[int], strategy: str, bs:
     oracle = LoadedPair(pair.target, drafter, _Tok(), "", "", bs, pair.target_config)
     state = DecodeState(oracle)
     state.rollback = TimedRollback(pair.target, state.target_cache, strategy, timing=timing)
-    cfg = GenerationConfig(max_tokens=len(ref), block=BlockChoice(bs), use_eos=False)
+    cfg = GenerationConfig(max_tokens=len(ref), block=BlockChoice(bs), use_eos=False, copy=False)
     tokens, t0 = [], None
     for ev in speculative_stream(oracle, ids, cfg, state=state):
         tokens += ev.tokens

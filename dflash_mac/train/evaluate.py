@@ -101,6 +101,7 @@ def dflash_run(
         block=BlockChoice(block_size),
         sampling=SamplingParams(temperature=temperature),
         seed=seed,
+        copy=False,  # the drafter's own acceptance
     )
     out: list[int] = []
     t_first = t_last = None

@@ -1,0 +1,135 @@
+"""Copy drafting: the index finds earlier occurrences (never the suffix itself), the policy
+sizes and pauses copies, greedy output is unchanged, and sampled output keeps the target's
+exact distribution (chi-square, with a lossy rule the test must reject)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from dflash_mac.models.distribution import SamplingParams
+from test_sampling import V, chi_square_p, small_pair  # noqa: F401  (fixture)
+
+from dflash_mac.api import generate
+from dflash_mac.copydraft import CopyIndex, CopyPolicy
+from dflash_mac.sampling import probabilities
+from dflash_mac.session import Session
+from dflash_mac.testing.oracle import OracleDrafter, with_drafter
+
+# (0, 3, x) occurred for every token x, and the prompt ends with (0, 3): whatever the first
+# token, the next cycle copies what followed it
+PERIODIC = [0, 3, 0, 1, 0, 3, 1, 2, 0, 3, 2, 3, 0, 3, 3, 4, 0, 3, 4, 0, 0, 3]
+
+
+def test_index_finds_the_latest_earlier_occurrence():
+    idx = CopyIndex([5, 6, 7, 8, 9, 5, 6, 7, 1])
+    assert idx.propose(7, 3) == []  # (7, 1, 7) never occurred
+    idx = CopyIndex([5, 6, 7, 8, 9, 5, 6])
+    assert idx.propose(7, 3) == [8, 9, 5]  # (5, 6, 7) ended at 2: what followed
+    assert idx.propose(7, 7) == [8, 9, 5, 6, 7, 8, 9]  # to the anchor, then again (a loop)
+    idx.extend([7, 2, 2, 5, 6])  # (5, 6, 7) now also ended at 7
+    assert idx.propose(7, 2) == [2, 2]
+    assert idx.may_match() and not CopyIndex([1, 2, 3]).may_match()
+
+
+def test_index_never_matches_the_suffix_itself():
+    idx = CopyIndex([3, 3])
+    assert idx.propose(3, 4) == []  # (3, 3, 3) would only match itself
+    idx.extend([3])
+    assert idx.propose(3, 4) == [3, 3, 3, 3]  # (3, 3, 3) ended before the anchor: a loop
+
+
+def test_policy_grows_shrinks_and_pauses():
+    p = CopyPolicy(longest=16, budget=4)
+    assert p.length() == 4
+    p.update(4, 4)
+    assert p.length() == 8
+    p.update(8, 3)
+    assert p.length() == 5
+    for _ in range(3):
+        p.update(5, 0)
+    assert [p.length() for _ in range(9)] == [0] * 8 + [2]  # paused 8 cycles, then small
+    for _ in range(3):
+        p.update(2, 0)
+    assert sum(p.length() == 0 for _ in range(20)) == 16  # the next pause is twice as long
+    assert p.counts == {"cycles": 8, "tokens": 7}
+
+
+@pytest.mark.parametrize("block", [1, 4, "auto"])
+def test_greedy_output_is_unchanged(tiny_pair, block):
+    tok = tiny_pair.tokenizer
+    src = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
+    ids = tok.encode(src * 3 + "# again\n" + src[:20])
+    off = generate(tiny_pair, ids, max_tokens=48, use_eos=False, block_size=block, copy=False)
+    on = generate(tiny_pair, ids, max_tokens=48, use_eos=False, block_size=block, copy=True)
+    assert on.tokens == off.tokens
+    assert off.stats.copy_cycles == 0 and on.stats.copy_cycles > 0
+    assert on.stats.copy_tokens > on.stats.copy_cycles  # some copies were accepted
+    assert on.stats.cycles < off.stats.cycles
+    # the drafter's own acceptance pictures leave copies out
+    assert sum(on.stats.histogram) == on.stats.draft_cycles
+    assert on.stats.draft_cycles + on.stats.copy_cycles + on.stats.plain_steps >= on.stats.cycles
+
+
+def test_greedy_with_an_oracle_drafter_wrong_30_percent(tiny_pair):
+    ids = tiny_pair.tokenizer.encode("import os\nimport os\nimport")
+    ref = generate(tiny_pair, ids, max_tokens=40, use_eos=False, block_size=1, copy=False).tokens
+    oracle = with_drafter(tiny_pair, OracleDrafter(tiny_pair.drafter, ids + ref, 320, 0.3, 1))
+    out = generate(oracle, ids, max_tokens=40, use_eos=False, block_size=6, copy=True)
+    assert out.tokens == ref
+
+
+def joint_after(pair, prompt: list[int], sp: SamplingParams, n: int = 3) -> dict[tuple, float]:
+    """The target's distribution over the first n tokens after `prompt`, by enumeration."""
+    joint = {(): 1.0}
+    for _ in range(n):
+        nxt = {}
+        for prefix, pr in joint.items():
+            logits = pair.target(mx.array([prompt + list(prefix)]))[0, -1]
+            probs = np.array(probabilities(logits, sp)).astype(np.float64)
+            for t in range(V):
+                nxt[prefix + (t,)] = pr * probs[t]
+        joint = nxt
+    return joint
+
+
+def samples_with_copies(pair, sp, block, n) -> tuple[list[tuple], int]:
+    session, out, copies = Session(pair), [], 0
+    for seed in range(n):
+        events = list(
+            session.stream(
+                PERIODIC, max_tokens=3, block_size=block, temp=sp.temperature, seed=seed,
+                use_eos=False, copy=True,
+            )
+        )  # fmt: skip
+        out.append(tuple(t for e in events for t in e.tokens))
+        copies += events[-1].stats.copy_cycles
+    return out, copies
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", [1, 4])
+def test_sampled_copies_keep_the_target_distribution(small_pair, block):  # noqa: F811
+    sp = SamplingParams(temperature=1.0)
+    joint = joint_after(small_pair, PERIODIC, sp)
+    samples, copies = samples_with_copies(small_pair, sp, block, 1200)
+    assert copies >= 1000  # the test is about copies: nearly every sample had one
+    assert chi_square_p(samples, joint) > 0.001
+
+
+@pytest.mark.slow
+def test_a_lossy_copy_rule_is_detected(small_pair, monkeypatch):  # noqa: F811
+    """Accepting every copied token (no rejection) must fail the same test; at block 1 every
+    draft is a copy."""
+    import dflash_mac.cycle as engine
+
+    real = engine.accept_sampled
+
+    def accept_all(drafts, q, p, key):
+        return mx.array(drafts.shape[0]), real(drafts, q, p, key)[1]
+
+    monkeypatch.setattr(engine, "accept_sampled", accept_all)
+    sp = SamplingParams(temperature=1.0)
+    samples, copies = samples_with_copies(small_pair, sp, 1, 600)
+    assert copies >= 500
+    assert chi_square_p(samples, joint_after(small_pair, PERIODIC, sp)) < 1e-6
