@@ -200,6 +200,7 @@ def bench_command(
         "run instead of continuing as a chat or server does).",
     ),
     draft_bits: int | None = options.DRAFT_BITS,
+    copy: bool = options.COPY,
     reasoning: str | None = typer.Option(
         None,
         "--reasoning",
@@ -271,6 +272,7 @@ def bench_command(
         "block_sizes": sizes,
         "reasoning": reasoning,
         "draft_bits": draft_bits,
+        "copy": copy,
     }
     docs = []
     pair = prepared.pair
@@ -278,7 +280,7 @@ def bench_command(
     for label, sp in settings:
         cfg = BenchConfig(
             sizes, max_tokens, trials, sp.temperature, sp.top_p, sp.top_k, sp.min_p, seed,
-            not no_eos, cooldown, seeded_dflash=seeded,
+            not no_eos, cooldown, seeded_dflash=seeded, copy=copy,
         )  # fmt: skip
         if len(settings) > 1:
             err.print(f"[bold]{label}[/]", highlight=False)

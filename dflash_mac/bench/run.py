@@ -146,6 +146,7 @@ class BenchConfig:
     cooldown: float = 0.0
     warmup_tokens: int = 16
     seeded_dflash: bool = False  # sampled DFlash runs seeded too (auto then relearns each run)
+    copy: bool = True  # copy drafting in the DFlash runs
 
     @property
     def greedy(self) -> bool:
@@ -311,6 +312,7 @@ def run_dflash(
         min_p=cfg.min_p,
         seed=seed,
         use_eos=cfg.use_eos,
+        copy=cfg.copy,
         tuning=tuning if tuning is not None else AutoTuning(),
     ):
         clock.tick(kept=bool(ev.tokens))

@@ -252,6 +252,7 @@ def generate(
     chat_template: str | None = options.CHAT_TEMPLATE,  # the file's text
     max_kv_size: int | None = options.MAX_KV_SIZE,
     draft_bits: int | None = options.DRAFT_BITS,
+    copy: bool = options.COPY,
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print statistics after the text."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
 ) -> None:
@@ -275,6 +276,7 @@ def generate(
         frequency_penalty=frequency_penalty,
         repetition_penalty=repetition_penalty,
         logit_bias=parse_logit_bias(logit_bias),
+        copy=copy,
     )
     check_settings(max_tokens, block_size, settings)  # before the slow load
     prepared = load_pair(

@@ -26,6 +26,12 @@ MODEL = typer.Option(None, "--model", "-m", help=MODEL_HELP)
 DRAFT = typer.Option(None, "--draft", "-d", help=DRAFT_HELP)
 BLOCK_SIZE = typer.Option(None, "--block-size", "-b", help=BLOCK_HELP)
 DRAFT_BITS = typer.Option(None, "--draft-bits", help="Quantize the drafter to 4 or 8 bits.")
+COPY = typer.Option(
+    True,
+    "--copy/--no-copy",
+    help="Copy drafting: where the last tokens repeat earlier text, draft what followed there "
+    "(no drafter pass; edits and refactors repeat a lot).",
+)
 
 
 def read_chat_template(path: str | None) -> str | None:

@@ -281,6 +281,7 @@ def serve(
     ),
     chat_template: str | None = options.CHAT_TEMPLATE,  # the file's text
     max_kv_size: int | None = options.MAX_KV_SIZE,
+    copy: bool = options.COPY,
     cors_origins: str | None = typer.Option(
         None,
         "--cors-origins",
@@ -337,6 +338,7 @@ def serve(
             cors_origins=origins,
             max_kv_size=max_kv_size,
             prompt_cache_disk_bytes=prompt_cache_disk_bytes,
+            copy=copy,
         )
         announce(prepared, app.state.model_name, url, log_path)
         run_server(app, host, port)

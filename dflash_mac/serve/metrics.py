@@ -43,6 +43,8 @@ def summary(ev: Any, kind: str) -> dict:
             "decode_tps": round(s.decode_tps, 2),
             "prefill_tps": round(s.prefill_tps, 2),
             "ttft_s": round(s.ttft, 4),
+            "copy_cycles": s.copy_cycles,
+            "copy_tokens": s.copy_tokens,
         },
     }
 

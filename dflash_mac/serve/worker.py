@@ -82,9 +82,16 @@ class Job:
 class Worker:
     """Runs jobs on one thread against one `Session` (prefix reuse across requests)."""
 
-    def __init__(self, session: Session, block: BlockChoice | None = None, max_queue: int = 8):
+    def __init__(
+        self,
+        session: Session,
+        block: BlockChoice | None = None,
+        max_queue: int = 8,
+        copy: bool = True,
+    ):
         self.session = session
         self.block = block  # None: `auto` up to the pair's default size
+        self.copy = copy  # copy drafting (`serve --no-copy` turns it off)
         self.max_queue = max_queue  # requests that may wait behind the running one
         self._submit_lock = threading.Lock()
         self._durations: list[float] = []  # seconds of the last few requests (Retry-After)
@@ -210,6 +217,7 @@ class Worker:
                 should_stop=lambda: self._should_stop(job),
                 max_tokens=budget,
                 block_size=self.block,
+                copy=self.copy,
                 **req.sampling,
             ):
                 if ev.logprobs is not None:  # before the text they belong to
