@@ -34,8 +34,9 @@ from dflash_mac.policy import AUTO
 from dflash_mac.prompts import read_prompt_file
 from dflash_mac.stats import drafting, histogram
 
-SUITES = ("code", "math", "chat", "long")
-ALL_SUITES = ("code", "math", "chat")  # `--suite all`; `long` (1,000-1,900 tokens) runs alone
+SUITES = ("code", "math", "chat", "long", "edit")
+# `--suite all`; `long` (1,000-1,900 tokens) and `edit` (copy-heavy rewrites) run alone
+ALL_SUITES = ("code", "math", "chat")
 SUITE_DIR = Path(__file__).resolve().parent.parent / "data" / "suites"
 FORMATS = ("md", "json", "jsonl", "csv")
 
