@@ -5,14 +5,12 @@ exact distribution (chi-square, with a lossy rule the test must reject)."""
 from __future__ import annotations
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from dflash_mac.models.distribution import SamplingParams
-from test_sampling import V, chi_square_p, small_pair  # noqa: F401  (fixture)
+from test_sampling import chi_square_p, exact_joint, small_pair  # noqa: F401  (fixture)
 
 from dflash_mac.api import generate
 from dflash_mac.copydraft import CopyIndex, CopyPolicy
-from dflash_mac.sampling import probabilities
 from dflash_mac.session import Session
 from dflash_mac.testing.oracle import OracleDrafter, with_drafter
 
@@ -79,20 +77,6 @@ def test_greedy_with_an_oracle_drafter_wrong_30_percent(tiny_pair):
     assert out.tokens == ref
 
 
-def joint_after(pair, prompt: list[int], sp: SamplingParams, n: int = 3) -> dict[tuple, float]:
-    """The target's distribution over the first n tokens after `prompt`, by enumeration."""
-    joint = {(): 1.0}
-    for _ in range(n):
-        nxt = {}
-        for prefix, pr in joint.items():
-            logits = pair.target(mx.array([prompt + list(prefix)]))[0, -1]
-            probs = np.array(probabilities(logits, sp)).astype(np.float64)
-            for t in range(V):
-                nxt[prefix + (t,)] = pr * probs[t]
-        joint = nxt
-    return joint
-
-
 def samples_with_copies(pair, sp, block, n) -> tuple[list[tuple], int]:
     session, out, copies = Session(pair), [], 0
     for seed in range(n):
@@ -111,7 +95,7 @@ def samples_with_copies(pair, sp, block, n) -> tuple[list[tuple], int]:
 @pytest.mark.parametrize("block", [1, 4])
 def test_sampled_copies_keep_the_target_distribution(small_pair, block):  # noqa: F811
     sp = SamplingParams(temperature=1.0)
-    joint = joint_after(small_pair, PERIODIC, sp)
+    joint = exact_joint(small_pair, sp, prompt=PERIODIC)
     samples, copies = samples_with_copies(small_pair, sp, block, 1200)
     assert copies >= 1000  # the test is about copies: nearly every sample had one
     assert chi_square_p(samples, joint) > 0.001
@@ -132,4 +116,4 @@ def test_a_lossy_copy_rule_is_detected(small_pair, monkeypatch):  # noqa: F811
     sp = SamplingParams(temperature=1.0)
     samples, copies = samples_with_copies(small_pair, sp, 1, 600)
     assert copies >= 500
-    assert chi_square_p(samples, joint_after(small_pair, PERIODIC, sp)) < 1e-6
+    assert chi_square_p(samples, exact_joint(small_pair, sp, prompt=PERIODIC)) < 1e-6

@@ -40,15 +40,17 @@ def small_pair(tiny_pair):
     return LoadedPair(target, drafter, tiny_pair.tokenizer, "small", "small-draft", 4, tcfg)
 
 
-def exact_joint(pair, sp: SamplingParams, n: int = 3) -> dict[tuple, float]:
-    """The target's own distribution over the first n tokens, by enumeration."""
+def exact_joint(
+    pair, sp: SamplingParams, n: int = 3, prompt: list[int] = PROMPT
+) -> dict[tuple, float]:
+    """The target's own distribution over the first n tokens after `prompt`, by enumeration."""
     joint = {(): 1.0}
     for _ in range(n):
         nxt = {}
         for prefix, pr in joint.items():
             if pr == 0:
                 continue
-            logits = pair.target(mx.array([PROMPT + list(prefix)]))[0, -1]
+            logits = pair.target(mx.array([prompt + list(prefix)]))[0, -1]
             probs = np.array(probabilities(logits, sp)).astype(np.float64)
             for t in range(V):
                 nxt[prefix + (t,)] = pr * probs[t]
