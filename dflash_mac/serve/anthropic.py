@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from dflash_mac.api import reasoning_args
 from dflash_mac.errors import PromptError
 
 from .responses import Responder, collect
@@ -52,7 +53,8 @@ def anthropic_errors(handler: Handler) -> Handler:
 
 
 def error_body(e: APIError) -> dict:
-    kind = ERROR_TYPES.get(e.status, "api_error")
+    """Anthropic's error object; a 4xx it has no name for is the request's fault."""
+    kind = ERROR_TYPES.get(e.status, "invalid_request_error" if e.status < 500 else "api_error")
     return {"type": "error", "error": {"type": kind, "message": e.message}}
 
 
@@ -160,10 +162,29 @@ def openai_body(body: Any) -> dict:
             out[key] = body[key]
     if body.get("stop_sequences"):
         out["stop"] = body["stop_sequences"]
-    thinking = body.get("thinking")
-    if isinstance(thinking, dict) and thinking.get("type") in ("enabled", "disabled"):
-        out["reasoning_effort"] = "medium" if thinking["type"] == "enabled" else "none"
     return out | openai_tools(body.get("tools"), body.get("tool_choice"))
+
+
+def apply_thinking(req: GenRequest, thinking: Any, tokenizer: Any) -> None:
+    """Anthropic's `thinking` as the CLI's --reasoning. `enabled` (or `adaptive`) is `on` where
+    the chat template has a thinking mode (a switch or effort levels); elsewhere the model
+    answers without one, as documented: Claude Code may send it to any model it is pointed at,
+    and a 400 would end the session. `disabled` turns a switch off, like Ollama's
+    `think: false` (harmless for templates without one)."""
+    if thinking is None:
+        return
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind in ("enabled", "adaptive"):
+        try:
+            reasoning_args(tokenizer, "on")
+        except PromptError:
+            return  # no thinking mode in this template
+        req.template["reasoning"] = "on"
+    elif kind == "disabled":
+        args = req.template.get("chat_template_args", {})
+        req.template["chat_template_args"] = {**args, "enable_thinking": False}
+    else:
+        raise bad("thinking", "'thinking' must be {'type': enabled | adaptive | disabled}.")
 
 
 def usage(result: dict) -> dict:
@@ -217,6 +238,7 @@ class AnthropicRoutes:
     def request(self, body: Any) -> GenRequest:
         s = self.routes.settings
         req = parse_chat(openai_body(body), s.max_tokens, s.max_tokens, s.default_temp)
+        apply_thinking(req, body.get("thinking"), self.routes.pair.tokenizer)
         if req.tools:
             self.routes.give_tools(req)
         return req
@@ -230,6 +252,8 @@ class AnthropicRoutes:
             ids = self.routes.session.tokenize(req.prompt, **req.template)
         except PromptError as e:
             raise APIError(400, str(e))
+        except Exception as e:  # the messages don't fit the template: the worker's 400 too
+            raise APIError(400, f"could not build the prompt: {e}")
         return JSONResponse({"input_tokens": len(ids)})
 
     async def messages(self, request: Request) -> Response:
@@ -261,9 +285,11 @@ class AnthropicRoutes:
         tool_use block per parsed call), message_delta with the stop reason, message_stop.
         Leaving early (client disconnect) cancels the generation at its next cycle."""
         open_kind, index = None, -1
+        kinds: set[str] = set()  # block kinds opened so far
 
         def switch(kind: str, start: dict) -> list[str]:
             nonlocal open_kind, index
+            kinds.add(kind)
             events = [sse("content_block_stop", {"type": "content_block_stop", "index": index})]
             events = events if open_kind else []
             index += 1
@@ -300,9 +326,11 @@ class AnthropicRoutes:
                             yield e
                         yield delta({"type": "input_json_delta", "partial_json": args})
                 elif kind == "done":
-                    if open_kind:
-                        yield sse("content_block_stop", {"type": "content_block_stop",
-                                                         "index": index})  # fmt: skip
+                    if "text" not in kinds and not out.calls:  # the blocks a whole answer has
+                        for e in switch("text", {"type": "text", "text": ""}):
+                            yield e
+                    yield sse("content_block_stop", {"type": "content_block_stop",
+                                                     "index": index})  # fmt: skip
                     reason, seq = stop_of(out, payload)
                     yield sse("message_delta", {"type": "message_delta", "usage": usage(payload),
                               "delta": {"stop_reason": reason, "stop_sequence": seq}})  # fmt: skip

@@ -23,7 +23,7 @@ from dflash_mac.prefix_disk import DiskTier
 from dflash_mac.registry import BUNDLED_TARGET, load_registry
 from dflash_mac.session import Session
 
-from .anthropic import AnthropicRoutes
+from .anthropic import AnthropicRoutes, error_body
 from .cors import LOOPBACK_ORIGINS, cors
 from .ollama import OllamaRoutes
 from .requestlog import RequestLog
@@ -43,11 +43,13 @@ def model_name(pair: Pair) -> str:
 
 
 async def api_error(request: Request, exc: Exception) -> Response:
-    """Errors as OpenAI error objects."""
+    """Errors as OpenAI error objects; under /v1/messages (a wrong method, say) as Anthropic's,
+    which is all its clients parse."""
     if isinstance(exc, HTTPException):
         exc = APIError(exc.status_code, str(exc.detail), kind="invalid_request_error")
     assert isinstance(exc, APIError)
-    return JSONResponse(exc.body(), status_code=exc.status, headers=getattr(exc, "headers", None))
+    body = error_body(exc) if request.url.path.startswith("/v1/messages") else exc.body()
+    return JSONResponse(body, status_code=exc.status, headers=getattr(exc, "headers", None))
 
 
 def create_app(
