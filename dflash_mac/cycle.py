@@ -358,9 +358,10 @@ class CyclePipeline:
         penalty = (
             self.pen.bind(self.state.ids[-self.pen.context_size :] + [anchor]) if self.pen else None
         )
-        copy = isinstance(anchor, int) and room > 1 and self.index is not None
-        if copy and (c := self.copy_cycle(anchor, key, room)) is not None:
-            pass  # no drafter pass: its context waits, as after a plain step
+        can_copy = isinstance(anchor, int) and room > 1 and self.index is not None
+        copied = self.copy_cycle(anchor, key, room) if can_copy else None
+        if copied is not None:  # no drafter pass: its context waits, as after a plain step
+            c = copied
         elif bs == 1:  # a plain target step: no drafts, no split of the key
             c = Cycle(1, first, mx.zeros((0,), mx.int32), None, key, penalty)
             c.masks = self.con.mask()[None] if self.con else None

@@ -112,10 +112,10 @@ class PromptCache:
         t0 = time.perf_counter()
         if not self.shared:
             state, keep = self.whole.take(ids)
+            source = "ram" if keep else "miss"
         else:
             state, keep, source = self.rebuild(ids)
             state.record = SpanRecorder(keep, self.max_chunk(state))
-        source = "miss" if keep == 0 else ("ram" if not self.shared else source)
         self.hits[source] += 1
         self.reused += keep
         self.last = Lookup(source, keep, time.perf_counter() - t0)

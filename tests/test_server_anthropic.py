@@ -128,6 +128,15 @@ def test_tool_use_blocks(client, scripted):  # noqa: F811
     assert [b.type for b in final.content] == [b.type for b in r.content]
 
 
+def rendered_with_weather(tok, messages: list[dict]) -> str:
+    """The chat template's text of OpenAI-shaped `messages` with the weather tool."""
+    fn = {"name": WEATHER["name"], "description": WEATHER["description"]}
+    tools = [{"type": "function", "function": fn | {"parameters": WEATHER["input_schema"]}}]
+    return tok.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=False
+    )
+
+
 def test_tool_result_round_trip_reaches_the_template(server, client):
     messages = [
         {"role": "user", "content": "Weather in Paris?"},
@@ -160,12 +169,8 @@ def test_tool_result_round_trip_reaches_the_template(server, client):
                                               "arguments": {"city": "Paris"}}}]},
         {"role": "tool", "content": "sunny, 21 C"},
     ]  # fmt: skip
-    fn = {"name": WEATHER["name"], "description": WEATHER["description"]}
-    tools = [{"type": "function", "function": fn | {"parameters": WEATHER["input_schema"]}}]
     tok = server["pair"].tokenizer
-    text = tok.apply_chat_template(
-        rendered, tools=tools, add_generation_prompt=True, tokenize=False
-    )
+    text = rendered_with_weather(tok, rendered)
     assert "<tool_response>\nsunny, 21 C\n</tool_response>" in text
     assert counted.input_tokens == len(tok.encode(text, add_special_tokens=False))
 
@@ -249,12 +254,8 @@ def test_failed_tool_result_as_text_blocks(server, client):
         {"role": "tool", "content": "Error: no such city"},
         {"role": "user", "content": "Try again."},
     ]  # fmt: skip
-    fn = {"name": WEATHER["name"], "description": WEATHER["description"]}
-    tools = [{"type": "function", "function": fn | {"parameters": WEATHER["input_schema"]}}]
     tok = server["pair"].tokenizer
-    text = tok.apply_chat_template(
-        rendered, tools=tools, add_generation_prompt=True, tokenize=False
-    )
+    text = rendered_with_weather(tok, rendered)
     assert "<tool_response>\nError: no such city\n</tool_response>" in text
     got = client.messages.count_tokens(model="dflash", messages=messages, tools=[WEATHER])
     assert got.input_tokens == len(tok.encode(text, add_special_tokens=False))
