@@ -162,7 +162,8 @@ class BatchEngine:
         # the chunks `decode.prefill` runs (same boundaries: the same numbers as alone)
         new = ids[len(r.state.ids) :]
         head, record = new[:-1], r.state.record
-        step = min(cfg.prefill_step_size, record.max_chunk) if record else cfg.prefill_step_size
+        step = min(cfg.prefill_step_size, self.prefill_chunk)
+        step = min(step, record.max_chunk) if record else step
         r.chunks = deque([head[i : i + step] for i in range(0, len(head), step)] + [new[-1:]])
         self.prefilling.append(r)
 
