@@ -63,12 +63,14 @@ class RaggedAttention:
         v = attn.v_proj(x).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
         if hasattr(attn, "q_norm"):  # Qwen3
             q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)  # [B, H, L, hd]
+        offsets = mx.array([c.offset for c in cache.rows])  # [B]: RoPE per row, in one op
+        q = attn.rope(q.transpose(0, 2, 1, 3), offset=offsets)  # [B, H, L, hd]
+        k = attn.rope(k.transpose(0, 2, 1, 3), offset=offsets)
         outs = []
         for i, c in enumerate(cache.rows):
             row_mask = create_attention_mask(x[i : i + 1], c)  # before the update, as alone
-            qi = attn.rope(q[i : i + 1], offset=c.offset)
-            ki, vi = c.update_and_fetch(attn.rope(k[i : i + 1], offset=c.offset), v[i : i + 1])
+            ki, vi = c.update_and_fetch(k[i : i + 1], v[i : i + 1])
+            qi = q[i : i + 1]
             outs.append(
                 scaled_dot_product_attention(qi, ki, vi, cache=c, scale=attn.scale, mask=row_mask)
             )

@@ -172,7 +172,11 @@ def measure_concurrency(
 
 def concurrency_markdown(doc: dict) -> str:
     """The report as markdown tables, one per sampling setting."""
-    lines = [f"# Concurrency: {doc['header'].get('model_id', '')}", ""]
+    h = doc["header"]
+    lines = [
+        f"# Concurrency: {h.get('target', '')} + {h.get('draft', '')} ({h.get('cpu', '')})",
+        "",
+    ]
     cfg = doc["config"]
     lines.append(
         f"{cfg['prompts']} prompts of the `{cfg['suite']}` suite, up to {cfg['max_tokens']} "
