@@ -5,8 +5,10 @@ for four. `BatchBlockRule` keeps, per batch size B, the measured time of a cycle
 candidate block size (exponential moving averages; the first cycle at a (B, bs), which compiles
 its graphs, is not used) and one running per-position acceptance rate alpha over all rows. It
 picks the size maximising B * E[tokens | bs] / cost(B, bs) with E = 1 + alpha + ... +
-alpha^(bs-1); a candidate not yet timed at this B is tried first (two cycles each), and every
-`REVISIT` cycles the runner-up is timed again so the costs follow the machine. Pure Python."""
+alpha^(bs-1); candidates are timed in ascending order at each B (three cycles each), a larger
+one only while it could still pay at the cost of the largest timed below it (costs grow with
+the block), and every `REVISIT` cycles the runner-up is timed again so the costs follow the
+machine. Pure Python."""
 
 from __future__ import annotations
 
@@ -42,12 +44,17 @@ class BatchBlockRule:
             self.last_reason = "fixed"
             return cap
         sizes = [s for s in self.candidates if s <= cap] or [1]
-        for s in sizes:
-            if self.timed.get((batch, s), 0) < self.SAMPLES + 1:
-                self.last_reason = "timing"
-                return s
-        rates = {s: batch * self.expected(s) / self.cost[(batch, s)] for s in sizes}
-        ranked = sorted(sizes, key=rates.get, reverse=True)
+        rates: dict[int, float] = {}
+        for s in sizes:  # ascending: a cycle costs at least what a smaller one costs
+            if self.timed.get((batch, s), 0) >= self.SAMPLES + 1:
+                rates[s] = batch * self.expected(s) / self.cost[(batch, s)]
+                continue
+            floor = max((self.cost[(batch, t)] for t in rates), default=0.0)
+            if floor and batch * self.expected(s) / floor < max(rates.values()):
+                continue  # cannot pay even at a smaller size's cost: not worth timing
+            self.last_reason = "timing"
+            return s
+        ranked = sorted(rates, key=rates.get, reverse=True)
         n = self.cycles.get(batch, 0)
         if len(ranked) > 1 and n % self.REVISIT == self.REVISIT - 1:
             self.last_reason = "revisit"

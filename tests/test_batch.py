@@ -30,6 +30,7 @@ from dflash_mac.testing.oracle import OracleDrafter, with_drafter
 from dflash_mac.testing.tiny import draft_config, target_config
 
 PROMPTS = ["def add(a, b):", "import os", "class Stack:", "hello world the quick brown fox"]
+V_TINY = 320  # the tiny pair's vocabulary (the oracle's drafts must be in it)
 CHUNK = 512  # the engine's prefill chunk; alone runs get the same (same numbers)
 
 
@@ -176,7 +177,8 @@ def test_oracle_ragged_acceptance_matches_plain_decoding(tiny_pair, on_thread):
         ]
         # one oracle per row would need a per-row drafter: one sequence, three prompts that
         # share it give each row its own (mostly wrong) drafts
-        oracle = OracleDrafter(tiny_pair.drafter, prompts[0] + refs[0], 256, error_rate=0.3)
+        assert tiny_pair.drafter.config.vocab_size == V_TINY
+        oracle = OracleDrafter(tiny_pair.drafter, prompts[0] + refs[0], V_TINY, error_rate=0.3)
         pair = with_drafter(tiny_pair, oracle)
         engine = BatchEngine(pair, 3, 4, auto=False)
         got = batched(pair, [(p, config(30)) for p in prompts], engine)
@@ -245,6 +247,11 @@ def test_the_batch_rule_times_each_size_then_takes_the_best():
     rates = {s: 4 * rule.expected(s) / rule.cost[(4, s)] for s in rule.candidates}
     assert chosen[-1] == max(rates, key=rates.get)
     assert rule.choose(4, 3) <= 3  # never wider than the room left
+    weak = BatchBlockRule(8)  # a drafter that is always wrong: wide blocks are never timed
+    for _ in range(20):
+        bs = weak.choose(2, 100)
+        weak.update(2, bs, 0.01 * (1 + 0.5 * (bs > 1) + 0.1 * bs), [0, 0])
+    assert (2, 8) not in weak.timed and weak.choose(2, 100) == 1
     assert BatchBlockRule(6, fixed=True).choose(8, 100) == 6
 
 
@@ -291,3 +298,33 @@ def test_a_lossy_batched_rule_is_detected(small_pair, on_thread, monkeypatch):
     monkeypatch.setattr(batch, "accept_sampled", accept_all)
     samples = on_thread(lambda: batch_samples(small_pair, sp, 600))
     assert chi_square_p(samples, joint) < 1e-6
+
+
+def test_bench_concurrency_runs_three_ways_and_checks_greedy_identity(tiny_pair, on_thread):
+    from dflash_mac.autoblock import AutoTuning
+    from dflash_mac.bench.command import parse_levels
+    from dflash_mac.bench.concurrency import concurrency_markdown, measure_concurrency
+    from dflash_mac.bench.run import BenchError
+
+    ids = [tiny_pair.tokenizer.encode(p) for p in PROMPTS[:2]]
+    settings = [("greedy", SamplingParams())]
+    block = BlockChoice(4, auto=True)
+    rows = on_thread(
+        lambda: measure_concurrency(
+            tiny_pair, ids, [1, 2], settings, 12, block, AutoTuning(), use_eos=False
+        )
+    )
+    assert [r["concurrency"] for r in rows] == [1, 2]
+    assert [r["identical"] for r in rows] == ["1/1", "2/2"]
+    for r in rows:
+        names = [w["way"] for w in r["ways"]]
+        assert names == ["dflash-batched", "dflash-one-at-a-time", "mlx-lm-batched-plain"]
+        assert [w["tokens"] == 12 * r["concurrency"] for w in r["ways"]][:2] == [True, True]
+        assert r["ways"][2]["tokens"] > 0  # mlx-lm stops at EOS
+        assert r["batched_vs_alone"] > 0 and r["batched_vs_plain"] > 0
+    doc = {"config": {"prompts": 2, "suite": "code", "max_tokens": 12, "block": "auto ≤4"}}
+    doc |= {"rows": rows, "header": {"target": "t", "draft": "d", "cpu": "c"}}
+    assert "| 2 |" in concurrency_markdown(doc)
+    assert parse_levels("4,1,2,2") == [1, 2, 4]
+    with pytest.raises(BenchError, match="stream counts"):
+        parse_levels("0,2")
