@@ -303,7 +303,7 @@ def test_a_lossy_batched_rule_is_detected(small_pair, on_thread, monkeypatch):
 def test_bench_concurrency_runs_three_ways_and_checks_greedy_identity(tiny_pair, on_thread):
     from dflash_mac.autoblock import AutoTuning
     from dflash_mac.bench.command import parse_levels
-    from dflash_mac.bench.concurrency import concurrency_markdown, measure_concurrency
+    from dflash_mac.bench.concurrency import concurrency_markdown, measure_concurrency, validate
     from dflash_mac.bench.run import BenchError
 
     ids = [tiny_pair.tokenizer.encode(p) for p in PROMPTS[:2]]
@@ -325,6 +325,14 @@ def test_bench_concurrency_runs_three_ways_and_checks_greedy_identity(tiny_pair,
     doc = {"config": {"prompts": 2, "suite": "code", "max_tokens": 12, "block": "auto ≤4"}}
     doc |= {"rows": rows, "header": {"target": "t", "draft": "d", "cpu": "c"}}
     assert "| 2 |" in concurrency_markdown(doc)
+    assert validate(doc | {"kind": "concurrency"}) == []
+    broken = {
+        "kind": "concurrency",
+        "config": {},
+        "header": {},
+        "rows": [{"ways": rows[0]["ways"][:2]}],
+    }
+    assert len(validate(broken)) == 2  # a way missing, no concurrency
     assert parse_levels("4,1,2,2") == [1, 2, 4]
     with pytest.raises(BenchError, match="stream counts"):
         parse_levels("0,2")

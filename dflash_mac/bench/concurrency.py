@@ -202,3 +202,26 @@ def concurrency_markdown(doc: dict) -> str:
                 f"{r['batched_vs_plain']:.2f}x | {r.get('identical', '-')} |"
             )
     return "\n".join(lines) + "\n"
+
+
+WAYS = ("dflash-batched", "dflash-one-at-a-time", "mlx-lm-batched-plain")
+
+
+def validate(doc: dict) -> list[str]:
+    """What is wrong with a `--concurrency` document (empty: nothing)."""
+    bad = []
+    if doc.get("kind") != "concurrency":
+        bad.append("kind is not 'concurrency'")
+    for key in ("config", "rows", "header"):
+        if not isinstance(doc.get(key), (dict, list)):
+            bad.append(f"no {key}")
+    for i, row in enumerate(doc.get("rows") or []):
+        ways = row.get("ways") or []
+        if [w.get("way") for w in ways] != list(WAYS):
+            bad.append(f"rows[{i}]: the ways are not {', '.join(WAYS)}")
+        if not isinstance(row.get("concurrency"), int) or row["concurrency"] < 1:
+            bad.append(f"rows[{i}]: concurrency is not a positive integer")
+        for w in ways:
+            if not isinstance(w.get("aggregate_tps"), (int, float)) or w["aggregate_tps"] < 0:
+                bad.append(f"rows[{i}]: {w.get('way')} has no aggregate_tps")
+    return bad
