@@ -282,6 +282,7 @@ def serve(
     chat_template: str | None = options.CHAT_TEMPLATE,  # the file's text
     max_kv_size: int | None = options.MAX_KV_SIZE,
     copy: bool = options.COPY,
+    tree_budget: str = options.TREE_BUDGET,  # parsed: int | None
     cors_origins: str | None = typer.Option(
         None,
         "--cors-origins",
@@ -339,6 +340,7 @@ def serve(
             max_kv_size=max_kv_size,
             prompt_cache_disk_bytes=prompt_cache_disk_bytes,
             copy=copy,
+            tree=tree_budget,
         )
         announce(prepared, app.state.model_name, url, log_path)
         run_server(app, host, port)
