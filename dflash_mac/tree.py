@@ -140,7 +140,8 @@ def rope_by_token(obj: nn.Module, call: Callable, x: mx.array, offset: Any = 0) 
     """A RoPE hook: offsets `[L]` (one position per token, batch 1) rotate each token at its
     own position, by running the rotation with the tokens as the batch (per-batch offsets);
     exactly `call` for a chain of consecutive positions."""
-    if isinstance(offset, mx.array) and offset.ndim == 1 and x.shape[0] == 1:
+    by_token = isinstance(offset, mx.array) and offset.ndim == 1 and x.shape[0] == 1
+    if by_token and offset.shape[0] == x.shape[-2]:  # not per-row offsets of a batch
         return call(x.swapaxes(0, 2), offset=offset).swapaxes(0, 2)  # [L, H, 1, D]
     return call(x, offset=offset)
 

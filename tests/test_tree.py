@@ -166,6 +166,21 @@ def test_greedy_output_is_the_targets(tiny_pair, tree, block):
         assert out.stats.tree_cycles == out.stats.cycles - 1
 
 
+def test_tree_cycles_show_in_the_stats_and_the_servers_summary(tiny_pair):
+    from types import SimpleNamespace
+
+    from dflash_mac.serve.metrics import summary
+
+    ids = tiny_pair.tokenizer.encode("hello world")
+    out = generate(tiny_pair, ids, max_tokens=12, use_eos=False, block_size=4, tree=5)
+    s = out.stats
+    assert s.tree_cycles == s.cycles - 1 and s.tree_mix == f"5×{s.tree_cycles}"
+    d = s.as_dict()
+    assert d["tree_cycles"] == s.tree_cycles and d["tree_tau"] == pytest.approx(s.tree_tau)
+    ev = SimpleNamespace(stats=s, finish_reason="length", stop=None)
+    assert summary(ev, "chat")["dflash"]["tree_budgets"] == s.tree_mix
+
+
 def test_an_oracle_wrong_30_percent_commits_more_with_trees(tiny_pair):
     """Where the drafter's second choice is right, a tree recovers what a chain loses, and
     the output is still the target's."""
