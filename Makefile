@@ -24,7 +24,7 @@ run: install
 
 # Everything (what CI runs): lint, then the whole suite.
 test: install lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 # The quick loop while editing (< 90 s): no chi-square, long greedy or subprocess tests.
 test-fast: install

@@ -272,6 +272,12 @@ class HistogramPanel(Widget):
                 if s and s.plain_steps
                 else []
             ),
+            *(
+                [("copies", f"{s.copy_cycles} cycles · {s.copy_tokens} tok")]
+                if s and s.copy_cycles
+                else []
+            ),
+            *([("trees", f"{s.tree_mix} · τ {s.tree_tau:.2f}")] if s and s.tree_cycles else []),
             ("drafter", info.kind if info else "–"),
             ("kernels", info.kernels if info else "–"),
             ("memory", memory(s.peak_memory_gb) if s else "–"),

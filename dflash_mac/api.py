@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .autoblock import AutoTuning
+from .autoblock import MAX_TREE_BUDGET, AutoTuning
 from .constraints import Grammar, json_grammar
 from .cycle import MAX_TOP_LOGPROBS, TokenLogprob
 from .decode import DecodeState, GenerationConfig, GenerationEvent, speculative_stream
@@ -89,19 +89,23 @@ def make_config(
     logprobs: int | None = None,
     json_schema: dict | Grammar | None = None,
     copy: bool = True,
+    tree: int | None = None,
 ) -> GenerationConfig:
     """Validated per-request settings (PromptError with one sentence on bad input).
 
     `logprobs`: each committed token's log-probability and the top `logprobs` (0..20) on the
     events; `json_schema`: the answer is JSON valid against this schema (a dict, or a grammar
     compiled once with `constraints.json_grammar`); `copy`: copy drafting where the last tokens
-    repeat earlier text (`copydraft.py`)."""
+    repeat earlier text (`copydraft.py`); `tree`: tree drafting (`tree.py`): None lets `auto`
+    weigh trees, 0 drafts chains only, N drafts trees of N nodes."""
     if max_tokens < 1:
         raise PromptError(f"--max-tokens must be at least 1 (got {max_tokens}).")
     if not isinstance(block_size, BlockChoice):
         parse_block_size(block_size)  # checked before any slow work; resolved with the pair
     if seed is not None and not 0 <= seed < 2**64:
         raise PromptError(f"--seed must be between 0 and 2**64 - 1 (got {seed}).")
+    if tree is not None and not 0 <= tree <= MAX_TREE_BUDGET:
+        raise PromptError(f"--tree-budget must be between 0 and {MAX_TREE_BUDGET} (got {tree}).")
     if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
         raise PromptError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS} (got {logprobs}).")
     try:
@@ -115,6 +119,7 @@ def make_config(
     if isinstance(block_size, BlockChoice):
         cfg.block = block_size
     cfg.penalties, cfg.logprobs, cfg.grammar, cfg.copy = pen, logprobs, grammar, copy
+    cfg.tree = tree
     return cfg
 
 

@@ -40,6 +40,7 @@ class CostCurve:
 
     ratios: dict[int, float]
     measured: bool = False  # from `bench --cost-curve` (else the generic guess)
+    trees: dict[int, float] = field(default_factory=dict)  # tree cycles by node budget
 
     @classmethod
     def generic(cls, bs_max: int) -> CostCurve:
@@ -49,6 +50,8 @@ class CostCurve:
     def ratio(self, bs: int) -> float:
         if bs in self.ratios:
             return self.ratios[bs]
+        if not self.ratios:
+            return 1.0
         top = max(self.ratios)  # beyond the curve: extend its last slope
         slope = self.ratios[top] - self.ratios.get(top - 1, self.ratios[top])
         return self.ratios[top] + max(slope, 0.0) * (bs - top)
@@ -60,13 +63,16 @@ class CostCurve:
         cycles draw, and verify by rejection, so their ratios differ), else the greedy one."""
         try:
             data = json.loads(Path(path).read_text())
-            table = data.get("sampled", {}).get("ratios") if sampled else None
+            part = data.get("sampled", {}) if sampled else {}
+            table = part.get("ratios")
             ratios = {int(k): float(v) for k, v in (table or data["ratios"]).items()}
+            trees = part.get("trees") if table else data.get("trees")
+            trees = {int(k): float(v) for k, v in (trees or {}).items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
-        if ratios.get(1) != 1.0 or any(v <= 0 for v in ratios.values()):
+        if ratios.get(1) != 1.0 or any(v <= 0 for v in [*ratios.values(), *trees.values()]):
             return None
-        return cls(ratios, measured=True)
+        return cls(ratios, measured=True, trees=trees)
 
 
 class CostModel:
@@ -76,8 +82,9 @@ class CostModel:
     SPIKE = 2.0  # one observation moves at most this factor from the average
     TRUST = 1.25  # measured ratios stay within this factor of a measured prior
 
-    def __init__(self, prior: CostCurve, alpha: float = 0.2):
+    def __init__(self, prior: CostCurve, alpha: float = 0.2, unit_of: CostModel | None = None):
         self.prior, self.alpha = prior, alpha
+        self.unit_of = unit_of  # a tree model takes the one-token step from the chain model
         self.seconds: dict[int, float] = {}
         self.counts: dict[int, int] = {}
         self.unit: float | None = None  # estimated seconds of a one-token step
@@ -96,6 +103,8 @@ class CostModel:
             seconds = min(max(seconds, old / self.SPIKE), old * self.SPIKE)
         n = self.counts[bs] = self.counts.get(bs, 0) + 1
         self.seconds[bs] = self.average(self.seconds.get(bs), seconds, n)
+        if self.unit_of is not None:
+            return
         if 1 in self.seconds:
             self.unit = self.seconds[1]
         else:
@@ -113,9 +122,10 @@ class CostModel:
         the prior's: timings taken at different moments on a loaded machine must not turn a
         paying size into a losing one, or a losing one into a paying one."""
         prior = self.prior.ratio(bs)
-        if self.unit is None or bs == 1:
+        unit = self.unit_of.unit if self.unit_of is not None else self.unit
+        if unit is None or (bs == 1 and self.unit_of is None):
             return prior
-        r = self.seconds.get(bs, self.unit * prior) / self.unit
+        r = self.seconds.get(bs, unit * prior) / unit
         trust = self.TRUST if self.prior.measured else 2 * self.TRUST
         low = 1.0 + (prior - 1.0) / trust  # a drafting cycle's overhead shrinks by `trust` at most
         return min(max(r, low), prior * trust)
@@ -215,6 +225,48 @@ class Acceptance:
         return out
 
 
+class TreeAcceptance:
+    """Committed tokens per tree cycle by node budget: decayed means that start from an
+    optimistic guess (`prior(budget)`, worth `WEIGHT` cycles) and drift back to it while no tree
+    runs, so a budget that lost is tried again now and then, on the text at hand."""
+
+    WEIGHT = 2.0
+    DECAY = 0.97
+
+    def __init__(self) -> None:
+        self.tokens: dict[int, float] = {}  # decayed sums
+        self.cycles: dict[int, float] = {}  # decayed counts
+
+    def age(self) -> None:
+        """One cycle passed (every cycle, whatever ran)."""
+        for b in self.cycles:
+            self.tokens[b] *= self.DECAY
+            self.cycles[b] *= self.DECAY
+
+    def observe(self, budget: int, committed: int) -> None:
+        self.tokens[budget] = self.tokens.get(budget, 0.0) + committed
+        self.cycles[budget] = self.cycles.get(budget, 0.0) + 1.0
+
+    def expected(self, budget: int, prior: float) -> float:
+        n, x = self.cycles.get(budget, 0.0), self.tokens.get(budget, 0.0)
+        return (x + self.WEIGHT * prior) / (n + self.WEIGHT)
+
+
+# A tree at first is guessed to commit this much more than the chain of its depth (DDTree
+# reports 1.3x and more; the guess only decides whether trees get tried, then they are measured)
+TREE_GUESS = 1.3
+TREES = (4, 8, 16)  # node budgets `auto` weighs (docs/design.md §6)
+MAX_TREE_BUDGET = 64  # `--tree-budget` at most (a verify of 65 tokens)
+
+
+def tree_arms(tree: int | None) -> tuple[tuple[int, ...], bool]:
+    """(tree budgets, whether chains run too) for `--tree-budget`: None `auto` (chains and the
+    TREES), 0 chains only, N trees of N nodes only."""
+    if tree is None:
+        return TREES, True
+    return ((tree,), False) if tree > 0 else ((), True)
+
+
 @dataclass
 class Decision:
     """One cycle's choice and why (shown by --verbose, bench and the chat panel)."""
@@ -222,6 +274,7 @@ class Decision:
     size: int
     reason: str
     rates: dict[int, float] = field(default_factory=dict)  # tokens per one-token-step time
+    tree: int = 0  # a drafting cycle's tree budget (0: a chain of `size`)
 
 
 class BlockController:
@@ -248,8 +301,15 @@ class BlockController:
         timed: bool = True,
         plain_first: bool = False,
         guess_weight: float = GUESS_WEIGHT,
+        trees: tuple[int, ...] = (),
+        chains: bool = True,
     ):
         self.bs_max, self.cost = bs_max, cost
+        # trees of these budgets, at the largest size's depth, compete with the chains (only
+        # they draft when `chains` is False: `--tree-budget N`); their costs by budget
+        self.trees, self.chains = tuple(trees), chains or not trees
+        self.tree_cost = CostModel(tree_curve(cost.prior, trees), cost.alpha, unit_of=cost)
+        self.tree_acc = TreeAcceptance()
         # plain_first: start with plain steps and a pessimistic acceptance prior, so drafting
         # resumes only once probes show it pays (long contexts a drafter is known to lose on)
         # the guess weighs as much as `guess_weight` drafting cycles at first: one rejected
@@ -291,9 +351,13 @@ class BlockController:
         return True
 
     def rates(self) -> dict[int, float]:
-        return {
-            b: self.acc.expected_tokens(b) / self.cost.cost(b) for b in range(1, self.bs_max + 1)
-        }
+        sizes = range(1, self.bs_max + 1) if self.chains else (1,)
+        return {b: self.acc.expected_tokens(b) / self.cost.cost(b) for b in sizes}
+
+    def tree_rates(self) -> dict[int, float]:
+        """Expected tokens per one-token-step time of a tree cycle, by budget."""
+        guess = TREE_GUESS * self.acc.expected_tokens(self.bs_max)
+        return {b: self.tree_acc.expected(b, guess) / self.tree_cost.cost(b) for b in self.trees}
 
     def calibrating(self) -> bool:
         """Without a measured curve, a short run of plain steps from cycle 3 measures one: its
@@ -314,8 +378,28 @@ class BlockController:
         return min(max(cap, self.probe_base), self.probe_max)
 
     def choose(self) -> Decision:
-        """The block size of the next cycle."""
+        """The next cycle: a plain step, a chain of some size, or a tree of some budget (a
+        drafting cycle is a tree where the best tree's expected rate beats the chain's)."""
+        d = self.choose_size()
+        trees = self.tree_rates()
+        if d.size < 2 or not trees:
+            return d
+        best = max(trees, key=trees.get)
+        chain = self.rates().get(d.size, 0.0) if self.chains else 0.0
+        if self.chains and trees[best] <= chain * (1 + self.hysteresis / 2):
+            return d
+        why = f"tree of {best} (expected {trees[best]:.2f}× a plain step)"
+        self.last = replace(d, size=self.bs_max, tree=best, reason=why)
+        return self.last
+
+    def choose_size(self) -> Decision:
+        """The block size of the next cycle (chains and plain steps)."""
         rates = self.rates()
+        if self.trees:  # a drafting cycle's rate: the better of its chain and the best tree
+            best_tree = max(self.tree_rates().values())
+            rates = {b: max(r, best_tree) if b >= 2 else r for b, r in rates.items()}
+            if not self.chains:
+                rates[self.bs_max] = best_tree
         drafting = {b: r for b, r in rates.items() if b >= 2}
         if not drafting:
             self.last = Decision(1, "block 1 only", rates)
@@ -366,6 +450,7 @@ class BlockController:
             b
             for b in (cur - 1, cur + 1)
             if 2 <= b <= self.bs_max
+            and b in rates
             and self.cost.counts.get(b, 0) < self.NEIGHBOUR_TIMINGS
             and rates[b] >= rates[cur] * (1 - self.NEIGHBOUR_BAND)
         ]
@@ -374,28 +459,49 @@ class BlockController:
         self.neighbour_countdown = self.NEIGHBOUR_EVERY
         return max(near, key=rates.get)
 
-    def update(self, bs: int, accepted: int, seconds: float | None, steady: bool = True) -> None:
-        """Feed back a finished cycle: `accepted` drafts of bs-1 and its time (None: not
+    def update(
+        self,
+        bs: int,
+        accepted: int,
+        seconds: float | None,
+        steady: bool = True,
+        tree: int = 0,
+        chain: int = 0,
+    ) -> None:
+        """Feed back a finished cycle: `accepted` drafts of bs-1 (a tree's: its accepted
+        depth; `tree` its budget, `chain` what the chain of its likeliest children accepted,
+        which keeps the chains' estimate learning while trees run) and its time (None: not
         timed); `steady`: the time is that of a cycle amid its kind, which the cost model
         learns from (a probe's is not: it also appends the waiting context and restarts the
         pipeline, but whether it paid is judged on what it really cost)."""
         self.cycles += 1
         self.idle += 1
         self.upside *= self.UPSIDE_DECAY
+        self.tree_acc.age()
+        cost = self.tree_cost if tree else self.cost
         if seconds is not None and steady and self.timed:
-            self.cost.observe(bs, seconds)
+            cost.observe(tree or bs, seconds)
         if bs < 2:
             return
-        self.acc.observe(bs, accepted, self.idle)
+        if tree:
+            self.tree_acc.observe(tree, accepted + 1)
+        self.acc.observe(bs, chain if tree else accepted, self.idle)
         self.idle = 0
         if self.fallback:  # a probe: sooner next time if it paid, else later
-            spent = self.cost.cost(bs)
+            spent = cost.cost(tree or bs)
             if seconds is not None and self.timed and self.cost.unit:
                 spent = max(spent, seconds / self.cost.unit)
             paid = accepted + 1 >= spent
             grown = self.interval // 2 if paid else 2 * self.interval
             self.interval = min(max(grown, self.probe_base), self.probe_cap())
             self.countdown = self.interval
+
+
+def tree_curve(chain: CostCurve, budgets: tuple[int, ...]) -> CostCurve:
+    """A tree cycle's cost by budget: the curve's tree timings where it has them (`trees`),
+    else a chain verifying as many tokens (1 + budget) and drafting as many positions."""
+    ratios = {b: chain.trees.get(b) or chain.ratio(1 + b) for b in budgets}
+    return CostCurve(ratios, measured=chain.measured and all(b in chain.trees for b in budgets))
 
 
 @dataclass
@@ -431,6 +537,8 @@ class AutoTuning:
         context_tokens: int = 0,
         sampled: bool = False,
         timed: bool = True,
+        trees: tuple[int, ...] = (),
+        chains: bool = True,
     ) -> BlockController:
         """The controller of a request, up to `bs_max`. Where the drafter is known to lose on
         long contexts, a long request starts with plain decoding and drafts only when its
@@ -440,7 +548,7 @@ class AutoTuning:
         only on the seed and the text."""
         long = context_tokens >= self.long_from
         loses = self.loses_from is not None and context_tokens >= self.loses_from
-        key = (bs_max, setting, long)
+        key = (bs_max, setting, long, trees, chains)
         if timed and key in self.controllers:
             return self.controllers[key]
         if timed:
@@ -451,7 +559,13 @@ class AutoTuning:
         # one only delays the fallback (the guess is what saves greedy starts)
         guess = 1.0 if sampled else BlockController.GUESS_WEIGHT
         controller = BlockController(
-            bs_max, model, timed=timed, plain_first=loses, guess_weight=guess
+            bs_max,
+            model,
+            timed=timed,
+            plain_first=loses,
+            guess_weight=guess,
+            trees=trees,
+            chains=chains,
         )
         if timed:
             controller.memory = json.dumps([bs_max, list(setting), long])

@@ -32,8 +32,8 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from .autoblock import Decision
-from .cycle import propose
+from .autoblock import TREES, Decision
+from .cycle import propose, trees_allowed
 from .decode import DecodeState, GenerationConfig, speculative_stream
 from .pair import Pair
 from .platform import write_atomic
@@ -50,39 +50,50 @@ CALIBRATE_ENV = "DFLASH_MAC_CALIBRATE"  # "0": no quick curve at first use
 Progress = Callable[[], None]  # called after each round over the sizes
 
 
+Arm = tuple[int, int]  # (block size, tree budget; 0: a chain)
+
+
 class ScriptedSizes:
-    """A block-size controller for the measurement: the sizes of a script, one per cycle,
-    keeping the times of the steady cycles at each size (what the loop's cost model learns
+    """A block-size controller for the measurement: the cycles of a script, one per cycle,
+    keeping the times of the steady cycles of each kind (what the loop's cost model learns
     from: a plain step amid plain steps, a drafting cycle after a drafting one)."""
 
-    def __init__(self, sizes: list[int]):
-        self.script, self.next = sizes, 0
-        self.last = Decision(sizes[0], "measuring")
+    def __init__(self, arms: list[Arm]):
+        self.script, self.next = arms, 0
+        self.last = Decision(arms[0][0], "measuring", tree=arms[0][1])
         self.updates = 0
-        self.seconds: dict[int, list[float]] = {}
+        self.seconds: dict[Arm, list[float]] = {}
 
     def choose(self) -> Decision:
-        size = self.script[min(self.next, len(self.script) - 1)]
+        size, tree = self.script[min(self.next, len(self.script) - 1)]
         self.next += 1
-        self.last = Decision(size, "measuring")
+        self.last = Decision(size, "measuring", tree=tree)
         return self.last
 
-    def update(self, bs: int, accepted: int, seconds: float | None, steady: bool = True) -> None:
+    def update(
+        self,
+        bs: int,
+        accepted: int,
+        seconds: float | None,
+        steady: bool = True,
+        tree: int = 0,
+        chain: int = 0,
+    ) -> None:
         self.updates += 1
         if steady and seconds:
-            self.seconds.setdefault(bs, []).append(seconds)
+            self.seconds.setdefault((bs, tree), []).append(seconds)
 
     @property
     def done(self) -> bool:
         return self.updates >= len(self.script)
 
 
-def script(sizes: list[int], rng: random.Random) -> list[int]:
-    """One round's cycles: every size in a shuffled order (load drifts and the context growing
-    over the round hit all sizes alike), a run of plain steps, two cycles at each other size
+def script(arms: list[Arm], rng: random.Random) -> list[Arm]:
+    """One round's cycles: every kind in a shuffled order (load drifts and the context growing
+    over the round hit all kinds alike), a run of plain steps, two cycles of each other kind
     (the first after plain steps is not steady)."""
-    order = rng.sample(sizes, len(sizes))
-    return [b for bs in order for b in [bs] * (PLAIN_BURST + 1 if bs == 1 else 2)]
+    order = rng.sample(arms, len(arms))
+    return [a for arm in order for a in [arm] * (PLAIN_BURST + 1 if arm[0] == 1 else 2)]
 
 
 def measure(
@@ -94,22 +105,28 @@ def measure(
     progress: Progress | None = None,
 ) -> dict:
     """Median seconds per cycle for bs = 1..max_bs and the ratios to bs = 1, greedy or (with
-    `temperature`) sampled: drafts drawn, verified by rejection, plain steps drawn too. The
-    drafter pass is also timed alone (`draft_seconds`, bs >= 2): the rest of a cycle is its
-    verify and the host sync."""
+    `temperature`) sampled: drafts drawn, verified by rejection, plain steps drawn too; where
+    the target takes trees, also tree cycles of `auto`'s budgets at depth max_bs - 1 (`trees`,
+    by budget). The drafter pass is also timed alone (`draft_seconds`, bs >= 2): the rest of a
+    cycle is its verify and the host sync."""
     vocab = pair.drafter.config.vocab_size
     ids = [(7919 * i + 11) % vocab for i in range(context)]
     sp = SamplingParams(temperature)
     sizes, rng = list(range(1, max_bs + 1)), random.Random(0)
-    times: dict[int, list[float]] = {bs: [] for bs in sizes}
+    state = DecodeState(pair)
+    budgets = (
+        TREES if max_bs > 1 and trees_allowed(pair, state.target_cache, None, None, None) else ()
+    )
+    arms = [(bs, 0) for bs in sizes] + [(max_bs, b) for b in budgets]
+    times: dict[Arm, list[float]] = {arm: [] for arm in arms}
     drafting: dict[int, list[float]] = {bs: [] for bs in sizes[1:]}
     mask, key = pair.drafter.config.mask_token_id, mx.random.key(0)
-    state = DecodeState(pair)
     for r in range(reps + WARMUP_ROUNDS):
-        timer = ScriptedSizes(script(sizes, rng))
+        timer = ScriptedSizes(script(arms, rng))
+        longest = sum(bs for bs, _ in timer.script) + 1
         cfg = GenerationConfig(
-            sum(timer.script) + 1, BlockChoice(max_bs), sp, seed=r, use_eos=False, copy=False
-        )  # the drafter's cycles at each size: no copies in between
+            longest, BlockChoice(max_bs), sp, seed=r, use_eos=False, copy=False, tree=0
+        )  # the drafter's cycles of each kind: no copies in between
         for _ in speculative_stream(
             pair, ids, cfg, state, lambda t=timer: t.done, controller=timer
         ):
@@ -117,8 +134,8 @@ def measure(
         if not state.rollback.hybrid:
             state.trim_to(len(ids) - 1)  # the next round prefills the last prompt token
         if r >= WARMUP_ROUNDS:
-            for bs, seconds in timer.seconds.items():
-                times[bs] += seconds
+            for arm, seconds in timer.seconds.items():
+                times[arm] += seconds
             for bs in drafting:  # the drafter pass alone (it leaves its context as it was)
                 block = mx.array([ids[-1]] + [mask] * (bs - 1), mx.int32)
                 with mx.stream(generation_stream):
@@ -129,13 +146,17 @@ def measure(
             state = DecodeState(pair)
         if progress:
             progress()
-    seconds = {bs: statistics.median(ts) for bs, ts in times.items()}
+    seconds = {bs: statistics.median(times[(bs, 0)]) for bs in sizes}
     ratios = non_decreasing([seconds[bs] / seconds[1] for bs in range(2, max_bs + 1)])
     draft = {bs: statistics.median(ts) for bs, ts in drafting.items()}
+    timed = [b for b in budgets if times[(max_bs, b)]]
+    trees = {b: statistics.median(times[(max_bs, b)]) / seconds[1] for b in timed}
     return {
         "seconds": {str(b): s for b, s in seconds.items()},
         "draft_seconds": {str(b): s for b, s in draft.items()},
         "ratios": {"1": 1.0} | {str(b): r for b, r in enumerate(ratios, start=2)},
+        "trees": {str(b): r for b, r in trees.items()},
+        "tree_depth": max_bs - 1,
         "context": context,
         "reps": reps,
     }

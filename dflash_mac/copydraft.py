@@ -12,44 +12,103 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 N = 3  # tokens a match needs (the anchor and the two before it)
+RESYNC = 8  # tokens after leaving the source within which the copy may resume by one token
 
 
 class CopyIndex:
-    """Where each n-gram of the committed ids last ended. The sequence a match continues is
-    `ids` + [anchor]: its last n-gram ends at the anchor, so every n-gram of `ids` is earlier."""
+    """Where each n-gram of the committed ids last ended, and where the text being copied
+    stands. The sequence a match continues is `ids` + [anchor]: its last n-gram ends at the
+    anchor, so every n-gram of `ids` is earlier.
+
+    `follow` keeps the source aligned: once the committed tokens have repeated the text at
+    `follow` for at least n tokens, the copy goes on from there even where a later occurrence
+    of the last n-gram exists (an edit copies the original file, not a recent line of the
+    answer that shares a few tokens with it). A shorter run gives way to an n-gram match.
+
+    Where the answer leaves the source (an edit) and no n-gram matches after it (a rename: the
+    new name's tokens and the two after them occur nowhere), the copy resumes at the anchor's
+    first occurrence in the source just past where the answer left it, within RESYNC tokens,
+    so an edit is copied around without waiting for three tokens to match again."""
 
     def __init__(self, ids: list[int], n: int = N):
         self.n = n
         self.ids: list[int] = []
         self.last: dict[tuple[int, ...], int] = {}  # n-gram → the position its last copy ended
         self.heads: set[tuple[int, ...]] = set()  # their first n-1 tokens
+        self.follow: int | None = None  # the earlier position aligned with ids[-1]
+        self.run = 0  # tokens the alignment has matched in a row
+        self.lost: tuple[int, int] | None = None  # (source position, answer position) left at
         self.extend(ids)
 
     def extend(self, ids: list[int]) -> None:
         n, start = self.n, len(self.ids)
         self.ids += ids
-        for end in range(max(n - 1, start), len(self.ids)):
-            gram = tuple(self.ids[end - n + 1 : end + 1])
-            self.last[gram] = end
-            self.heads.add(gram[:-1])
+        for end in range(start, len(self.ids)):
+            gram = tuple(self.ids[end - n + 1 : end + 1]) if end >= n - 1 else None
+            self.align(self.ids[end], end, self.last.get(gram) if gram else None)
+            if gram:
+                self.last[gram] = end
+                self.heads.add(gram[:-1])
+
+    def align(self, token: int, end: int, match: int | None) -> None:
+        """Move the alignment to cover `token` at `end` (`match`: where the n-gram ending
+        there last ended, if anywhere)."""
+        f = self.follow
+        goes_on = f is not None and f + 1 < end and self.ids[f + 1] == token
+        if goes_on and (self.run >= self.n or match is None):
+            self.follow, self.run = f + 1, self.run + 1  # the source goes on
+            return
+        if f is not None and not goes_on:
+            self.lost = (f + 1, end)
+        if match is not None:
+            self.follow, self.run, self.lost = match, self.n, None
+        elif (j := self.resync(token, end)) is not None:
+            self.follow, self.run, self.lost = j, 1, None
+        else:
+            self.follow, self.run = None, 0
+
+    def resync(self, token: int, end: int) -> int | None:
+        """Where `token` (at `end`) first occurs in the source past where the answer left it,
+        as far along as the answer has gone since plus a few tokens, within RESYNC tokens of
+        leaving; None elsewhere."""
+        if self.lost is None:
+            return None
+        src, left = self.lost
+        gone = end - left
+        if gone > RESYNC:
+            self.lost = None
+            return None
+        for j in range(src, min(src + gone + 4, end)):
+            if self.ids[j] == token:
+                return j
+        return None
 
     def propose(self, anchor: int, k: int) -> list[int]:
-        """Up to `k` tokens that followed the latest earlier occurrence of the last n-1 ids and
-        `anchor`; [] when there is none. A repeat that overlaps itself (a loop shorter than k)
-        continues with its period."""
-        end = self.last.get(tuple(self.ids[-(self.n - 1) :] + [anchor]))
+        """Up to `k` tokens that followed the aligned source (`follow`) if the anchor goes on
+        with it, else the latest earlier occurrence of the last n-1 ids and `anchor`, else
+        the resumed source (`resync`); [] when there is none. A repeat that overlaps itself (a
+        loop shorter than k) continues with its period."""
+        f, here = self.follow, len(self.ids)
+        match = self.last.get(tuple(self.ids[-(self.n - 1) :] + [anchor]))
+        if f is not None and f + 1 < here and self.ids[f + 1] == anchor:
+            end: int | None = f + 1 if (self.run >= self.n or match is None) else match
+        else:
+            end = match if match is not None else self.resync(anchor, here)
         if end is None or k <= 0:
             return []
-        period = len(self.ids) - end  # from the earlier occurrence to the anchor
+        period = here - end  # from the earlier occurrence to the anchor
 
         def at(j: int) -> int:
-            return self.ids[j] if j < len(self.ids) else anchor
+            return self.ids[j] if j < here else anchor
 
         return [at(end + 1 + i % period) for i in range(k)]
 
     def may_match(self) -> bool:
         """Whether the next anchor could complete a match (then a step queued ahead, before the
         anchor is known, would miss a copy)."""
+        f = self.follow
+        if (f is not None and f + 1 < len(self.ids)) or self.lost is not None:
+            return True
         return tuple(self.ids[-(self.n - 1) :]) in self.heads
 
 
@@ -59,7 +118,7 @@ class CopyPolicy:
     shrinks to what was accepted plus two after a partial one; `patience` misses in a row pause
     copying for `pause` cycles, each pause twice the last (reset by a hit)."""
 
-    longest: int = 16  # a 16-token verify costs ~2 plain steps on a CPU, less on a GPU
+    longest: int = 32  # a 32-token verify costs ~3 plain steps on a CPU, less on a GPU
     budget: int = 8
     patience: int = 3
     misses: int = 0

@@ -29,6 +29,9 @@ from .sampling import (
     sample,
     sample_logits,
 )
+from .tree import DraftTree, chain_depth, grow, keep_path, supports, verify_logits, walk
+
+TREE_K = 8  # a DFlash 1 tree node's children at most (DFlash 2: its selector's candidates)
 
 
 def propose(
@@ -171,6 +174,19 @@ class DraftContext:
         return getattr(self.cache[0], "rows", 0) if self.cache else 0
 
 
+def trees_allowed(
+    pair: Pair,
+    cache: list,
+    penalties: Penalties | None,
+    grammar: Grammar | None,
+    logprobs: int | None,
+) -> bool:
+    """Whether a request's cycles may be trees: the target takes them in one process (tree.py)
+    and no penalties, grammar or logprobs bind the drafts to one chain."""
+    bound = penalties is not None or grammar is not None or logprobs is not None
+    return not bound and pair.mirror is None and supports(pair.target, cache)
+
+
 @dataclass
 class Cycle:
     """One cycle: its block, drafts and, once queued, the verify verdict (lazy arrays
@@ -188,6 +204,18 @@ class Cycle:
     # queued work (a new op at read time would wait behind whatever was queued after this cycle)
     outcome: mx.array | None = None
     copied: bool = False  # drafts copied from earlier text (copydraft.py), not drafted
+    tree: DraftTree | None = None  # a tree of drafts (tree.py; `drafts` are its nodes)
+    start: int = 0  # a tree's first verified cache position
+
+    @property
+    def width(self) -> int:
+        """Positions its verify adds to the target cache."""
+        return self.tree.width if self.tree is not None else self.bs
+
+    @property
+    def budget(self) -> int:
+        """Its tree's nodes (0: a chain)."""
+        return self.tree.budget if self.tree is not None else 0
 
 
 @dataclass(frozen=True)
@@ -200,6 +228,7 @@ class Outcome:
     steady: bool  # timed amid cycles of its kind (what the cost model learns from)
     host: float  # host bookkeeping in that interval
     logprobs: list[TokenLogprob] | None = None  # of `committed`, when the request asks
+    chain: int = 0  # a tree's: what the chain of the same drafter pass would have accepted
 
 
 class CyclePipeline:
@@ -214,7 +243,9 @@ class CyclePipeline:
     both would be timed wrong. Penalties bind the committed ids on the host, and a grammar
     (`grammar`) follows them there, so both turn that look-ahead off. `logprobs` (the top k, 0
     for the committed tokens' alone) adds each committed position's log-probabilities to the
-    outcome the host reads: still one sync per cycle."""
+    outcome the host reads: still one sync per cycle. `tree()` gives the node budget of the
+    next drafting cycle (0: a chain; called right after `size`): a tree is drafted and verified
+    where the target takes trees (tree.py) and no penalties, grammar or logprobs bind it."""
 
     def __init__(
         self,
@@ -229,6 +260,7 @@ class CyclePipeline:
         logprobs: int | None = None,
         grammar: Grammar | None = None,
         copy: bool = False,
+        tree: Callable[[], int] | None = None,
     ):
         self.pair, self.state, self.cap, self.sp, self.size = pair, state, cap, sp, size
         self.pen = penalties
@@ -242,6 +274,8 @@ class CyclePipeline:
         # copy drafting (penalties and grammars bind drafts on the host: not with those)
         self.copies = copy and penalties is None and self.con is None
         self.index: CopyIndex | None = None  # built from the prompt (`first_token`)
+        trees = trees_allowed(pair, state.target_cache, penalties, grammar, logprobs)
+        self.tree = tree if trees else None
         self.policy = CopyPolicy()
         self.queued: Cycle | None = None  # the next cycle, queued ahead
         self.chosen: int | None = None  # the next size, chosen before a plain step's sync
@@ -298,6 +332,8 @@ class CyclePipeline:
         out = c.outcome.tolist()  # the one host sync of the cycle
         n = c.bs - 1
         a, bonus, drafted = int(out[0]), int(out[1]), [int(d) for d in out[2 : 2 + n]]
+        path = [int(i) for i in out[2 + n : 2 + 2 * n]] if c.tree is not None else []
+        chain = int(out[2 + 2 * n]) if c.tree is not None else a
         if c.copied:
             self.policy.update(n, a)
         committed = drafted[:a] + [bonus]
@@ -310,7 +346,7 @@ class CyclePipeline:
         host, seconds = t_host - self.t_sync - self.queue_time, t_now - self.t_sync
         self.t_sync, self.queue_time = t_now, 0.0
         if not ahead:
-            self.settle(c, [anchor] + committed[:-1])
+            self.settle(c, [anchor] + committed[:-1], path[:a])
         # the cost model learns from cycles amid their kind: a plain step between plain steps
         # (the last one before a drafting cycle builds nothing ahead: its interval is short),
         # a drafting cycle after a drafting one (the first after plain steps also appends their
@@ -318,7 +354,7 @@ class CyclePipeline:
         steady = self.last_bs > 0 and (c.bs > 1) == (self.last_bs > 1)
         steady = steady and not (ahead and self.queued is None)
         self.last_bs = c.bs
-        return Outcome(a, committed, seconds, steady, host, lps)
+        return Outcome(a, committed, seconds, steady, host, lps, chain)
 
     def ahead(self, anchor: int, room: int) -> None:
         """Queue the next cycle right after the sync, before the host's bookkeeping."""
@@ -329,7 +365,7 @@ class CyclePipeline:
     def close(self) -> None:
         """The request ends: drop a cycle queued and never used, append waiting features."""
         if self.queued is not None and self.queued.verdict is not None:
-            self.state.rollback.trim(self.queued.bs)
+            self.state.rollback.trim(self.queued.width)
         self.queued = None
         self.ctx.flush()
 
@@ -370,7 +406,12 @@ class CyclePipeline:
             masks = mx.array([self.pair.drafter.config.mask_token_id] * (bs - 1), mx.int32)
             block = mx.concatenate([first, masks])
             self.ctx.flush()
-            if self.con is None:
+            budget = self.tree() if self.tree is not None else 0
+            if budget:  # a tree of drafts from the same drafter pass
+                expand = self.pair.drafter.expansion(block, self.ctx.cache, TREE_K)
+                tree = grow(first, expand, bs - 1, budget)
+                c = Cycle(bs, block, tree.tokens[1:], None, k_verify, penalty, tree=tree)
+            elif self.con is None:
                 drafts, q = propose(self.pair, block, self.ctx.cache, sp, k_draft, penalty)
                 c = Cycle(bs, block, drafts, q, k_verify, penalty)
             else:  # it may draft fewer than bs-1 (it stops after an end-of-sequence token)
@@ -389,6 +430,14 @@ class CyclePipeline:
 
     def queue_verify(self, c: Cycle) -> None:
         """Queue the cycle's verify pass and its outcome (`mx.async_eval`)."""
+        if c.tree is not None:  # [accepted, bonus, path tokens, path nodes, chain's accepted]
+            acc, bonus, path = self.verify_tree(c)
+            c.verdict = acc, bonus
+            tokens, chain = c.tree.tokens[path], chain_depth(c.tree, acc, path)
+            parts = [acc.reshape(1), bonus.reshape(1), tokens, path, chain.reshape(1)]
+            c.outcome = mx.concatenate(parts)
+            mx.async_eval(c.outcome)
+            return
         acc, bonus, logits = self.verify(c)
         c.verdict = acc, bonus
         parts = [acc.reshape(1), bonus.reshape(1), c.drafts]
@@ -420,10 +469,29 @@ class CyclePipeline:
             q = (mx.arange(p.shape[-1])[None] == c.drafts[:, None]).astype(p.dtype)
         return (*accept_sampled(c.drafts, q, p, c.key), logits)
 
-    def settle(self, c: Cycle, kept: list) -> None:
-        """Roll back a cycle's rejected positions; its kept features go to the drafter."""
-        self.state.rollback.rollback(c.bs - len(kept), len(kept) - 1)
-        self.ctx.add(self.cap.features()[:, : len(kept)])
+    def verify_tree(self, c: Cycle) -> tuple[mx.array, mx.array, mx.array]:
+        """One target pass over the tree; (accepted depth, bonus token, path [P]), lazily:
+        the walk follows the target's argmax, or a draw from p at each node (tree.py)."""
+        c.start = self.state.target_cache[0].offset
+        logits = verify_logits(self.pair.target, c.tree, self.state.target_cache)  # [1+B, V]
+        if self.sp.greedy:
+            x = mx.argmax(logits, axis=-1)
+        else:
+            x = sample_logits(logits, self.sp, c.key)  # one independent draw per node
+        return walk(c.tree, x)
+
+    def settle(self, c: Cycle, kept: list, path: list[int] | None = None) -> None:
+        """Roll back a cycle's rejected positions; its kept features go to the drafter. A
+        tree's accepted `path` (node indices) moves to the front of its verified span first."""
+        features = self.cap.features()
+        if c.tree is None:
+            features = features[:, : len(kept)]
+        else:
+            rows = mx.array([0, *(path or [])], mx.int32)
+            keep_path(self.state.target_cache, c.start, rows[1:], len(kept))
+            features = features[:, rows]
+        self.state.rollback.rollback(c.width - len(kept), len(kept) - 1)
+        self.ctx.add(features)
         self.state.ids += kept
         if self.index is not None:
             self.index.extend(kept)

@@ -11,10 +11,10 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
-from .autoblock import AutoTuning, BlockController
+from .autoblock import AutoTuning, BlockController, tree_arms
 from .capture import FeatureCapture, queues_layers
 from .constraints import Grammar
-from .cycle import CyclePipeline, TokenLogprob
+from .cycle import CyclePipeline, TokenLogprob, trees_allowed
 from .kvwindow import bound_context, target_cache
 from .models.penalties import Penalties
 from .pair import Mirror, Pair
@@ -42,6 +42,7 @@ class GenerationConfig:
     logprobs: int | None = None  # None: none; k: each committed token's and the top k
     grammar: Grammar | None = None  # structured output (constraints.py); None: free text
     copy: bool = True  # copy drafting where the last tokens repeat earlier text (copydraft.py)
+    tree: int | None = None  # tree drafting (tree.py): None `auto`, 0 chains only, N nodes
 
 
 @dataclass
@@ -135,9 +136,11 @@ def speculative_stream(
     sp, mirror = cfg.sampling, pair.mirror
     seeded = cfg.seed is not None and not sp.greedy  # same seed, same text: timing-free sizes
     setting = (sp.temperature, sp.top_p, sp.top_k, sp.min_p)
+    treeable = trees_allowed(pair, state.target_cache, cfg.penalties, cfg.grammar, cfg.logprobs)
+    trees, chains = tree_arms(cfg.tree if treeable else 0)
     plan = controller or (
         (tuning or AutoTuning()).controller(
-            block.size, setting, len(prompt_ids), sampled=not sp.greedy, timed=not seeded
+            block.size, setting, len(prompt_ids), not sp.greedy, not seeded, trees, chains
         )
         if block.auto
         else None
@@ -145,6 +148,9 @@ def speculative_stream(
 
     def size(room: int) -> int:
         return max(1, min(plan.choose().size if plan else block.size, room))
+
+    def budget() -> int:  # the tree budget of the drafting cycle `size` chose (0: a chain)
+        return plan.last.tree if plan else trees[0] if trees and not chains else 0
 
     ends = cfg.use_eos or cfg.grammar is not None  # a grammar's end is the answer's end
     out = TextStream(pair.tokenizer, cfg.stop, pair.eos_ids if ends else set())
@@ -156,7 +162,9 @@ def speculative_stream(
     capture = FeatureCapture(pair.target, pair.layer_ids, queue=queues_layers(), features=gathered)
     with capture as cap, state.rollback.hooks(), mx.stream(generation_stream), request_end(mirror):
         pen, asks = cfg.penalties, (cfg.logprobs, cfg.grammar, cfg.copy)
-        pipe = CyclePipeline(pair, state, cap, sp, size, pen, cfg.seed, cfg.pipeline, *asks)
+        pipe = CyclePipeline(
+            pair, state, cap, sp, size, pen, cfg.seed, cfg.pipeline, *asks, tree=budget
+        )
         logits = prefill(pair, state, prompt_ids, cap, cfg.prefill_step_size)
         anchor = pipe.first_token(logits, prompt_ids)
         rec.prefilled()
@@ -172,12 +180,12 @@ def speculative_stream(
             r = pipe.finish(c, anchor, room)  # accept: the one host sync; commit, roll back
             anchor = r.committed[-1]  # the bonus token: the next cycle's anchor
             if plan and not c.copied:  # copies say nothing about the drafter's blocks
-                plan.update(c.bs, r.accepted, r.seconds, r.steady)
+                plan.update(c.bs, r.accepted, r.seconds, r.steady, c.budget, r.chain)
             pipe.ahead(anchor, room - len(r.committed))  # queued before the bookkeeping
             before = out.count
             text = out.push(r.committed, cfg.max_tokens)
             reason = plan.last.reason if plan else ""
-            rec.cycle(c.bs, r.accepted + 1, r.host, reason, pipe.ctx.rows, c.copied)
+            rec.cycle(c.bs, r.accepted + 1, r.host, reason, pipe.ctx.rows, c.copied, c.budget)
             stats = rec.snapshot(out.count)
             lps = r.logprobs and r.logprobs[: out.count - before]  # the tokens kept
             yield GenerationEvent(

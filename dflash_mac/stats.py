@@ -83,6 +83,7 @@ class DecodeStats:
     collectives_per_cycle: int = 0  # per target forward, counted in its graph at start-up
     collective_ms_per_cycle: float = 0.0  # that many all_sums, timed by a start-up probe
     copied: tuple[bool, ...] = ()  # per cycle: its drafts were copied (copydraft.py)
+    trees: tuple[int, ...] = ()  # per cycle: its tree's node budget (0: a chain; tree.py)
 
     @property
     def tau(self) -> float:
@@ -128,6 +129,25 @@ class DecodeStats:
     def copy_tokens(self) -> int:
         """Tokens committed by copy cycles (accepted copies and their bonus tokens)."""
         return sum(a for a, c in zip(self.acceptance_lengths, self.copied) if c)
+
+    @property
+    def tree_cycles(self) -> int:
+        return sum(b > 0 for b in self.trees)
+
+    @property
+    def tree_tau(self) -> float:
+        """Tokens committed per tree cycle (its accepted depth + the bonus)."""
+        got = [a for a, b in zip(self.acceptance_lengths, self.trees) if b > 0]
+        return sum(got) / len(got) if got else 0.0
+
+    @property
+    def tree_mix(self) -> str:
+        """How often each tree budget ran, e.g. "8×12 16×3" ("" without trees)."""
+        counts: dict[int, int] = {}
+        for b in self.trees:
+            if b:
+                counts[b] = counts.get(b, 0) + 1
+        return " ".join(f"{b}×{n}" for b, n in sorted(counts.items()))
 
     @property
     def host_ms_per_cycle(self) -> float:
@@ -195,6 +215,9 @@ class DecodeStats:
             "draft_context": self.draft_context,
             "copy_cycles": self.copy_cycles,
             "copy_tokens": self.copy_tokens,
+            "tree_cycles": self.tree_cycles,
+            "tree_tau": self.tree_tau,
+            "tree_budgets": self.tree_mix,
             **(
                 {
                     "ranks": self.ranks,
@@ -233,6 +256,7 @@ class StatsRecorder:
         self.lengths: list[int] = []
         self.sizes: list[int] = []
         self.copied: list[bool] = []
+        self.trees: list[int] = []
         self.reason, self.host, self.context = "", 0.0, 0
 
     def prefilled(self) -> None:
@@ -241,11 +265,19 @@ class StatsRecorder:
         self.base = replace(self.base, prefill_time=self.t_decode - self.t0)
 
     def cycle(
-        self, bs: int, committed: int, host: float, reason: str, context: int, copied=False
+        self,
+        bs: int,
+        committed: int,
+        host: float,
+        reason: str,
+        context: int,
+        copied: bool = False,
+        tree: int = 0,
     ) -> None:
         self.lengths.append(committed)
         self.sizes.append(bs)
         self.copied.append(copied)
+        self.trees.append(tree)
         self.reason, self.context = reason, context
         self.host += host
 
@@ -255,6 +287,7 @@ class StatsRecorder:
             acceptance_lengths=tuple(self.lengths),
             block_sizes=tuple(self.sizes),
             copied=tuple(self.copied),
+            trees=tuple(self.trees),
             block_reason=self.reason,
             host_time=self.host,
             draft_context=self.context,

@@ -160,6 +160,23 @@ class ContextCache:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
 
+def independent_expansion(logits: mx.array, k: int) -> Callable:
+    """`expand(t, parents [M])` for a draft tree (dflash_mac/tree.py) from per-position logits
+    `[P, V]`: position t's top k tokens by log q, whatever the parent, as (tokens [M, k],
+    log q [M, k])."""
+    logits = logits.astype(mx.float32)
+    logq = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    k = min(k, logq.shape[-1])
+    cand = mx.argpartition(-logq, kth=k - 1, axis=-1)[:, :k]  # [P, k]
+    vals = mx.take_along_axis(logq, cand, axis=-1)
+
+    def expand(t: int, parents: mx.array) -> tuple[mx.array, mx.array]:
+        shape = (parents.shape[0], k)
+        return mx.broadcast_to(cand[t], shape), mx.broadcast_to(vals[t], shape)
+
+    return expand
+
+
 def block_mask(
     n_ctx: int,
     start: int,
@@ -263,6 +280,11 @@ class DFlashDraftModel(nn.Module):
     def __call__(self, block_ids: mx.array, cache: list[ContextCache]) -> mx.array:
         """Logits for block positions 1..bs-1 (the anchor proposes nothing): [B, bs-1, V]."""
         return self.logits(self.hidden(block_ids, cache)[:, 1:])
+
+    def expansion(self, block_ids: mx.array, cache: list[ContextCache], k: int) -> Callable:
+        """A draft tree's candidates from one pass over `block_ids [bs]`
+        (`independent_expansion`: positions are drafted independently)."""
+        return independent_expansion(self(block_ids[None], cache)[0], k)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         return weights

@@ -10,6 +10,8 @@ low-rank bilinear predecessor/successor score (a sequential walk). Hot spots go 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 from dflash_mac.metal_kernels import dynamic_conv, selector_walk
 from mlx import nn
@@ -176,6 +178,23 @@ class DFlash2DraftModel(DFlashDraftModel):
         u = mx.random.uniform(shape=(1, P), key=key)
         path, cand, q = sel.walk(hidden, logits, anchor, sp.temperature, u, keep)
         return path[0], scatter_candidates(cand[0], q[0], logits.shape[-1])
+
+    def expansion(self, block_ids: mx.array, cache: list[KVCache], k: int) -> Callable:
+        """A draft tree's candidates from one pass: at position t the selector's candidates,
+        scored given each parent token (the walk's scores at temperature 1, normalised over
+        the candidates); `expand(t, parents [M])` -> (tokens [M, k'], log q [M, k']), k' the
+        selector's top k (`k` is DFlash 1's)."""
+        hidden = self.hidden(block_ids[None], cache)[:, 1:]  # [1, P, H]
+        sel = self.candidate_selector
+        unary, cand = sel.candidates(self.logits(hidden))  # [1, P, k']
+        g = sel.hidden_projection(hidden)  # [1, P, R]
+
+        def expand(t: int, parents: mx.array) -> tuple[mx.array, mx.array]:
+            s = sel.scores(unary[0, t], cand[0, t], g[0, t], parents).astype(mx.float32)
+            logq = s - mx.logsumexp(s, axis=-1, keepdims=True)  # [M, k']
+            return mx.broadcast_to(cand[0, t], s.shape), logq
+
+        return expand
 
     def _penalised_walk(
         self,

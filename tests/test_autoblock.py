@@ -189,7 +189,7 @@ class Scripted:
         self.i += 1
         return self.last
 
-    def update(self, bs, accepted, seconds, steady=True) -> None:
+    def update(self, bs, accepted, seconds, steady=True, tree=0, chain=0) -> None:
         pass
 
 
@@ -496,7 +496,7 @@ def test_cycles_are_timed_only_after_one_of_their_kind(tiny_pair):
             self.last = Decision(next(sizes), "scripted")
             return self.last
 
-        def update(self, bs, accepted, seconds, steady=True):
+        def update(self, bs, accepted, seconds, steady=True, tree=0, chain=0):
             self.updates.append((bs, steady))
 
     plan = Scripted()
@@ -566,7 +566,7 @@ def test_a_probe_after_plain_steps_runs_outside_their_timing(tiny_pair):
     timed = []
 
     class Recording(Scripted):
-        def update(self, bs, accepted, seconds, steady=True):
+        def update(self, bs, accepted, seconds, steady=True, tree=0, chain=0):
             timed.append((bs, seconds if steady else None))
 
     ids = tiny_pair.tokenizer.encode("hello world")

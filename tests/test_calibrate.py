@@ -39,6 +39,20 @@ def test_measured_ratios_never_fall_with_the_block_size(pair):
     assert all(b >= a for a, b in zip(ratios[1:], ratios[2:]))
 
 
+def test_the_curve_times_tree_cycles_and_auto_takes_them(pair, tmp_path):
+    from dflash_mac.autoblock import TREES, CostCurve, tree_curve
+    from dflash_mac.bench.costcurve import render
+
+    curve = calibrate.measure(pair, max_bs=4, context=16, reps=2)
+    assert set(curve["trees"]) == {str(b) for b in TREES} and curve["tree_depth"] == 3
+    assert all(r > 1.0 for r in curve["trees"].values())  # a tree costs more than a step
+    assert "Tree cycles (depth 3)" in render(curve)
+    path = calibrate.save(curve, tmp_path / "curve.json")
+    loaded = CostCurve.load(path)
+    prior = tree_curve(loaded, TREES)
+    assert prior.measured and prior.ratio(8) == pytest.approx(curve["trees"]["8"])
+
+
 def test_first_use_measures_and_saves_a_quick_curve_that_auto_takes(pair):
     bs = 3
     assert calibrate.missing(pair, bs)

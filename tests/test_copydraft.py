@@ -21,13 +21,33 @@ PERIODIC = [0, 3, 0, 1, 0, 3, 1, 2, 0, 3, 2, 3, 0, 3, 3, 4, 0, 3, 4, 0, 0, 3]
 
 def test_index_finds_the_latest_earlier_occurrence():
     idx = CopyIndex([5, 6, 7, 8, 9, 5, 6, 7, 1])
-    assert idx.propose(7, 3) == []  # (7, 1, 7) never occurred
+    assert idx.propose(3, 3) == []  # (7, 1, 3) never occurred, nor 3 after the source left
     idx = CopyIndex([5, 6, 7, 8, 9, 5, 6])
     assert idx.propose(7, 3) == [8, 9, 5]  # (5, 6, 7) ended at 2: what followed
     assert idx.propose(7, 7) == [8, 9, 5, 6, 7, 8, 9]  # to the anchor, then again (a loop)
     idx.extend([7, 2, 2, 5, 6])  # (5, 6, 7) now also ended at 7
     assert idx.propose(7, 2) == [2, 2]
     assert idx.may_match() and not CopyIndex([1, 2, 3]).may_match()
+
+
+def test_the_copy_follows_its_source_past_later_repeats_of_a_few_tokens():
+    # the answer copies the first line; (2, 3, 4) also occurred later, followed by 7
+    idx = CopyIndex([1, 2, 3, 4, 5, 6, 2, 3, 4, 7, 1, 2, 3])
+    assert idx.propose(4, 2) == [5, 6]  # the source the copy started from, not the latest
+    idx.extend([4, 5])
+    assert idx.propose(6, 3) == [2, 3, 4]
+    idx.extend([6, 8])  # the answer leaves the source: the latest occurrence again
+    assert idx.follow is None and idx.propose(9, 2) == []
+
+
+def test_a_copy_resumes_right_after_an_edit():
+    # source: 1 2 3 40 5 6 7 8 (40: a name); the answer renames it to 41 42
+    idx = CopyIndex([1, 2, 3, 40, 5, 6, 7, 8, 0, 1, 2, 3, 41, 42])
+    assert idx.propose(5, 3) == [6, 7, 8]  # no (41, 42, 5) anywhere: resumed past the name
+    idx.extend([5, 6, 7, 8])
+    assert idx.propose(0, 2) == [1, 2]  # and the copy goes on
+    far = CopyIndex([1, 2, 3, 40, 5, 6, 7, 8, 0, 1, 2, 3, *range(50, 62)])
+    assert far.propose(5, 3) == []  # left the source long ago: no guess
 
 
 def test_index_never_matches_the_suffix_itself():

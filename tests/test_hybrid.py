@@ -325,7 +325,7 @@ class Sizes:
         self.i += 1
         return self.last
 
-    def update(self, bs, accepted, seconds, steady=True) -> None:
+    def update(self, bs, accepted, seconds, steady=True, tree=0, chain=0) -> None:
         pass
 
 

@@ -201,6 +201,7 @@ def bench_command(
     ),
     draft_bits: int | None = options.DRAFT_BITS,
     copy: bool = options.COPY,
+    tree_budget: str = options.TREE_BUDGET,  # parsed: int | None
     reasoning: str | None = typer.Option(
         None,
         "--reasoning",
@@ -286,6 +287,7 @@ def bench_command(
         "reasoning": reasoning,
         "draft_bits": draft_bits,
         "copy": copy,
+        "tree_budget": "auto" if tree_budget is None else tree_budget,
     }
     docs = []
     pair = prepared.pair
@@ -294,6 +296,7 @@ def bench_command(
         cfg = BenchConfig(
             sizes, max_tokens, trials, sp.temperature, sp.top_p, sp.top_k, sp.min_p, seed,
             not no_eos, cooldown, seeded_dflash=seeded, copy=copy,
+            tree=tree_budget,
         )  # fmt: skip
         if len(settings) > 1:
             err.print(f"[bold]{label}[/]", highlight=False)

@@ -39,4 +39,13 @@ def render(curve: dict, width: int = 40) -> str:
         notes.append("draft ms: the drafter pass timed alone; verify ms: the rest of the cycle")
         notes.append("(the target's pass over bs tokens and the host sync).")
     lines = [head, *(row(b, r) for b, r in sorted(ratios.items())), *notes]
+    trees = {int(b): r for b, r in curve.get("trees", {}).items()}
+    if trees:
+        s_trees = {int(b): r for b, r in sampled.get("trees", {}).items()} if sampled else {}
+        lines.append(
+            f"Tree cycles (depth {curve.get('tree_depth', '?')}), × plain step by node budget:"
+        )
+        for b, r in sorted(trees.items()):
+            t = f"   T {sampled['temperature']:g}: {s_trees[b]:.2f}" if b in s_trees else ""
+            lines.append(f"{b:>3} nodes {r:>8.2f}{t}  {'█' * max(1, round(width * r / top))}")
     return "\n".join(lines) + "\n"

@@ -148,6 +148,7 @@ class BenchConfig:
     warmup_tokens: int = 16
     seeded_dflash: bool = False  # sampled DFlash runs seeded too (auto then relearns each run)
     copy: bool = True  # copy drafting in the DFlash runs
+    tree: int | None = None  # tree drafting (None: `auto` weighs trees; 0 chains; N nodes)
 
     @property
     def greedy(self) -> bool:
@@ -168,6 +169,7 @@ class Run:
     acceptance_lengths: list[int] = field(default_factory=list)
     block_sizes: list[int] = field(default_factory=list)  # per cycle (what auto chose)
     host_time: float = 0.0  # host time between syncs (DecodeStats.host_time)
+    trees: list[int] = field(default_factory=list)  # per cycle: tree budget (0: a chain)
 
     @property
     def decode_tokens(self) -> int:
@@ -215,6 +217,8 @@ class Run:
                 histogram=histogram(drafting(self.acceptance_lengths, self.block_sizes), bs),
                 block_sizes=list(self.block_sizes),
                 host_ms_per_cycle=self.host_ms_per_cycle,
+                tree_cycles=sum(b > 0 for b in self.trees),
+                tree_budgets=sorted({b for b in self.trees if b}),
             )
         return d
 
@@ -314,6 +318,7 @@ def run_dflash(
         seed=seed,
         use_eos=cfg.use_eos,
         copy=cfg.copy,
+        tree=cfg.tree,
         tuning=tuning if tuning is not None else AutoTuning(),
     ):
         clock.tick(kept=bool(ev.tokens))
@@ -329,6 +334,7 @@ def run_dflash(
         acceptance_lengths=list(last.stats.acceptance_lengths),
         block_sizes=list(last.stats.block_sizes),
         host_time=last.stats.host_time,
+        trees=list(last.stats.trees),
     )
 
 

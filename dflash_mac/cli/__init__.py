@@ -253,6 +253,7 @@ def generate(
     max_kv_size: int | None = options.MAX_KV_SIZE,
     draft_bits: int | None = options.DRAFT_BITS,
     copy: bool = options.COPY,
+    tree_budget: str = options.TREE_BUDGET,  # parsed: int | None
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print statistics after the text."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
 ) -> None:
@@ -277,6 +278,7 @@ def generate(
         repetition_penalty=repetition_penalty,
         logit_bias=parse_logit_bias(logit_bias),
         copy=copy,
+        tree=tree_budget,
     )
     check_settings(max_tokens, block_size, settings)  # before the slow load
     prepared = load_pair(

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import typer
 
+from dflash_mac.autoblock import MAX_TREE_BUDGET
+
 MODEL_HELP = (
     "Target model: local folder, Hugging Face id or pair name from `dflash-mac models` "
     "(default: the registry's default pair, smollm2-135m, or $DFLASH_MAC_PAIR)."
@@ -31,6 +33,31 @@ COPY = typer.Option(
     "--copy/--no-copy",
     help="Copy drafting: where the last tokens repeat earlier text, draft what followed there "
     "(no drafter pass; edits and refactors repeat a lot).",
+)
+
+
+def parse_tree_budget(value: str | None) -> int | None:
+    """`--tree-budget`: "auto" (None: `auto` weighs trees), "off" or 0 (chains only), or N."""
+    if value is None or value == "auto":
+        return None
+    if value == "off":
+        return 0
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= MAX_TREE_BUDGET:
+        raise typer.BadParameter(f"give auto, off or a node count 0..{MAX_TREE_BUDGET}.")
+    return n
+
+
+TREE_BUDGET = typer.Option(
+    "auto",
+    "--tree-budget",
+    callback=parse_tree_budget,
+    help="Tree drafting: verify a tree of the drafter's likeliest continuations in one pass. "
+    "auto: with --block-size auto, trees of 4, 8 or 16 nodes run where they are expected to "
+    "beat the chain; off: chains only; N: every drafting cycle is a tree of N nodes.",
 )
 
 

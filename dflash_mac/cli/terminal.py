@@ -190,6 +190,7 @@ def print_stats(pair: Pair, result: GenerationResult, console: Console = err) ->
         f"[dim]blocks[/] {s.block_mix} (size×cycles) · host {s.host_ms_per_cycle:.2f} ms/cycle"
         f" · drafter context {s.draft_context} positions"
         + (f" · copies {s.copy_cycles} cycles, {s.copy_tokens} tok" if s.copy_cycles else "")
+        + (f" · trees {s.tree_mix} (nodes×cycles), τ {s.tree_tau:.2f}" if s.tree_cycles else "")
         + (f" · auto: {s.block_reason}" if s.auto else "")
     )
     console.print(

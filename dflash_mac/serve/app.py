@@ -66,6 +66,7 @@ def create_app(
     max_kv_size: int | None = None,
     prompt_cache_disk_bytes: int = 0,
     copy: bool = True,
+    tree: int | None = None,
     max_batch: int = 1,
 ) -> Starlette:
     """The ASGI app (see `routes.Settings` for the settings). `max_queue` requests may wait
@@ -85,7 +86,7 @@ def create_app(
         disk = DiskTier.for_pair(pair, prompt_cache_disk_bytes) if prompt_cache_disk_bytes else None
         session = Session(pair, prompt_cache_size, prompt_cache_bytes, tuning, max_kv_size, disk)
     block = block or block_size_for(session.pair, None)
-    worker = Worker(session, block, max_queue, copy, max_batch)
+    worker = Worker(session, block, max_queue, copy, tree, max_batch)
     name = model_name(session.pair)
     routes = Routes(session, worker, name, Settings(api_key, max_tokens, block, default_temp))
 

@@ -290,6 +290,7 @@ def serve(
     chat_template: str | None = options.CHAT_TEMPLATE,  # the file's text
     max_kv_size: int | None = options.MAX_KV_SIZE,
     copy: bool = options.COPY,
+    tree_budget: str = options.TREE_BUDGET,  # parsed: int | None
     cors_origins: str | None = typer.Option(
         None,
         "--cors-origins",
@@ -347,6 +348,7 @@ def serve(
             max_kv_size=max_kv_size,
             prompt_cache_disk_bytes=prompt_cache_disk_bytes,
             copy=copy,
+            tree=tree_budget,
             max_batch=max_batch,
         )
         announce(prepared, app.state.model_name, url, log_path)

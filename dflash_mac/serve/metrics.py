@@ -45,6 +45,9 @@ def summary(ev: Any, kind: str) -> dict:
             "ttft_s": round(s.ttft, 4),
             "copy_cycles": s.copy_cycles,
             "copy_tokens": s.copy_tokens,
+            "tree_cycles": s.tree_cycles,
+            "tree_tau": round(s.tree_tau, 4),
+            "tree_budgets": s.tree_mix,
         },
     }
 

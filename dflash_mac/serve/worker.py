@@ -94,11 +94,13 @@ class Worker:
         block: BlockChoice | None = None,
         max_queue: int = 8,
         copy: bool = True,
+        tree: int | None = None,
         max_batch: int = 1,
     ):
         self.session = session
         self.block = block  # None: `auto` up to the pair's default size
         self.copy = copy  # copy drafting (`serve --no-copy` turns it off)
+        self.tree = tree  # tree drafting (`serve --tree-budget`; None: `auto` weighs trees)
         self.max_queue = max_queue  # requests that may wait behind the running one
         self._submit_lock = threading.Lock()
         self._durations: list[float] = []  # seconds of the last few requests (Retry-After)
@@ -346,6 +348,7 @@ class Worker:
                 max_tokens=budget,
                 block_size=self.block,
                 copy=self.copy,
+                tree=self.tree,
                 **req.sampling,
             ):
                 if ev.logprobs is not None:  # before the text they belong to

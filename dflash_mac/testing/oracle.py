@@ -8,6 +8,8 @@ import random
 
 import mlx.core as mx
 
+from dflash_mac.models.dflash import independent_expansion
+
 
 class CountingCache:
     """Stands in for a drafter context cache: only the position count matters."""
@@ -45,15 +47,28 @@ class OracleDrafter:
     def extend_context(self, features: mx.array, cache: list[CountingCache]) -> None:
         cache[0].offset += features.shape[1]
 
-    def __call__(self, block: mx.array, cache: list[CountingCache]) -> mx.array:
-        start, bs = cache[0].offset, block.shape[1]
-        rows = []
+    def drafts(self, start: int, bs: int) -> tuple[list[int], list[int]]:
+        """(drafts, the right tokens) for block positions 1..bs-1 after `start`."""
+        rows, right = [], []
         for pos in range(start + 1, start + bs):
             tok = self.sequence[pos] if pos < len(self.sequence) else 0
+            right.append(tok)
             if self.rng.random() < self.error_rate:
                 tok = (tok + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
             rows.append(tok)
+        return rows, right
+
+    def __call__(self, block: mx.array, cache: list[CountingCache]) -> mx.array:
+        rows, _ = self.drafts(cache[0].offset, block.shape[1])
         return (mx.eye(self.vocab)[mx.array(rows)] * 10.0)[None]
+
+    def expansion(self, block: mx.array, cache: list[CountingCache], k: int):
+        """Tree candidates: the draft first and, where it is wrong, the right token second
+        (what a drafter whose second choice is right looks like)."""
+        rows, right = self.drafts(cache[0].offset, block.shape[0])
+        eye = mx.eye(self.vocab)
+        logits = eye[mx.array(rows)] * 10.0 + eye[mx.array(right)] * 9.0
+        return independent_expansion(logits, k)
 
 
 def with_drafter(pair, drafter):

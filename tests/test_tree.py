@@ -1,0 +1,286 @@
+"""Tree drafting (DDTree): the tree is the best-first one under its budget, the verify sees
+ancestors only (a causal mask must fail the same check), the cache after acceptance equals a
+fresh prefill of the accepted path, greedy output is the target's own, sampled output keeps the
+target's distribution (chi-square, with a lossy walk the test must reject), and `auto` weighs
+trees against chains on their measured rates."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+
+import mlx.core as mx
+import pytest
+from dflash_mac.models.distribution import SamplingParams
+from mlx_lm.models.cache import make_prompt_cache
+from test_sampling import chi_square_p, exact_joint, small_pair  # noqa: F401  (fixture)
+
+from dflash_mac.api import generate
+from dflash_mac.autoblock import BlockController, CostCurve, CostModel, tree_arms
+from dflash_mac.capture import FeatureCapture
+from dflash_mac.session import Session
+from dflash_mac.testing.oracle import OracleDrafter, with_drafter
+from dflash_mac.tree import DraftTree, grow, keep_path, verify_logits, walk
+
+# log q of 3 candidates (tokens 10+i at position t) at each of 3 positions, whatever the parent
+LOGQ = [[-0.1, -2.5, -3.0], [-0.7, -0.8, -4.0], [-0.05, -3.5, -4.5]]
+
+
+def fixed_expand(t: int, parents: mx.array):
+    k = len(LOGQ[t])
+    shape = (parents.shape[0], k)
+    cand = mx.broadcast_to(mx.arange(k) + 10 * (t + 1), shape)
+    return cand, mx.broadcast_to(mx.array(LOGQ[t]), shape)
+
+
+def test_the_tree_is_the_best_first_one_under_its_budget():
+    for budget in (1, 3, 5, 9):
+        tree = grow(mx.array(7), fixed_expand, 3, budget)
+        tokens, parents, depth = (a.tolist() for a in (tree.tokens, tree.parents, tree.depth))
+        assert tree.width == budget + 1 and tokens[0] == 7 and depth[0] == 0
+        assert all(
+            parents[i] < i and depth[i] == depth[parents[i]] + 1 for i in range(1, len(tokens))
+        )
+        # every path of ranks, scored by its summed log q: the tree holds the `budget` best
+        paths = [p for d in (1, 2, 3) for p in itertools.product(range(3), repeat=d)]
+        score = {p: sum(LOGQ[t][r] for t, r in enumerate(p)) for p in paths}
+        best = sorted(paths, key=lambda p: -score[p])[:budget]
+
+        def ranks(i, tokens=tokens, parents=parents, depth=depth):
+            out = []
+            while i:
+                out.append(tokens[i] - 10 * depth[i])
+                i = parents[i]
+            return tuple(reversed(out))
+
+        assert sorted(ranks(i) for i in range(1, len(tokens))) == sorted(best)
+        anc = tree.ancestors.tolist()
+        for i in range(len(tokens)):  # ancestors: i, its parent's ancestors, nothing else
+            want = {i} | ({j for j in range(len(tokens)) if anc[parents[i]][j]} if i else set())
+            assert {j for j in range(len(tokens)) if anc[i][j]} == want
+
+
+def test_the_walk_follows_the_targets_tokens():
+    tree = grow(mx.array(7), fixed_expand, 3, 6)
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    deepest = max(range(len(tokens)), key=lambda i: tree.depth.tolist()[i])
+    path = []
+    i = deepest
+    while i:
+        path.append(i)
+        i = parents[i]
+    path.reverse()
+    x = [0] * len(tokens)  # the target's token at each node: follow `path`, then 99
+    for a, b in zip([0, *path], path):
+        x[a] = tokens[b]
+    x[path[-1]] = 99
+    acc, bonus, got = walk(tree, mx.array(x))
+    assert acc.item() == len(path) and bonus.item() == 99
+    assert got.tolist()[: len(path)] == path
+    x[path[0]] = 98  # the first step's child holds the wrong token: accept one, bonus 98
+    acc, bonus, _ = walk(tree, mx.array(x))
+    assert (acc.item(), bonus.item()) == (1, 98)
+
+
+@pytest.fixture
+def prefilled(tiny_pair):
+    """A tree drafted by the tiny pair's drafter after a prompt, and the target cache."""
+    pair = tiny_pair
+    ids = pair.tokenizer.encode("def add(a, b):\n    return")
+    cache, dcache = make_prompt_cache(pair.target), pair.drafter.make_cache()
+    with FeatureCapture(pair.target, pair.layer_ids) as cap:
+        pair.target(mx.array(ids[:-1])[None], cache=cache)
+        pair.drafter.extend_context(cap.features(), dcache)
+    block = mx.array([ids[-1]] + [pair.drafter.config.mask_token_id] * 5)
+    tree = grow(mx.array(ids[-1]), pair.drafter.expansion(block, dcache, 3), 5, 10)
+    mx.eval(tree.tokens, tree.ancestors, [c.state for c in cache])
+    return pair, ids, cache, tree
+
+
+def path_to(tree: DraftTree, i: int) -> list[int]:
+    anc, depth = tree.ancestors.tolist(), tree.depth.tolist()
+    return sorted((j for j in range(tree.width) if anc[i][j]), key=lambda j: depth[j])
+
+
+def chain_logits(pair, ids: list[int], tree: DraftTree, i: int) -> mx.array:
+    cache = make_prompt_cache(pair.target)
+    pair.target(mx.array(ids[:-1])[None], cache=cache)
+    toks = tree.tokens.tolist()
+    return pair.target(mx.array([toks[j] for j in path_to(tree, i)])[None], cache=cache)[0, -1]
+
+
+def test_each_node_sees_its_ancestors_only(prefilled):
+    pair, ids, cache, tree = prefilled
+    logits = verify_logits(pair.target, tree, cache)
+    assert tree.depth.max().item() >= 2 and tree.width > tree.depth.max().item() + 1
+    for i in range(tree.width):
+        assert mx.array_equal(logits[i], chain_logits(pair, ids, tree, i)), i
+
+
+def test_a_causal_mask_fails_the_same_check(prefilled):
+    pair, ids, cache, tree = prefilled
+    causal = DraftTree(
+        tree.tokens, tree.parents, tree.depth, mx.tril(mx.ones((tree.width,) * 2, mx.bool_)),
+        tree.top, tree.budget, tree.max_depth,
+    )  # fmt: skip
+    logits = verify_logits(pair.target, causal, cache)
+    differ = [
+        i
+        for i in range(tree.width)
+        if not mx.allclose(logits[i], chain_logits(pair, ids, tree, i), atol=1e-4)
+    ]
+    assert differ  # a node that sees its cousins is not the target given its path
+
+
+def test_the_cache_after_acceptance_equals_a_fresh_prefill(prefilled):
+    pair, ids, cache, tree = prefilled
+    start = cache[0].offset
+    verify_logits(pair.target, tree, cache)
+    deepest = max(range(tree.width), key=lambda i: tree.depth.tolist()[i])
+    path = path_to(tree, deepest)[1:]  # accept the deepest branch
+    keep_path(cache, start, mx.array(path, mx.int32), len(path) + 1)
+    for c in cache:
+        c.trim(tree.width - len(path) - 1)
+    fresh = make_prompt_cache(pair.target)  # prefilled as the verify was: prompt, then path
+    pair.target(mx.array(ids[:-1])[None], cache=fresh)
+    toks = tree.tokens.tolist()
+    pair.target(mx.array([toks[j] for j in [0, *path]])[None], cache=fresh)
+    for a, b in zip(cache, fresh):
+        assert a.offset == b.offset == len(ids) + len(path)
+        n = a.offset  # rows past the offset are free slots, whatever they hold
+        for x, y in ((a.keys, b.keys), (a.values, b.values)):
+            assert mx.array_equal(x[..., :n, :], y[..., :n, :]), "not the accepted path's cache"
+
+
+@pytest.mark.parametrize("tree", [3, 12, None])
+@pytest.mark.parametrize("block", [4, "auto"])
+def test_greedy_output_is_the_targets(tiny_pair, tree, block):
+    ids = tiny_pair.tokenizer.encode("class Stack:\n    def push(self, x):")
+    kw = dict(max_tokens=40, use_eos=False, copy=False)
+    ref = generate(tiny_pair, ids, block_size=1, **kw).tokens
+    out = generate(tiny_pair, ids, block_size=block, tree=tree, **kw)
+    assert out.tokens == ref
+    if tree and block == 4:
+        # forced: every cycle is a tree but the last (one token of room: a plain step)
+        assert out.stats.tree_cycles == out.stats.cycles - 1
+
+
+def test_tree_cycles_show_in_the_stats_and_the_servers_summary(tiny_pair):
+    from types import SimpleNamespace
+
+    from dflash_mac.serve.metrics import summary
+
+    ids = tiny_pair.tokenizer.encode("hello world")
+    out = generate(tiny_pair, ids, max_tokens=12, use_eos=False, block_size=4, tree=5)
+    s = out.stats
+    assert s.tree_cycles == s.cycles - 1 and s.tree_mix == f"5×{s.tree_cycles}"
+    d = s.as_dict()
+    assert d["tree_cycles"] == s.tree_cycles and d["tree_tau"] == pytest.approx(s.tree_tau)
+    ev = SimpleNamespace(stats=s, finish_reason="length", stop=None)
+    assert summary(ev, "chat")["dflash"]["tree_budgets"] == s.tree_mix
+
+
+def test_an_oracle_wrong_30_percent_commits_more_with_trees(tiny_pair):
+    """Where the drafter's second choice is right, a tree recovers what a chain loses, and
+    the output is still the target's."""
+    ids = tiny_pair.tokenizer.encode("import os\nimport")
+    kw = dict(max_tokens=60, use_eos=False, copy=False, block_size=6)
+    ref = generate(tiny_pair, ids, max_tokens=60, use_eos=False, block_size=1).tokens
+    taus = {}
+    for tree in (0, 8):
+        oracle = with_drafter(tiny_pair, OracleDrafter(tiny_pair.drafter, ids + ref, 320, 0.3, 1))
+        out = generate(oracle, ids, tree=tree, **kw)
+        assert out.tokens == ref
+        taus[tree] = out.stats.tau
+    assert taus[8] > 1.15 * taus[0]
+
+
+def test_trees_run_on_a_worker_thread(tiny_pair):
+    ids = tiny_pair.tokenizer.encode("hello world")
+    ref = generate(tiny_pair, ids, max_tokens=24, use_eos=False, block_size=1).tokens
+    got = {}
+
+    def work():
+        got["out"] = generate(tiny_pair, ids, max_tokens=24, use_eos=False, block_size=5, tree=6)
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert got["out"].tokens == ref and got["out"].stats.tree_cycles > 0
+
+
+def tree_samples(pair, sp, n, budget) -> list[tuple]:
+    session, out = Session(pair), []
+    prompt = [0, 3, 1, 2]
+    for seed in range(n):
+        events = session.stream(
+            prompt, max_tokens=3, block_size=4, temp=sp.temperature, seed=seed,
+            use_eos=False, copy=False, tree=budget,
+        )  # fmt: skip
+        out.append(tuple(t for e in events for t in e.tokens))
+    return out
+
+
+@pytest.mark.slow
+def test_sampled_trees_keep_the_target_distribution(small_pair):  # noqa: F811
+    sp = SamplingParams(temperature=1.0)
+    samples = tree_samples(small_pair, sp, 1200, 6)
+    assert chi_square_p(samples, exact_joint(small_pair, sp, prompt=[0, 3, 1, 2])) > 0.001
+
+
+@pytest.mark.slow
+def test_a_lossy_tree_walk_is_detected(small_pair, monkeypatch):  # noqa: F811
+    """Descending into the drafter's first child whatever the target drew must fail the same
+    test (the power check)."""
+    import dflash_mac.cycle as engine
+
+    real = engine.walk
+
+    def first_child(tree, x):
+        x = mx.where(mx.arange(tree.width) == 0, tree.tokens[1], x)  # the root "drew" node 1
+        return real(tree, x)
+
+    monkeypatch.setattr(engine, "walk", first_child)
+    sp = SamplingParams(temperature=1.0)
+    samples = tree_samples(small_pair, sp, 600, 6)
+    assert chi_square_p(samples, exact_joint(small_pair, sp, prompt=[0, 3, 1, 2])) < 1e-6
+
+
+def controller(trees=(8,), chains=True) -> BlockController:
+    curve = CostCurve({1: 1.0, **{b: 1.0 + 0.1 * b for b in range(2, 9)}}, measured=True)
+    curve.trees = {8: 1.9}
+    return BlockController(8, CostModel(curve), timed=False, trees=trees, chains=chains)
+
+
+def test_auto_takes_trees_when_they_commit_more_and_drops_them_when_not():
+    c = controller()
+    assert c.choose().tree == 8  # the optimistic guess: trees get tried
+    for _ in range(30):  # trees commit no more than a chain: back to chains
+        d = c.choose()
+        c.update(d.size, 1 if d.tree else 1, None, tree=d.tree)
+    assert c.choose().tree == 0
+    c = controller()
+    for _ in range(30):  # trees commit 5, chains 2: trees stay
+        d = c.choose()
+        c.update(d.size, 4 if d.tree else 1, None, tree=d.tree)
+    assert c.last.tree == 8
+    # no flapping: the choice settles on one kind
+    kinds = []
+    for _ in range(20):
+        d = c.choose()
+        kinds.append(d.tree)
+        c.update(d.size, 4 if d.tree else 1, None, tree=d.tree)
+    assert len(set(kinds)) == 1
+
+
+def test_a_forced_budget_drafts_trees_only_and_falls_back_to_plain_steps():
+    assert tree_arms(None)[1] and tree_arms(0) == ((), True) and tree_arms(5) == ((5,), False)
+    c = controller(chains=False)
+    seen = set()
+    for _ in range(40):  # trees accept nothing: plain steps (and probes, which are trees)
+        d = c.choose()
+        seen.add((d.size, d.tree))
+        c.update(d.size, 0, None, tree=d.tree)
+    assert seen <= {(1, 0), (8, 8)} and c.last.size == 1
+    assert math.isclose(c.tree_cost.cost(8), 1.9)
