@@ -570,7 +570,7 @@ def test_a_probe_after_plain_steps_runs_outside_their_timing(tiny_pair):
             timed.append((bs, seconds if steady else None))
 
     ids = tiny_pair.tokenizer.encode("hello world")
-    cfg = GenerationConfig(40, use_eos=False)
+    cfg = GenerationConfig(40, use_eos=False, copy=False)  # the drafter's cycles only
     list(speculative_stream(pair, ids, cfg, controller=Recording([1, 1, 1, 1, 2, 2])))
     drafting = [s for (b, s), (b0, _) in zip(timed[1:], timed) if b == 2 and b0 == 2]
     plain = [s for b, s in timed if b == 1 and s]
