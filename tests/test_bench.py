@@ -20,9 +20,9 @@ from dflash_mac import cycle as engine
 from dflash_mac.api import prompt_ids
 from dflash_mac.bench import agent as agent_bench
 from dflash_mac.bench import command as bench_command
+from dflash_mac.bench import concurrency, summary
 from dflash_mac.bench import report as bench_report
 from dflash_mac.bench import run as bench
-from dflash_mac.bench import summary
 from dflash_mac.bench.run import BenchConfig, BenchError, BenchPrompt, Run
 from dflash_mac.cli import app
 from dflash_mac.loading import BUNDLED_DRAFT
@@ -612,6 +612,12 @@ def test_committed_results_pass_schema():
             if d.get("kind") == "agent":  # bench --suite agent: its own document
                 assert agent_bench.validate(d) == [], f
                 assert d["total"]["identical"] == d["total"]["turns"], f
+                continue
+            if d.get("kind") == "concurrency":  # bench --concurrency: its own document
+                assert concurrency.validate(d) == [], f
+                for row in d["rows"]:  # greedy batched answers equal the ones alone
+                    same, n = row.get("identical", "0/0").split("/")
+                    assert same == n, (f, row["setting"], row["concurrency"])
                 continue
             assert bench_report.validate(d) == [], f
             assert d["lossless"]["equal"] == d["lossless"]["checked"], f

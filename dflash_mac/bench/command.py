@@ -240,6 +240,13 @@ def bench_command(
     live: bool | None = typer.Option(
         None, "--live/--no-live", help="Live view (default: when stderr is a terminal)."
     ),
+    concurrency: str | None = typer.Option(
+        None,
+        "--concurrency",
+        help="Streams arriving together, comma-separated (1,2,4,8): batched DFlash (the "
+        "engine of serve --max-batch) against the same requests one at a time and mlx-lm's "
+        "batched plain decoding.",
+    ),
 ) -> None:
     """Benchmark DFlash against plain decoding of the same target, in one process."""
     from rich.console import Console
@@ -253,6 +260,12 @@ def bench_command(
         raise BenchError("--shape works with --cost-curve only.")
     if cost_curve:
         return cost_curve_command(model, draft, draft_bits, err, shape, shape_dtype)
+    if concurrency is not None:
+        levels = parse_levels(concurrency)
+        return concurrency_command(
+            model, draft, suite, prompts_file, max_tokens, block_size, temp, seed, no_eos,
+            draft_bits, fmt, out, err, levels,
+        )  # fmt: skip
     if suite == "agent":
         return agent_command(
             model, draft, prompts_file, limit, max_tokens, block_size, draft_bits, fmt, out, err
@@ -290,6 +303,61 @@ def bench_command(
         docs.append(measure_setting(pair, prompts, ids, cfg, tuning, label, common, err, live))
     save_acceptance(pair, tuning)  # what `auto` saw: the next process starts from it
     finish(docs, fmt, out, strict, err)
+
+
+def parse_levels(value: str) -> list[int]:
+    """`--concurrency 1,2,4`: positive stream counts."""
+    try:
+        levels = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1:
+        raise BenchError(f"--concurrency takes stream counts such as 1,2,4,8 (got {value!r}).")
+    return sorted(set(levels))
+
+
+def concurrency_command(
+    model, draft, suite, prompts_file, max_tokens, block_size, temp, seed, no_eos, bits, fmt,
+    out, err, levels,
+):  # fmt: skip
+    """`--concurrency` (bench/concurrency.py)."""
+    from dflash_mac.api import prompt_ids
+    from dflash_mac.batch import batch_reason
+    from dflash_mac.cli.terminal import calibrate_auto, load_pair, warn_line
+    from dflash_mac.policy import block_size_for
+
+    from .concurrency import concurrency_markdown, measure_concurrency
+    from .writers import append_jsonl, to_json
+
+    if fmt not in ("md", "json"):
+        raise BenchError(f"--concurrency writes md or json (got --format {fmt}).")
+    if block_size is not None and "," in str(block_size):
+        raise BenchError("--concurrency runs one block size (auto or a number), not a sweep.")
+    if suite in ("agent", "all"):
+        raise BenchError(f"--concurrency runs one prompt suite, not {suite}.")
+    temps = parse_temps(temp)
+    prompts = read_prompts(prompts_file) if prompts_file else suite_prompts(suite, warn_line)
+    prepared = load_pair(model, draft, draft_bits=bits)
+    pair = prepared.pair
+    if why := batch_reason(pair):
+        raise BenchError(f"this pair does not decode in batches: {why}.")
+    prompts = prompts[: max(levels)]
+    block = block_size_for(pair, block_size)
+    ids = [prompt_ids(pair.tokenizer, p.prompt) for p in prompts]
+    tuning = calibrate_auto(prepared)
+    settings = sampling_settings(pair, temps, None, None, 0.0)
+    start = load_average()
+    rows = measure_concurrency(
+        pair, ids, levels, settings, max_tokens, block, tuning, seed, not no_eos,
+        lambda line: err.print(line, highlight=False),
+    )  # fmt: skip
+    config = {"suite": "custom" if prompts_file else suite, "prompts": len(ids)}
+    config |= {"max_tokens": max_tokens, "block": block.label, "levels": levels}
+    doc = {"kind": "concurrency", "config": config, "rows": rows}
+    doc["header"] = header(pair) | {"load_avg": [start, load_average()]}
+    typer.echo(concurrency_markdown(doc) if fmt == "md" else to_json(doc), nl=False)
+    if out:
+        append_jsonl(out, doc)
 
 
 def agent_command(model, draft, transcripts, limit, max_tokens, block_size, bits, fmt, out, err):

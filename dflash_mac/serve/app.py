@@ -67,6 +67,7 @@ def create_app(
     prompt_cache_disk_bytes: int = 0,
     copy: bool = True,
     tree: int | None = None,
+    max_batch: int = 1,
 ) -> Starlette:
     """The ASGI app (see `routes.Settings` for the settings). `max_queue` requests may wait
     behind the running one, more get a 429; a pair gets a session whose prompt cache keeps
@@ -76,7 +77,8 @@ def create_app(
     call every route; each request gets its log line (`requestlog.py`). `max_kv_size`: each
     cached conversation keeps a rotating window of that many target positions;
     `prompt_cache_disk_bytes` > 0: cached prefixes also go to disk (`prefix_disk.py`) and are
-    read back after a restart."""
+    read back after a restart. `max_batch` > 1: up to that many requests decode together
+    (continuous batching, `batch_loop.py`)."""
     if isinstance(pair_or_session, Session):
         session = pair_or_session
     else:
@@ -84,7 +86,7 @@ def create_app(
         disk = DiskTier.for_pair(pair, prompt_cache_disk_bytes) if prompt_cache_disk_bytes else None
         session = Session(pair, prompt_cache_size, prompt_cache_bytes, tuning, max_kv_size, disk)
     block = block or block_size_for(session.pair, None)
-    worker = Worker(session, block, max_queue, copy, tree)
+    worker = Worker(session, block, max_queue, copy, tree, max_batch)
     name = model_name(session.pair)
     routes = Routes(session, worker, name, Settings(api_key, max_tokens, block, default_temp))
 

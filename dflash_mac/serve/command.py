@@ -41,6 +41,7 @@ def log_name(port: int) -> str:
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+DEFAULT_MAX_BATCH = 4  # measured on the default pair: docs/bench.md "Concurrency"
 DISK_BYTES = 4 << 30  # the prompt cache on disk, per pair (agent prefixes of ~100k tokens)
 err = Console(stderr=True)
 
@@ -264,6 +265,13 @@ def serve(
         min=0,
         help="Requests that may wait behind the running one; more get HTTP 429 + Retry-After.",
     ),
+    max_batch: int = typer.Option(
+        DEFAULT_MAX_BATCH,
+        "--max-batch",
+        min=1,
+        help="Requests that decode together (continuous batching with DFlash; 1: one at a "
+        "time). Requests with penalties, structured output or logprobs run alone.",
+    ),
     log_file: Path | None = typer.Option(
         None, "--log-file", help="Log file (default: serve-PORT.log in the data directory)."
     ),
@@ -341,6 +349,7 @@ def serve(
             prompt_cache_disk_bytes=prompt_cache_disk_bytes,
             copy=copy,
             tree=tree_budget,
+            max_batch=max_batch,
         )
         announce(prepared, app.state.model_name, url, log_path)
         run_server(app, host, port)

@@ -169,6 +169,7 @@ class Routes:
             "max_queue": worker.max_queue,
             "cached_tokens": len(self.session.state.ids),
             "prompt_cache": self.session.cache.stats(),
+            "batch": worker.batch_stats(),
             **worker.metrics.snapshot(),
         }
 

@@ -1,7 +1,10 @@
 """The one generation thread behind `dflash-mac serve`, its jobs and its metrics.
 
-All MLX work (tokenizing, prefill, decode) runs on this thread, one request at a time, in
-arrival order; request handlers talk to it through `Job` queues on the event loop."""
+All MLX work (tokenizing, prefill, decode) runs on this thread, in arrival order; request
+handlers talk to it through `Job` queues on the event loop. With `max_batch` > 1 (and a pair
+that batches, `batch.batch_reason`) up to that many requests decode together in one
+`batch_loop.BatchEngine`; requests that need penalties, structured output or logprobs run
+alone, between batches."""
 
 from __future__ import annotations
 
@@ -13,10 +16,13 @@ import queue
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from dflash_mac.api import PromptError, fit_max_tokens
+from dflash_mac.api import PromptError, fit_max_tokens, make_config
+from dflash_mac.batch import batch_reason
+from dflash_mac.batch_loop import BatchEngine, BatchRequest, batch_ready
 from dflash_mac.distributed.group import lost_peer_message
 from dflash_mac.models.penalties import check_bias_token
 from dflash_mac.policy import BlockChoice, save_acceptance
@@ -89,6 +95,7 @@ class Worker:
         max_queue: int = 8,
         copy: bool = True,
         tree: int | None = None,
+        max_batch: int = 1,
     ):
         self.session = session
         self.block = block  # None: `auto` up to the pair's default size
@@ -98,7 +105,10 @@ class Worker:
         self._submit_lock = threading.Lock()
         self._durations: list[float] = []  # seconds of the last few requests (Retry-After)
         self.metrics = Metrics()
-        self.current: Job | None = None
+        self.current: Job | None = None  # the job running alone
+        self.engine = self._engine(max_batch)  # None: one request at a time
+        self.running: dict[int, Job] = {}  # jobs in the batch engine, by id
+        self.batch_off: str | None = None  # why --max-batch > 1 does not batch
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._stopping = threading.Event()
         self._idle = threading.Event()
@@ -111,7 +121,23 @@ class Worker:
 
     @property
     def busy(self) -> bool:
-        return self.current is not None
+        return self.current is not None or bool(self.running)
+
+    def _engine(self, max_batch: int) -> BatchEngine | None:
+        if max_batch <= 1:
+            return None
+        pair = self.session.pair
+        why = batch_reason(pair, self.session.cache.fresh())
+        if why is not None:
+            self.batch_off = why
+            log.warning("--max-batch %d: requests run one at a time (%s).", max_batch, why)
+            return None
+        block = self.block.size if self.block else pair.block_size
+        return BatchEngine(pair, max_batch, block, auto=self.block is None or self.block.auto)
+
+    def batch_stats(self) -> dict | None:
+        """The batch's occupancy for /v1/dflash/stats (None: no batching)."""
+        return None if self.engine is None else self.engine.stats.as_dict()
 
     def submit(self, job: Job) -> None:
         if self._stopping.is_set():
@@ -137,6 +163,8 @@ class Worker:
         self._stopping.set()
         if job := self.current:
             job.cancel()
+        for job in list(self.running.values()):
+            job.cancel()
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop taking jobs; wait (bounded) until the running one has ended."""
@@ -145,15 +173,11 @@ class Worker:
         self._idle.wait(timeout)
 
     def _loop(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            self.current = job
-            began = time.monotonic()
-            try:
-                self._run(job)
-            finally:
-                self.current = None
-                self._durations = [*self._durations[-7:], time.monotonic() - began]
-                job.emit("end")
+        if self.engine is not None:
+            self._batch_loop()
+        else:
+            while (job := self._jobs.get()) is not None:
+                self._alone(job)
         while not self._jobs.empty():  # refuse what is still queued
             if (job := self._jobs.get_nowait()) is not None:
                 job.emit(
@@ -164,6 +188,110 @@ class Worker:
         # Park instead of returning: MLX aborts the process at exit ("terminate called without
         # an active exception") when a thread that ran mx.compile'd functions has ended.
         threading.Event().wait()
+
+    def _alone(self, job: Job) -> None:
+        """Run one job by itself (the one-at-a-time path)."""
+        self.current = job
+        began = time.monotonic()
+        try:
+            self._run(job)
+        finally:
+            self.current = None
+            self._durations = [*self._durations[-7:], time.monotonic() - began]
+            job.emit("end")
+
+    def _batch_loop(self) -> None:
+        """Take jobs while the batch has room, step the engine while it has work; a job that
+        must run alone waits until the batch is empty (and holds back the jobs behind it)."""
+        alone: deque[Job] = deque()
+        while True:
+            engine = self.engine  # a new one after a failure (`_step`)
+            while not alone and engine.in_flight + len(engine.waiting) < engine.max_batch:
+                idle = not engine.busy
+                try:
+                    job = self._jobs.get(block=idle)
+                except queue.Empty:
+                    break
+                if job is None:
+                    self._stopping.set()
+                    while engine.busy:  # cancelled by stop(): each ends at its next step
+                        self._step(engine)
+                    return
+                if self._wants_alone(job.req):
+                    alone.append(job)
+                else:
+                    self._join(job)
+            if engine.busy:
+                self._step(engine)
+            elif alone:
+                self._alone(alone.popleft())
+
+    def _wants_alone(self, req: GenRequest) -> bool:
+        try:
+            cfg = make_config(max_tokens=req.max_tokens, **req.sampling)
+        except PromptError:
+            return True  # the one-at-a-time path answers with the sentence
+        return batch_ready(cfg) is not None
+
+    def _join(self, job: Job) -> None:
+        """Prepare a job and hand it to the batch engine (or end it with its error)."""
+        if self._should_stop(job):
+            self.metrics.count("cancelled")
+            job.emit("error", self.cut_short("cancelled before it started."))
+            job.emit("end")
+            return
+        req, pair = job.req, self.session.pair
+        job.started = time.monotonic()
+        try:
+            ids = self._prepare(req)
+            budget = fit_max_tokens(self.context_of(req), len(ids), req.max_tokens).max_tokens
+            cfg = make_config(
+                max_tokens=budget, block_size=self.block, copy=self.copy, **req.sampling
+            )
+        except (APIError, PromptError) as e:
+            self.metrics.count("invalid")
+            job.emit("error", e if isinstance(e, APIError) else APIError(400, str(e)))
+            job.emit("end")
+            return
+        tail = pair.tokenizer.decode(ids[-16:]) if req.kind == "chat" else ""
+        job.emit("ready", Ready(len(ids), prompt_opens_think(tail)))
+        state, _ = self.session.cache.take(ids)
+        last: list = [None]
+
+        def emit(ev) -> None:
+            job.emit("text", (ev.text, ev.finish_reason))
+            last[0] = ev
+
+        def done(r: BatchRequest) -> None:
+            self.running.pop(id(job), None)
+            self.session.cache.put(r.state)
+            self._durations = [*self._durations[-7:], time.monotonic() - job.started]
+            if last[0] is None:
+                self.metrics.count("cancelled")
+                job.emit("error", self.cut_short("cancelled before it started."))
+            else:
+                self._finish(job, last[0])
+            job.emit("end")
+
+        self.running[id(job)] = job
+        stop = lambda: self._should_stop(job)  # noqa: E731
+        self.engine.add(BatchRequest(ids, cfg, state, emit, stop, done))
+
+    def _step(self, engine: BatchEngine) -> None:
+        """One engine step; a failure ends every job in it with a 500 and starts clean."""
+        try:
+            engine.step()
+        except Exception as e:  # a bug: keep serving, from a clean state
+            log.exception("batched generation failed")
+            self.metrics.fail(f"generation failed: {e}")
+            for job in list(self.running.values()):
+                job.emit("error", APIError(500, f"generation failed: {e}", kind="server_error"))
+                job.emit("end")
+            self.running.clear()
+            self.session.reset()
+            self.engine = BatchEngine(
+                engine.pair, engine.max_batch, engine.rule.bs_max, not engine.rule.fixed
+            )
 
     def _should_stop(self, job: Job) -> bool:
         return job.cancelled.is_set() or self._stopping.is_set()
@@ -246,6 +374,11 @@ class Worker:
             job.emit("error", APIError(500, f"generation failed: {e}", kind="server_error"))
             return
         save_acceptance(pair, self.session.tuning)  # a restarted server starts from it
+        self._finish(job, last)
+
+    def _finish(self, job: Job, last) -> None:
+        """The request's summary, metrics and last items (its last event is `last`)."""
+        req = job.req
         result = summary(last, req.kind)
         result["dflash"]["queue_position"] = job.position
         result["dflash"]["queue_wait_s"] = round(job.started - job.queued_at, 4)

@@ -1,0 +1,188 @@
+"""Batched DFlash cycles over rows with ragged caches (docs/design.md §6, issue #36).
+
+Each row of a batch is a request's own `DecodeState`: its target `KVCache`s and drafter
+context hold exactly its committed tokens, so ragged acceptance is a per-row trim and a row
+joins or leaves without touching the others. A batched forward stacks the rows' blocks
+`[B, bs]`: every weight matmul (projections, MLP, LM head) runs once for the batch, and only
+RoPE, the cache update and the attention run per row, on the row's own cache, with exactly the
+shapes of that row decoding alone. With a row-invariant BLAS a row's logits are then bitwise
+those of the row alone (the greedy tests check that); no padding, no masks of rejected slots.
+
+Attention targets whose layers are mlx-lm's Llama / Qwen2 / Qwen3 / Mistral attention are
+batched (`batch_reason`); hybrids, rotating windows, sharded targets and drafters without a
+batched proposal decode one request at a time."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
+from mlx_lm.models.cache import KVCache
+
+from . import hooks
+from .decode import DecodeState
+from .pair import Pair
+from .sampling import (
+    SamplingParams,
+    accept_greedy,
+    accept_sampled,
+    probabilities,
+    sample,
+    sample_logits,
+    scatter_candidates,
+)
+from .structure import decoder_layers
+
+ATTENTION_KINDS = ("llama", "qwen2", "qwen3", "mistral")
+ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads", "n_kv_heads")
+
+
+class RowCaches:
+    """One layer's caches of the rows of a batch: the `cache` argument of a ragged forward."""
+
+    def __init__(self, rows: list[KVCache]):
+        self.rows = rows
+
+    def make_mask(self, *args, **kwargs) -> None:
+        return None  # each row makes its own (RaggedAttention)
+
+
+class RaggedAttention:
+    """Hook on one attention instance: given `RowCaches`, the q/k/v/o projections run on the
+    whole batch and RoPE, the cache update and the attention per row, with the row's own cache
+    and the mask it would get alone; any other cache runs the original call."""
+
+    def __call__(self, attn, call, x: mx.array, mask=None, cache=None) -> mx.array:
+        if not isinstance(cache, RowCaches):
+            return call(x, mask, cache=cache)
+        B, L, _ = x.shape
+        q = attn.q_proj(x).reshape(B, L, attn.n_heads, -1)
+        k = attn.k_proj(x).reshape(B, L, attn.n_kv_heads, -1)
+        v = attn.v_proj(x).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        if hasattr(attn, "q_norm"):  # Qwen3
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        offsets = mx.array([c.offset for c in cache.rows])  # [B]: RoPE per row, in one op
+        q = attn.rope(q.transpose(0, 2, 1, 3), offset=offsets)  # [B, H, L, hd]
+        k = attn.rope(k.transpose(0, 2, 1, 3), offset=offsets)
+        outs = []
+        for i, c in enumerate(cache.rows):
+            row_mask = create_attention_mask(x[i : i + 1], c)  # before the update, as alone
+            ki, vi = c.update_and_fetch(k[i : i + 1], v[i : i + 1])
+            qi = q[i : i + 1]
+            outs.append(
+                scaled_dot_product_attention(qi, ki, vi, cache=c, scale=attn.scale, mask=row_mask)
+            )
+        out = mx.concatenate(outs).transpose(0, 2, 1, 3).reshape(B, L, -1)
+        return attn.o_proj(out)
+
+
+def batch_reason(pair: Pair, state: DecodeState | None = None) -> str | None:
+    """Why this pair cannot decode in batches (None: it can)."""
+    kind = pair.target_config.get("model_type", "")
+    if kind not in ATTENTION_KINDS:
+        return f"the target ({kind or 'unknown'}) is not a plain attention model"
+    if pair.mirror is not None:
+        return "the target is sharded over several ranks"
+    drafter = pair.drafter
+    if hasattr(drafter, "propose") and not hasattr(drafter, "candidate_selector"):
+        return "the drafter has its own proposal"
+    for layer in decoder_layers(pair.target):
+        attn = getattr(layer, "self_attn", None)
+        if attn is None or not all(hasattr(attn, p) for p in ATTENTION_PARTS):
+            return "the target's attention layers are not Llama-style"
+        if getattr(layer, "use_sliding", False):
+            return "the target has sliding-window layers"
+    if state is not None and any(type(c) is not KVCache for c in state.target_cache):
+        return "the target cache is not a plain KV cache (rotating window or hybrid)"
+    return None
+
+
+def ragged_hooks(pair: Pair) -> ExitStack:
+    """Context manager: `RaggedAttention` on every attention instance of the target."""
+    stack = ExitStack()
+    hook = RaggedAttention()
+    for layer in decoder_layers(pair.target):
+        stack.enter_context(hooks.hooked(layer.self_attn, hook))
+    return stack
+
+
+def forward_rows(pair: Pair, tokens: mx.array, states: list[DecodeState]) -> mx.array:
+    """The target on `tokens [B, L]`, row i continuing `states[i]`'s cache: logits
+    [B, L, V], lazily (inside `ragged_hooks`)."""
+    caches = [RowCaches(list(layer)) for layer in zip(*(s.target_cache for s in states))]
+    return pair.target(tokens, cache=caches)
+
+
+@dataclass
+class RowDraft:
+    """A row's proposal: drafts [bs-1] and q [bs-1, V] (None when greedy)."""
+
+    drafts: mx.array
+    q: mx.array | None
+
+
+def propose_rows(
+    pair: Pair,
+    blocks: mx.array,  # [B, bs]: each row's anchor, then mask tokens
+    caches: list[list],
+    sps: list[SamplingParams],
+    keys: list[mx.array],
+) -> list[RowDraft]:
+    """Each row's drafts, as `cycle.propose` drafts them alone: the drafter's (small) layers
+    per row on the row's context, the LM head once for the batch, the choice per row."""
+    d = pair.drafter
+    B = blocks.shape[0]
+    if not hasattr(d, "hidden"):  # a drafter with only a call (tests' oracle): per row
+        lgs = [d(blocks[i : i + 1], caches[i])[0] for i in range(B)]
+        return [RowDraft(mx.argmax(lg, axis=-1), None) for lg in lgs]
+    hidden = mx.concatenate([d.hidden(blocks[i : i + 1], caches[i])[:, 1:] for i in range(B)])
+    logits = d.logits(hidden)  # [B, bs-1, V]
+    sel = getattr(d, "candidate_selector", None)
+    out = []
+    for i, (sp, key) in enumerate(zip(sps, keys)):
+        h, lg = hidden[i : i + 1], logits[i : i + 1]
+        if sel is None:  # DFlash 1: the drafter's own distribution
+            if sp.greedy:
+                out.append(RowDraft(mx.argmax(lg[0], axis=-1), None))
+            else:
+                q = probabilities(lg[0], sp)
+                out.append(RowDraft(sample(q, key=key), q))
+            continue
+        anchor = blocks[i, :1]  # DFlash 2: the selector walk (as DFlash2DraftModel.propose)
+        if sp.greedy:
+            path, _, _ = sel.walk(h, lg, anchor)
+            out.append(RowDraft(path[0], None))
+            continue
+        keep = None
+        if sp.top_k > 0 or sp.top_p < 1.0 or sp.min_p > 0.0:
+            keep = probabilities(lg, sp) > 0
+        u = mx.random.uniform(shape=(1, h.shape[1]), key=key)
+        path, cand, q = sel.walk(h, lg, anchor, sp.temperature, u, keep)
+        out.append(RowDraft(path[0], scatter_candidates(cand[0], q[0], lg.shape[-1])))
+    return out
+
+
+def accept_rows(
+    logits: mx.array,  # [B, bs, V] the verify logits
+    drafts: list[RowDraft] | None,  # None: a plain step (bs 1)
+    sps: list[SamplingParams],
+    keys: list[mx.array],
+) -> mx.array:
+    """Each row's verdict as `CyclePipeline.verify` gives it alone: `[B, 2]` (accepted
+    drafts, bonus token), lazily. Greedy: the longest agreeing prefix; sampled: rejection
+    sampling with the residual, per row with its own settings and key."""
+    rows = []
+    for i, (sp, key) in enumerate(zip(sps, keys)):
+        lg = logits[i]
+        if drafts is None:
+            tok = mx.argmax(lg[0]) if sp.greedy else sample_logits(lg, sp, key)[0]
+            acc = mx.array(0)
+        elif sp.greedy:
+            acc, tok = accept_greedy(drafts[i].drafts, lg)
+        else:
+            p = probabilities(lg, sp)
+            acc, tok = accept_sampled(drafts[i].drafts, drafts[i].q, p, key)
+        rows.append(mx.stack([acc.astype(mx.int32), tok.reshape(()).astype(mx.int32)]))
+    return mx.stack(rows)

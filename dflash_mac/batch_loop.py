@@ -1,0 +1,284 @@
+"""The batch scheduler: continuous batching of DFlash requests (issue #36).
+
+`BatchEngine` runs on one thread (the caller's). Each `step()`:
+1. ends the rows whose request was cancelled (their caches are handed back at once);
+2. admits waiting requests while fewer than `max_batch` are in flight;
+3. runs ONE prefill chunk of the oldest request still prefilling (so a long prompt does not
+   stall the others for its whole prefill) and, when its prompt is done, its first token;
+4. runs one batched DFlash cycle of every decoding row (batch.py): one drafter pass, one
+   verify, each row's own acceptance and rollback; finished rows leave at once.
+
+Each request's events are `decode.GenerationEvent`s, as `speculative_stream` yields them, given
+to its `emit` callback. Requests that need what the batch does not do (penalties, grammars,
+logprobs, a rotating window) are for the one-at-a-time path (`batch_ready` says which)."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+
+from .batch import RowDraft, accept_rows, forward_rows, propose_rows, ragged_hooks
+from .batch_rule import BatchBlockRule
+from .capture import FeatureCapture, queues_layers
+from .cycle import DraftContext
+from .decode import DecodeState, GenerationConfig, GenerationEvent
+from .pair import Pair
+from .sampling import sample_logits
+from .stats import StatsRecorder
+from .textstream import TextStream
+
+
+def batch_ready(cfg: GenerationConfig) -> str | None:
+    """Why a request must run alone (None: it can join a batch)."""
+    if cfg.penalties is not None:
+        return "penalties"
+    if cfg.grammar is not None:
+        return "structured output"
+    if cfg.logprobs is not None:
+        return "logprobs"
+    return None
+
+
+@dataclass
+class BatchRequest:
+    """One request in the engine. The caller sets the first fields; the engine the rest."""
+
+    ids: list[int]  # the prompt's token ids
+    cfg: GenerationConfig
+    state: DecodeState  # may hold a cached prefix of `ids` (prompt cache)
+    emit: Callable[[GenerationEvent], None]
+    should_stop: Callable[[], bool] | None = None
+    done: Callable[[BatchRequest], None] | None = None  # after its last event, caches settled
+    # -- the engine's
+    out: TextStream | None = None
+    rec: StatsRecorder | None = None
+    ctx: DraftContext | None = None
+    rng: random.Random = field(default_factory=random.Random)
+    chunks: deque = field(default_factory=deque)  # prefill chunks still to run
+    anchor: int = 0
+    finished: bool = False
+
+    def key(self) -> mx.array:
+        return mx.random.key(self.rng.getrandbits(32))
+
+    def stopped(self) -> bool:
+        return self.should_stop is not None and self.should_stop()
+
+
+@dataclass
+class BatchStats:
+    """What `/v1/dflash/stats` shows of the batch."""
+
+    max_batch: int
+    decoding: int = 0
+    prefilling: int = 0
+    waiting: int = 0
+    cycles: int = 0
+    rows: int = 0  # rows over all cycles (rows / cycles: mean occupancy)
+    last_block: int = 0
+
+    def as_dict(self) -> dict:
+        mean = self.rows / self.cycles if self.cycles else 0.0
+        return {
+            "max_batch": self.max_batch,
+            "decoding": self.decoding,
+            "prefilling": self.prefilling,
+            "waiting": self.waiting,
+            "cycles": self.cycles,
+            "mean_occupancy": round(mean, 3),
+            "last_block_size": self.last_block,
+        }
+
+
+class BatchEngine:
+    """Continuous batching of DFlash requests on one pair (module docstring)."""
+
+    def __init__(
+        self,
+        pair: Pair,
+        max_batch: int = 4,
+        block_size: int | None = None,
+        auto: bool = True,
+        prefill_chunk: int = 512,
+    ):
+        self.pair = pair
+        self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
+        self.rule = BatchBlockRule(block_size or pair.block_size, fixed=not auto)
+        self.waiting: deque[BatchRequest] = deque()
+        self.prefilling: deque[BatchRequest] = deque()
+        self.decoding: list[BatchRequest] = []
+        self.stats = BatchStats(max_batch)
+
+    # -- the caller's side -------------------------------------------------------------------
+    def add(self, req: BatchRequest) -> None:
+        """Queue a request; it joins at the next `step` with a free slot."""
+        self.waiting.append(req)
+        self._count()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.decoding)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.prefilling) + len(self.decoding)
+
+    def run(self) -> None:
+        """Step until every request added has ended."""
+        while self.busy:
+            self.step()
+
+    def step(self) -> None:
+        """One scheduler iteration (module docstring)."""
+        cap = FeatureCapture(self.pair.target, self.pair.layer_ids, queue=queues_layers())
+        with ragged_hooks(self.pair), cap, mx.stream(generation_stream):
+            self._drop_stopped()
+            while self.waiting and self.in_flight < self.max_batch:
+                self._admit(self.waiting.popleft())
+            if self.prefilling:
+                self._prefill_chunk(self.prefilling[0], cap)
+            if self.decoding:
+                self._cycle(cap)
+        self._count()
+
+    # -- admission and prefill ---------------------------------------------------------------
+    def _admit(self, r: BatchRequest) -> None:
+        cfg, ids = r.cfg, r.ids
+        block = cfg.block.size if cfg.block else self.rule.bs_max
+        auto = cfg.block.auto if cfg.block else True
+        r.rec = StatsRecorder(block, len(ids), len(r.state.ids), auto, {}, mx.get_peak_memory)
+        r.out = TextStream(
+            self.pair.tokenizer, cfg.stop, self.pair.eos_ids if cfg.use_eos else set()
+        )
+        r.ctx = DraftContext(self.pair.drafter, r.state.draft_cache)
+        r.rng = random.Random(cfg.seed)
+        # the chunks `decode.prefill` runs (same boundaries: the same numbers as alone)
+        new = ids[len(r.state.ids) :]
+        head, record = new[:-1], r.state.record
+        step = min(cfg.prefill_step_size, self.prefill_chunk)
+        step = min(step, record.max_chunk) if record else step
+        r.chunks = deque([head[i : i + step] for i in range(0, len(head), step)] + [new[-1:]])
+        self.prefilling.append(r)
+
+    def _prefill_chunk(self, r: BatchRequest, cap: FeatureCapture) -> None:
+        state, chunk = r.state, r.chunks.popleft()
+        logits = self.pair.target(mx.array(chunk)[None], cache=state.target_cache)
+        self.pair.drafter.extend_context(cap.features(), state.draft_cache)
+        mx.eval([c.state for c in state.target_cache], logits)
+        pos = len(state.ids) + len(chunk)
+        state.ids = r.ids[:pos]
+        if state.record:  # the prompt cache keeps these rows
+            state.record.chunk(state.ids, state.target_cache, state.draft_cache)
+        if r.chunks:
+            return
+        self.prefilling.popleft()
+        last, sp = logits[0, -1], r.cfg.sampling
+        token = mx.argmax(last) if sp.greedy else sample_logits(last, sp, r.key())
+        r.anchor = token.item()
+        r.rec.prefilled()
+        text = r.out.push([r.anchor], r.cfg.max_tokens)
+        r.emit(self._event(r, text, r.out.tokens[:], 0))
+        if r.out.finish_reason is not None:
+            return self._end(r)
+        self.decoding.append(r)
+
+    # -- the batched cycle -------------------------------------------------------------------
+    def _cycle(self, cap: FeatureCapture) -> None:
+        rows = self.decoding
+        t0 = time.perf_counter()
+        room = max(r.cfg.max_tokens - r.out.count for r in rows)
+        bs = self.rule.choose(len(rows), room)
+        sps = [r.cfg.sampling for r in rows]
+        keys = [r.key() for r in rows]
+        first = mx.array([[r.anchor] for r in rows], mx.int32)  # [B, 1]
+        drafts: list[RowDraft] | None = None
+        if bs == 1:
+            tokens, verify_keys = first, keys
+        else:
+            split = [mx.random.split(k) for k in keys]  # (drafting, verifying) as alone
+            mask = self.pair.drafter.config.mask_token_id
+            blocks = mx.concatenate([first, mx.full((len(rows), bs - 1), mask, mx.int32)], 1)
+            for r in rows:
+                r.ctx.flush()
+            caches = [r.ctx.cache for r in rows]
+            drafts = propose_rows(self.pair, blocks, caches, sps, [s[0] for s in split])
+            stacked = mx.stack([d.drafts.astype(mx.int32) for d in drafts])  # [B, bs-1]
+            tokens = mx.concatenate([first, stacked], axis=1)  # [B, bs]
+            verify_keys = [s[1] for s in split]
+        logits = forward_rows(self.pair, tokens, [r.state for r in rows])  # [B, bs, V]
+        verdict = accept_rows(logits, drafts, sps, verify_keys)  # [B, 2]
+        outcome = verdict if drafts is None else mx.concatenate([verdict, tokens[:, 1:]], 1)
+        feats = cap.features()  # [B, bs, n*H]
+        out = outcome.tolist()  # the cycle's one host sync
+        seconds = time.perf_counter() - t0
+        self.rule.update(len(rows), bs, seconds, [row[0] for row in out])
+        self.stats.cycles += 1
+        self.stats.rows += len(rows)
+        self.stats.last_block = bs
+        leaving = []
+        for i, (r, row) in enumerate(zip(rows, out)):
+            a, bonus = row[0], row[1]
+            committed = row[2 : 2 + a] + [bonus]
+            kept = [r.anchor] + committed[:-1]
+            r.state.rollback.rollback(bs - len(kept), len(kept) - 1)
+            r.ctx.add(feats[i : i + 1, : len(kept)])
+            r.state.ids += kept
+            r.anchor = bonus
+            before = r.out.count
+            text = r.out.push(committed, r.cfg.max_tokens)
+            r.rec.cycle(bs, a + 1, 0.0, self.rule.last_reason, r.ctx.rows)
+            r.emit(self._event(r, text, r.out.tokens[before:], a + 1))
+            if r.out.finish_reason is not None or r.stopped():
+                leaving.append(r)
+        for r in leaving:
+            self.decoding.remove(r)
+            self._end(r, cancelled=r.out.finish_reason is None)
+
+    # -- leaving ----------------------------------------------------------------------------
+    def _drop_stopped(self) -> None:
+        for r in [r for r in self.waiting if r.stopped()]:
+            self.waiting.remove(r)
+            self._end(r, cancelled=True)
+        for r in [r for r in self.prefilling if r.stopped()]:
+            self.prefilling.remove(r)
+            self._end(r, cancelled=True)
+        for r in [r for r in self.decoding if r.stopped()]:
+            self.decoding.remove(r)
+            self._end(r, cancelled=True)
+
+    def _end(self, r: BatchRequest, cancelled: bool = False) -> None:
+        """The request leaves: a last event if it was cut short, its caches trimmed to
+        exactly prompt + kept output, then `done`."""
+        r.finished = True
+        if r.out is not None and cancelled:
+            r.out.finish_reason = "cancelled"
+            r.emit(self._event(r, r.out.flush(), [], 0))
+        if r.ctx is not None:
+            r.ctx.flush()
+        if r.out is not None and not r.chunks:  # prefilled: the prompt and the kept output
+            r.state.trim_to(len(r.ids) + r.out.count)
+        mx.eval([c.state for c in r.state.target_cache + r.state.draft_cache if not c.empty()])
+        if r.done is not None:
+            r.done(r)
+
+    def _event(self, r: BatchRequest, text: str, tokens: list[int], accepted: int):
+        out = r.out
+        stats = r.rec.snapshot(out.count) if r.rec else None
+        return GenerationEvent(
+            text, tokens, accepted, stats, out.finish_reason, None, out.stopped_by
+        )
+
+    def _count(self) -> None:
+        s = self.stats
+        s.decoding, s.prefilling, s.waiting = (
+            len(self.decoding),
+            len(self.prefilling),
+            len(self.waiting),
+        )

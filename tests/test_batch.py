@@ -1,0 +1,338 @@
+"""Continuous batching (batch.py, batch_loop.py): every row decodes exactly as it would alone.
+
+Each engine path runs on a worker thread (serve's set-up); the reference BLAS is row-invariant,
+so a batched row's logits equal the row's own bitwise and greedy tokens are identical."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import mlx.core as mx
+import pytest
+from dflash_mac.models.config import DraftConfig
+from dflash_mac.models.dflash import DFlashDraftModel
+from dflash_mac.models.penalties import Penalties
+from mlx_lm.generate import generate_step
+from mlx_lm.models import qwen3
+from test_sampling import V, chi_square_p, exact_joint
+
+from dflash_mac import batch
+from dflash_mac.batch import batch_reason, forward_rows, ragged_hooks
+from dflash_mac.batch_loop import BatchEngine, BatchRequest, batch_ready
+from dflash_mac.batch_rule import BatchBlockRule
+from dflash_mac.decode import DecodeState, GenerationConfig, speculative_stream
+from dflash_mac.loading import LoadedPair
+from dflash_mac.policy import BlockChoice
+from dflash_mac.sampling import SamplingParams
+from dflash_mac.structure import target_head
+from dflash_mac.testing.oracle import OracleDrafter, with_drafter
+from dflash_mac.testing.tiny import draft_config, target_config
+
+PROMPTS = ["def add(a, b):", "import os", "class Stack:", "hello world the quick brown fox"]
+V_TINY = 320  # the tiny pair's vocabulary (the oracle's drafts must be in it)
+CHUNK = 512  # the engine's prefill chunk; alone runs get the same (same numbers)
+
+
+class Thread:
+    """One daemon worker thread for the module (it never ends: MLX aborts at exit when a
+    thread that ran compiled functions has ended)."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.Queue = queue.Queue()
+        threading.Thread(target=self.loop, daemon=True).start()
+
+    def loop(self) -> None:
+        while True:
+            fn, box, done = self.jobs.get()
+            try:
+                box.append(fn())
+            except BaseException as e:  # noqa: BLE001 (re-raised on the caller's thread)
+                box.append(e)
+            done.set()
+
+    def __call__(self, fn, timeout: float = 300):
+        box, done = [], threading.Event()
+        self.jobs.put((fn, box, done))
+        assert done.wait(timeout), "the worker thread timed out"
+        if isinstance(box[0], BaseException):
+            raise box[0]
+        return box[0]
+
+
+@pytest.fixture(scope="module")
+def on_thread():
+    return Thread()
+
+
+def config(max_tokens: int, **kw) -> GenerationConfig:
+    kw.setdefault("copy", False)
+    kw.setdefault("prefill_step_size", CHUNK)
+    return GenerationConfig(max_tokens, use_eos=False, **kw)
+
+
+def alone(pair, ids, cfg) -> list[int]:
+    return [t for e in speculative_stream(pair, ids, cfg) for t in e.tokens]
+
+
+def batched(pair, jobs, engine: BatchEngine, stop_after=None, late=None) -> list[dict]:
+    """Run `jobs` [(ids, cfg)] through `engine`; `stop_after` {job: tokens} cancels a job once
+    it has that many tokens; `late` {job: steps} adds a job only after that many steps."""
+    stop_after, late = stop_after or {}, late or {}
+    results = [{"tokens": [], "reason": None, "req": None} for _ in jobs]
+
+    def request(k):
+        ids, cfg = jobs[k]
+        res = results[k]
+
+        def emit(ev):
+            res["tokens"] += ev.tokens
+            res["reason"] = ev.finish_reason
+
+        stop = (lambda: len(res["tokens"]) >= stop_after[k]) if k in stop_after else None
+        res["req"] = BatchRequest(ids, cfg, DecodeState(pair), emit, stop)
+        return res["req"]
+
+    for k in range(len(jobs)):
+        if k not in late:
+            engine.add(request(k))
+    steps = 0
+    while engine.busy or any(s >= steps for s in late.values()):
+        for k, s in late.items():
+            if s == steps:
+                engine.add(request(k))
+        engine.step()
+        steps += 1
+    return results
+
+
+def test_the_tiny_pair_batches(tiny_pair):
+    assert batch_reason(tiny_pair) is None
+    assert batch_ready(config(4)) is None
+    assert batch_ready(config(4, penalties=Penalties.make(0.5, None, None, None))) == "penalties"
+
+
+def test_batched_forward_and_ragged_rollback_equal_each_row_alone(tiny_pair, on_thread):
+    """Rows of different cache lengths, verified together and trimmed by different amounts,
+    give bitwise the logits and caches each row gets by itself, block after block."""
+
+    def run():
+        pair = tiny_pair
+        prompts = [pair.tokenizer.encode(p) for p in PROMPTS]
+        rows = [DecodeState(pair) for _ in prompts]
+        solo = [DecodeState(pair) for _ in prompts]
+        for p, a, b in zip(prompts, rows, solo):
+            for s in (a, b):
+                mx.eval(pair.target(mx.array(p)[None], cache=s.target_cache))
+        rng = mx.random.key(1)
+        for bs, trims in [
+            (5, [0, 4, 2, 1]),
+            (3, [2, 0, 1, 2]),
+            (1, [0, 0, 0, 0]),
+            (8, [7, 3, 0, 5]),
+        ]:
+            tokens = mx.random.randint(0, 200, (len(rows), bs), key=rng)
+            rng = mx.random.split(rng)[0]
+            with ragged_hooks(pair):
+                together = forward_rows(pair, tokens, rows)
+            for i, (s, n) in enumerate(zip(solo, trims)):
+                own = pair.target(tokens[i : i + 1], cache=s.target_cache)
+                assert mx.array_equal(together[i], own[0]).item(), (bs, i)
+                rows[i].rollback.trim(n)
+                s.rollback.trim(n)
+            for a, b in zip(rows, solo):
+                assert a.target_cache[0].offset == b.target_cache[0].offset
+                for ca, cb in zip(a.target_cache, b.target_cache):
+                    ka, kb = ca.state[0], cb.state[0]
+                    assert mx.array_equal(ka[..., : ca.offset, :], kb[..., : cb.offset, :]).item()
+
+    on_thread(run)
+
+
+@pytest.mark.parametrize("block", [BlockChoice(2), BlockChoice(5), BlockChoice(8, auto=True)])
+def test_batched_greedy_is_token_identical_to_each_request_alone(tiny_pair, on_thread, block):
+    """Ragged prompts, budgets and (with the oracle at a 30 % error rate) ragged acceptance."""
+
+    def run():
+        pair = tiny_pair
+        jobs = [(pair.tokenizer.encode(p), config(24 + 9 * k)) for k, p in enumerate(PROMPTS)]
+        refs = [alone(pair, ids, config(cfg.max_tokens, block=block)) for ids, cfg in jobs]
+        engine = BatchEngine(pair, 4, block.size, block.auto)
+        got = batched(pair, jobs, engine)
+        assert [r["tokens"] for r in got] == refs
+        assert all(r["reason"] == "length" for r in got)
+        assert engine.stats.rows / engine.stats.cycles > 2  # they did decode together
+        return refs
+
+    refs = on_thread(run)
+    assert all(len(r) == 24 + 9 * k for k, r in enumerate(refs))
+
+
+def test_oracle_ragged_acceptance_matches_plain_decoding(tiny_pair, on_thread):
+    def run():
+        prompts = [tiny_pair.tokenizer.encode(p) for p in PROMPTS[:3]]
+        refs = [
+            [t for t, _ in generate_step(mx.array(p), tiny_pair.target, max_tokens=30)]
+            for p in prompts
+        ]
+        # one oracle per row would need a per-row drafter: one sequence, three prompts that
+        # share it give each row its own (mostly wrong) drafts
+        assert tiny_pair.drafter.config.vocab_size == V_TINY
+        oracle = OracleDrafter(tiny_pair.drafter, prompts[0] + refs[0], V_TINY, error_rate=0.3)
+        pair = with_drafter(tiny_pair, oracle)
+        engine = BatchEngine(pair, 3, 4, auto=False)
+        got = batched(pair, [(p, config(30)) for p in prompts], engine)
+        return refs, [r["tokens"] for r in got], engine
+
+    refs, got, engine = on_thread(run)
+    assert got == refs
+    assert engine.stats.cycles < 3 * 30  # some drafts were accepted
+
+
+def test_a_request_cancelled_mid_batch_leaves_the_others_unchanged(tiny_pair, on_thread):
+    def run():
+        pair = tiny_pair
+        jobs = [(pair.tokenizer.encode(p), config(32)) for p in PROMPTS]
+        refs = [alone(pair, ids, config(32, block=BlockChoice(4))) for ids, _ in jobs]
+        got = batched(pair, jobs, BatchEngine(pair, 4, 4, auto=False), stop_after={1: 6})
+        return refs, got
+
+    refs, got = on_thread(run)
+    assert got[1]["reason"] == "cancelled" and 6 <= len(got[1]["tokens"]) < 32
+    assert got[1]["tokens"] == refs[1][: len(got[1]["tokens"])]
+    state = got[1]["req"].state  # its caches hold exactly prompt + kept output (minus pending)
+    assert len(state.ids) <= len(got[1]["req"].ids) + len(got[1]["tokens"])
+    assert state.target_cache[0].offset == len(state.ids)
+    for k in (0, 2, 3):
+        assert got[k]["tokens"] == refs[k] and got[k]["reason"] == "length"
+
+
+def test_requests_admitted_during_decoding_join_and_stay_exact(tiny_pair, on_thread):
+    def run():
+        pair = tiny_pair
+        long_prompt = pair.tokenizer.encode(" ".join(PROMPTS * 12))
+        jobs = [(pair.tokenizer.encode(p), config(28)) for p in PROMPTS[:2]]
+        jobs.append((long_prompt, config(20, prefill_step_size=64)))  # chunked prefill
+        jobs.append((pair.tokenizer.encode(PROMPTS[3]), config(16)))
+        refs = [
+            alone(
+                pair,
+                ids,
+                config(c.max_tokens, block=BlockChoice(3), prefill_step_size=c.prefill_step_size),
+            )
+            for ids, c in jobs
+        ]
+        engine = BatchEngine(pair, 4, 3, auto=False)
+        seen = []
+        got = batched(pair, jobs, engine, late={2: 3, 3: 5})
+        seen.append(engine.stats.as_dict())
+        return refs, got, seen, len(long_prompt)
+
+    refs, got, seen, n_long = on_thread(run)
+    assert n_long > 4 * 64  # the late long prompt took several interleaved chunks
+    assert [r["tokens"] for r in got] == refs
+    assert seen[0]["cycles"] > 0 and seen[0]["decoding"] == 0
+
+
+def test_the_batch_rule_times_each_size_then_takes_the_best():
+    rule = BatchBlockRule(8)
+    chosen = []
+    for _ in range(30):
+        bs = rule.choose(4, 100)
+        chosen.append(bs)
+        # a verify costs more as batch x block grows; drafts are accepted 60 % of the time
+        rule.update(4, bs, 0.01 * (1 + 0.4 * (bs > 1) + 0.08 * 4 * bs), [2, 1, 3, 0])
+    assert set(chosen[:12]) == {1, 2, 4, 8}  # each candidate timed
+    assert rule.last_reason in ("best", "revisit")
+    rates = {s: 4 * rule.expected(s) / rule.cost[(4, s)] for s in rule.candidates}
+    assert chosen[-1] == max(rates, key=rates.get)
+    assert rule.choose(4, 3) <= 3  # never wider than the room left
+    weak = BatchBlockRule(8)  # a drafter that is always wrong: wide blocks are never timed
+    for _ in range(20):
+        bs = weak.choose(2, 100)
+        weak.update(2, bs, 0.01 * (1 + 0.5 * (bs > 1) + 0.1 * bs), [0, 0])
+    assert (2, 8) not in weak.timed and weak.choose(2, 100) == 1
+    assert BatchBlockRule(6, fixed=True).choose(8, 100) == 6
+
+
+def batch_samples(pair, sp: SamplingParams, n: int) -> list[tuple]:
+    """n seeded requests of 3 tokens through the engine, 8 at a time."""
+    engine, out = BatchEngine(pair, 8, 4, auto=False), []
+    jobs = [([1, 4, 2, 0, 0], config(3, sampling=sp, seed=s)) for s in range(n)]
+    for r in batched(pair, jobs, engine):
+        out.append(tuple(r["tokens"]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def small_pair(tiny_pair):
+    """test_sampling's 5-token pair (a random drafter: q far from p)."""
+    mx.random.seed(3)
+    tcfg = target_config(vocab=V, hidden=32, layers=3)
+    target = qwen3.Model(qwen3.ModelArgs.from_dict(tcfg))
+    target.update({"model": {"embed_tokens": {"weight": mx.random.normal((V, 32)) * 0.12}}})
+    drafter = DFlashDraftModel(DraftConfig.from_dict(draft_config(tcfg, mask_id=V - 1)))
+    drafter.bind(target_head(target))
+    mx.eval(target.parameters(), drafter.parameters())  # used on the worker thread
+    return LoadedPair(target, drafter, tiny_pair.tokenizer, "small", "small-draft", 4, tcfg)
+
+
+@pytest.mark.slow
+def test_batched_sampling_is_the_targets_distribution(small_pair, on_thread):
+    sp = SamplingParams(temperature=1.0)
+    joint = exact_joint(small_pair, sp)
+    samples = on_thread(lambda: batch_samples(small_pair, sp, 1500))
+    assert chi_square_p(samples, joint) > 0.001
+
+
+@pytest.mark.slow
+def test_a_lossy_batched_rule_is_detected(small_pair, on_thread, monkeypatch):
+    """The chi-square check has teeth: accepting every draft in the batch fails it."""
+    sp = SamplingParams(temperature=1.0)
+    joint = exact_joint(small_pair, sp)
+    real = batch.accept_sampled
+
+    def accept_all(drafts, q, p, key):
+        return mx.array(drafts.shape[0]), real(drafts, q, p, key)[1]
+
+    monkeypatch.setattr(batch, "accept_sampled", accept_all)
+    samples = on_thread(lambda: batch_samples(small_pair, sp, 600))
+    assert chi_square_p(samples, joint) < 1e-6
+
+
+def test_bench_concurrency_runs_three_ways_and_checks_greedy_identity(tiny_pair, on_thread):
+    from dflash_mac.autoblock import AutoTuning
+    from dflash_mac.bench.command import parse_levels
+    from dflash_mac.bench.concurrency import concurrency_markdown, measure_concurrency, validate
+    from dflash_mac.bench.run import BenchError
+
+    ids = [tiny_pair.tokenizer.encode(p) for p in PROMPTS[:2]]
+    settings = [("greedy", SamplingParams())]
+    block = BlockChoice(4, auto=True)
+    rows = on_thread(
+        lambda: measure_concurrency(
+            tiny_pair, ids, [1, 2], settings, 12, block, AutoTuning(), use_eos=False
+        )
+    )
+    assert [r["concurrency"] for r in rows] == [1, 2]
+    assert [r["identical"] for r in rows] == ["1/1", "2/2"]
+    for r in rows:
+        names = [w["way"] for w in r["ways"]]
+        assert names == ["dflash-batched", "dflash-one-at-a-time", "mlx-lm-batched-plain"]
+        assert [w["tokens"] == 12 * r["concurrency"] for w in r["ways"]][:2] == [True, True]
+        assert r["ways"][2]["tokens"] > 0  # mlx-lm stops at EOS
+        assert r["batched_vs_alone"] > 0 and r["batched_vs_plain"] > 0
+    doc = {"config": {"prompts": 2, "suite": "code", "max_tokens": 12, "block": "auto ≤4"}}
+    doc |= {"rows": rows, "header": {"target": "t", "draft": "d", "cpu": "c"}}
+    assert "| 2 |" in concurrency_markdown(doc)
+    assert validate(doc | {"kind": "concurrency"}) == []
+    broken = {
+        "kind": "concurrency",
+        "config": {},
+        "header": {},
+        "rows": [{"ways": rows[0]["ways"][:2]}],
+    }
+    assert len(validate(broken)) == 2  # a way missing, no concurrency
+    assert parse_levels("4,1,2,2") == [1, 2, 4]
+    with pytest.raises(BenchError, match="stream counts"):
+        parse_levels("0,2")

@@ -1,0 +1,83 @@
+"""`serve --max-batch`: concurrent clients decode together, each answer as it is alone."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from servers import running
+
+from dflash_mac.serve.app import create_app
+
+QUESTIONS = ["def add(a, b):", "import os", "class Stack:", "hello", "x = [1, 2", "while True:"]
+
+
+def ask(root: str, i: int, **kw) -> str:
+    client = openai.OpenAI(base_url=root + "/v1", api_key="x", max_retries=0)
+    q = QUESTIONS[i % len(QUESTIONS)]
+    if kw.pop("stream", False):
+        parts = client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": q}], stream=True, **kw
+        )
+        return "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
+    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": q}], **kw)
+    return r.choices[0].message.content
+
+
+def answers(root: str, n: int, concurrent: bool) -> list[str]:
+    kw = {"max_tokens": 24, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    if not concurrent:
+        return [ask(root, i, **kw) for i in range(n)]
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(lambda i: ask(root, i, stream=i % 2 == 1, **kw), range(n)))
+
+
+@pytest.fixture(scope="module")
+def solo(tiny_pair):
+    with running(create_app(tiny_pair, max_tokens=64)) as root:
+        return answers(root, 6, concurrent=False)
+
+
+def test_concurrent_clients_decode_together_and_answer_as_alone(tiny_pair, solo):
+    app = create_app(tiny_pair, max_tokens=64, max_batch=4, max_queue=8)
+    with running(app) as root:
+        got = answers(root, 6, concurrent=True)
+        stats = httpx.get(root + "/v1/dflash/stats", timeout=10).json()
+    assert got == solo
+    batch = stats["batch"]
+    assert batch["max_batch"] == 4 and batch["mean_occupancy"] > 1.0
+    assert stats["totals"]["requests"] == 6 and not stats["busy"]
+
+
+def test_a_request_the_batch_cannot_do_runs_alone_between_batches(tiny_pair, solo):
+    app = create_app(tiny_pair, max_tokens=64, max_batch=4)
+    with running(app) as root:
+        kw = {"max_tokens": 24, "temperature": 0, "extra_body": {"ignore_eos": True}}
+        with ThreadPoolExecutor(3) as pool:
+            plain = [pool.submit(ask, root, i, **kw) for i in (0, 1)]
+            lp = pool.submit(ask, root, 2, logprobs=True, **kw)
+            assert [f.result() for f in plain] == solo[:2]
+            assert lp.result() == solo[2]
+
+
+def test_a_cancelled_stream_leaves_the_batch_and_the_others_finish(tiny_pair, solo):
+    app = create_app(tiny_pair, max_tokens=400, max_batch=4)
+    worker = app.state.worker
+    with running(app) as root:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 400}
+        body |= {"stream": True, "ignore_eos": True}
+        with ThreadPoolExecutor(2) as pool:
+            other = pool.submit(answers, root, 2, True)
+            with httpx.stream("POST", root + "/v1/chat/completions", json=body, timeout=60) as r:
+                for _ in zip(r.iter_lines(), range(4)):  # a few chunks, then hang up
+                    pass
+            assert other.result() == solo[:2]
+        deadline = time.time() + 20
+        while worker.busy and time.time() < deadline:
+            time.sleep(0.05)
+        stats = httpx.get(root + "/v1/dflash/stats", timeout=10).json()
+    assert not stats["busy"] and stats["batch"]["decoding"] == 0
+    assert stats["totals"]["cancelled"] >= 1
