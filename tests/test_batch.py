@@ -10,24 +10,18 @@ import threading
 
 import mlx.core as mx
 import pytest
-from dflash_mac.models.config import DraftConfig
-from dflash_mac.models.dflash import DFlashDraftModel
 from dflash_mac.models.penalties import Penalties
 from mlx_lm.generate import generate_step
-from mlx_lm.models import qwen3
-from test_sampling import V, chi_square_p, exact_joint
+from test_sampling import chi_square_p, exact_joint, small_pair  # noqa: F401  (fixture)
 
 from dflash_mac import batch
 from dflash_mac.batch import batch_reason, forward_rows, ragged_hooks
 from dflash_mac.batch_loop import BatchEngine, BatchRequest, batch_ready
 from dflash_mac.batch_rule import BatchBlockRule
 from dflash_mac.decode import DecodeState, GenerationConfig, speculative_stream
-from dflash_mac.loading import LoadedPair
 from dflash_mac.policy import BlockChoice
 from dflash_mac.sampling import SamplingParams
-from dflash_mac.structure import target_head
 from dflash_mac.testing.oracle import OracleDrafter, with_drafter
-from dflash_mac.testing.tiny import draft_config, target_config
 
 PROMPTS = ["def add(a, b):", "import os", "class Stack:", "hello world the quick brown fox"]
 V_TINY = 320  # the tiny pair's vocabulary (the oracle's drafts must be in it)
@@ -264,21 +258,8 @@ def batch_samples(pair, sp: SamplingParams, n: int) -> list[tuple]:
     return out
 
 
-@pytest.fixture(scope="module")
-def small_pair(tiny_pair):
-    """test_sampling's 5-token pair (a random drafter: q far from p)."""
-    mx.random.seed(3)
-    tcfg = target_config(vocab=V, hidden=32, layers=3)
-    target = qwen3.Model(qwen3.ModelArgs.from_dict(tcfg))
-    target.update({"model": {"embed_tokens": {"weight": mx.random.normal((V, 32)) * 0.12}}})
-    drafter = DFlashDraftModel(DraftConfig.from_dict(draft_config(tcfg, mask_id=V - 1)))
-    drafter.bind(target_head(target))
-    mx.eval(target.parameters(), drafter.parameters())  # used on the worker thread
-    return LoadedPair(target, drafter, tiny_pair.tokenizer, "small", "small-draft", 4, tcfg)
-
-
 @pytest.mark.slow
-def test_batched_sampling_is_the_targets_distribution(small_pair, on_thread):
+def test_batched_sampling_is_the_targets_distribution(small_pair, on_thread):  # noqa: F811
     sp = SamplingParams(temperature=1.0)
     joint = exact_joint(small_pair, sp)
     samples = on_thread(lambda: batch_samples(small_pair, sp, 1500))
@@ -286,7 +267,7 @@ def test_batched_sampling_is_the_targets_distribution(small_pair, on_thread):
 
 
 @pytest.mark.slow
-def test_a_lossy_batched_rule_is_detected(small_pair, on_thread, monkeypatch):
+def test_a_lossy_batched_rule_is_detected(small_pair, on_thread, monkeypatch):  # noqa: F811
     """The chi-square check has teeth: accepting every draft in the batch fails it."""
     sp = SamplingParams(temperature=1.0)
     joint = exact_joint(small_pair, sp)

@@ -37,6 +37,7 @@ def small_pair(tiny_pair):
     target.update({"model": {"embed_tokens": {"weight": mx.random.normal((V, 32)) * 0.12}}})
     drafter = DFlashDraftModel(DraftConfig.from_dict(draft_config(tcfg, mask_id=V - 1)))
     drafter.bind(target_head(target))
+    mx.eval(target.parameters(), drafter.parameters())  # materialised: used on worker threads
     return LoadedPair(target, drafter, tiny_pair.tokenizer, "small", "small-draft", 4, tcfg)
 
 
