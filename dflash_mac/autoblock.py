@@ -380,23 +380,24 @@ class BlockController:
     def choose(self) -> Decision:
         """The next cycle: a plain step, a chain of some size, or a tree of some budget (a
         drafting cycle is a tree where the best tree's expected rate beats the chain's)."""
-        d = self.choose_size()
-        trees = self.tree_rates()
+        chains, trees = self.rates(), self.tree_rates()  # once per cycle
+        d = self.choose_size(chains, trees)
         if d.size < 2 or not trees:
             return d
         best = max(trees, key=trees.get)
-        chain = self.rates().get(d.size, 0.0) if self.chains else 0.0
+        chain = chains.get(d.size, 0.0) if self.chains else 0.0
         if self.chains and trees[best] <= chain * (1 + self.hysteresis / 2):
             return d
         why = f"tree of {best} (expected {trees[best]:.2f}× a plain step)"
         self.last = replace(d, size=self.bs_max, tree=best, reason=why)
         return self.last
 
-    def choose_size(self) -> Decision:
-        """The block size of the next cycle (chains and plain steps)."""
-        rates = self.rates()
-        if self.trees:  # a drafting cycle's rate: the better of its chain and the best tree
-            best_tree = max(self.tree_rates().values())
+    def choose_size(self, rates: dict[int, float], trees: dict[int, float]) -> Decision:
+        """The block size of the next cycle from the chains' and the trees' expected rates
+        (`rates`, `tree_rates`): a drafting size's rate is the better of its chain's and the
+        best tree's."""
+        if trees:
+            best_tree = max(trees.values())
             rates = {b: max(r, best_tree) if b >= 2 else r for b, r in rates.items()}
             if not self.chains:
                 rates[self.bs_max] = best_tree

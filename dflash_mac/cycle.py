@@ -29,7 +29,7 @@ from .sampling import (
     sample,
     sample_logits,
 )
-from .tree import DraftTree, chain_depth, grow, keep_path, supports, verify_logits, walk
+from .tree import DraftTree, chain_depth, grow, keep_path, ropes, supports, verify_logits, walk
 
 TREE_K = 8  # a DFlash 1 tree node's children at most (DFlash 2: its selector's candidates)
 
@@ -276,6 +276,7 @@ class CyclePipeline:
         self.index: CopyIndex | None = None  # built from the prompt (`first_token`)
         trees = trees_allowed(pair, state.target_cache, penalties, grammar, logprobs)
         self.tree = tree if trees else None
+        self.ropes = ropes(pair.target) if trees else []  # found once, hooked per tree verify
         self.policy = CopyPolicy()
         self.queued: Cycle | None = None  # the next cycle, queued ahead
         self.chosen: int | None = None  # the next size, chosen before a plain step's sync
@@ -473,7 +474,8 @@ class CyclePipeline:
         """One target pass over the tree; (accepted depth, bonus token, path [P]), lazily:
         the walk follows the target's argmax, or a draw from p at each node (tree.py)."""
         c.start = self.state.target_cache[0].offset
-        logits = verify_logits(self.pair.target, c.tree, self.state.target_cache)  # [1+B, V]
+        cache = self.state.target_cache
+        logits = verify_logits(self.pair.target, c.tree, cache, self.ropes)  # [1+B, V]
         if self.sp.greedy:
             x = mx.argmax(logits, axis=-1)
         else:

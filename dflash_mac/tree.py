@@ -162,19 +162,25 @@ def supports(model: nn.Module, cache: list) -> bool:
 
 
 @contextmanager
-def by_token_positions(model: nn.Module) -> Iterator[None]:
-    """RoPE by token on the target's attention for one verify (hooks removed after)."""
+def by_token_positions(rope_modules: list[nn.Module]) -> Iterator[None]:
+    """RoPE by token on these modules (`ropes`) for one verify (hooks removed after)."""
     with ExitStack() as stack:
-        for rope in ropes(model):
+        for rope in rope_modules:
             stack.enter_context(hooks.hooked(rope, rope_by_token))
         yield
 
 
-def verify_logits(model: nn.Module, tree: DraftTree, cache: list[KVCache]) -> mx.array:
-    """The target's logits at every tree node [1 + B, V] (lazy); the cache grows by 1 + B."""
+def verify_logits(
+    model: nn.Module,
+    tree: DraftTree,
+    cache: list[KVCache],
+    rope_modules: list[nn.Module] | None = None,
+) -> mx.array:
+    """The target's logits at every tree node [1 + B, V] (lazy); the cache grows by 1 + B.
+    `rope_modules`: the model's `ropes`, found once by a caller that verifies many trees."""
     start = cache[0].offset
     views = [TreeView(c, start + tree.depth, attention_mask(tree, start)) for c in cache]
-    with by_token_positions(model):
+    with by_token_positions(ropes(model) if rope_modules is None else rope_modules):
         return model(tree.tokens[None], cache=views)[0]
 
 

@@ -111,6 +111,14 @@ class Server:
             self.proc.kill()
             self.proc.wait(10)
 
+    def stop(self, seconds: float = 10) -> None:
+        """SIGTERM, then SIGKILL if it is still running after `seconds` (test teardown)."""
+        try:
+            self.terminate(seconds)
+        except subprocess.TimeoutExpired:
+            pass
+        self.kill()
+
 
 def start_serve(cli: Cli, log: Path, *args: str) -> Server:
     """`dflash-mac serve ARGS` on a free loopback port, its output in `log` (not yet healthy:
@@ -136,8 +144,4 @@ def server(cli: Cli, tmp_path_factory):
         srv.wait_healthy(60)
         yield srv
     finally:
-        try:
-            srv.terminate(10)
-        except subprocess.TimeoutExpired:
-            pass
-        srv.kill()
+        srv.stop()

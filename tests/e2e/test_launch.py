@@ -34,11 +34,7 @@ def pair_server(cli: Cli, tmp_path_factory):
         srv.wait_healthy(100)
         yield srv
     finally:
-        try:
-            srv.terminate(20)
-        except subprocess.TimeoutExpired:
-            pass
-        srv.kill()
+        srv.stop(20)
 
 
 def test_launched_serve_answers_openai(pair_server):

@@ -29,11 +29,7 @@ def servers(cli, tmp_path_factory):
         yield started
     finally:
         for srv in started:
-            try:
-                srv.terminate(10)
-            except subprocess.TimeoutExpired:
-                pass
-            srv.kill()
+            srv.stop()
 
 
 def port_of(srv: Server) -> str:

@@ -4,7 +4,6 @@ BLAS, whose matmuls are row-invariant, so batched rows are bitwise the rows alon
 
 from __future__ import annotations
 
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -51,11 +50,7 @@ def test_eight_concurrent_clients_get_their_solo_answers(cli, tmp_path):
         stats = httpx.get(srv.root + "/v1/dflash/stats", timeout=10).json()
         alone = [ask(srv.root, i) for i in range(8)]  # one at a time: a batch of one
     finally:
-        try:
-            srv.terminate(10)
-        except subprocess.TimeoutExpired:
-            pass
-        srv.kill()
+        srv.stop()
         del cli.env["DFLASH_MAC_BLAS"]
     assert together == alone
     assert all(together)

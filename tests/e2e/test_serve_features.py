@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -50,11 +49,7 @@ def custom(tmp_path_factory, template_file):
         srv.wait_healthy(90)
         yield srv, cli
     finally:
-        try:
-            srv.terminate(10)
-        except subprocess.TimeoutExpired:
-            pass
-        srv.kill()
+        srv.stop()
 
 
 def wait_for_line(srv: Server, pattern: str, since: int = 0, seconds: float = 10) -> str:

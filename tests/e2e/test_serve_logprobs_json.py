@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 from pathlib import Path
 
 import ollama
@@ -49,11 +48,7 @@ def servers(cli, tmp_path_factory):
         yield started
     finally:
         for srv in started.values():
-            try:
-                srv.terminate(10)
-            except subprocess.TimeoutExpired:
-                pass
-            srv.kill()
+            srv.stop()
 
 
 def client(srv: Server) -> openai.OpenAI:
