@@ -96,6 +96,15 @@ class TargetHead:
         self.embed, self.lm_head = embed, lm_head
         self.logit_scale, self.softcap = logit_scale, softcap
 
+    def logits(self, hidden: mx.array) -> mx.array:
+        """Logits from final-normed hidden states, the logit scale and softcap applied."""
+        out = self.lm_head(hidden)
+        if self.logit_scale != 1.0:
+            out = out * self.logit_scale
+        if self.softcap:
+            out = mx.tanh(out / self.softcap) * self.softcap
+        return out
+
 
 class ContextCache:
     """The drafter's context K/V of one layer, bounded: it keeps the first `sink` positions and
@@ -269,13 +278,7 @@ class DFlashDraftModel(nn.Module):
         return self.norm(h)
 
     def logits(self, hidden: mx.array) -> mx.array:
-        head = self.head
-        out = head.lm_head(hidden)
-        if head.logit_scale != 1.0:
-            out = out * head.logit_scale
-        if head.softcap:
-            out = mx.tanh(out / head.softcap) * head.softcap
-        return out
+        return self.head.logits(hidden)
 
     def __call__(self, block_ids: mx.array, cache: list[ContextCache]) -> mx.array:
         """Logits for block positions 1..bs-1 (the anchor proposes nothing): [B, bs-1, V]."""

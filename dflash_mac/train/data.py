@@ -107,8 +107,11 @@ def regenerate(
         completion_batch_size=batch_size,
         prefill_batch_size=min(8, batch_size),
     )
-    uids = gen.insert(prompts, [max_tokens] * len(prompts))
-    index = {u: i for i, u in enumerate(uids)}
+    # shortest prompts first: a batch of similar lengths does not decode every row at the
+    # length of its longest prompt
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    uids = gen.insert([prompts[i] for i in order], [max_tokens] * len(prompts))
+    index = {u: i for u, i in zip(uids, order)}
     results: list[list[int]] = [[] for _ in prompts]
     try:
         while responses := gen.next_generated():

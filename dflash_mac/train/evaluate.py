@@ -261,7 +261,7 @@ def tv_agreement(
         dl = drafter.logits(dh)  # [1, N, P, V]
         pos = label_positions(a, bs)  # [1, N, P]
         th = mx.take_along_axis(hidden, pos.reshape(1, -1, 1), axis=1)
-        tl = head.lm_head(th).reshape(dl.shape)
+        tl = head.logits(th).reshape(dl.shape)
         V = dl.shape[-1]
         for t in temperatures:
             p = mx.softmax(tl.astype(mx.float32) / t, axis=-1)

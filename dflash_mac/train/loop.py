@@ -18,13 +18,14 @@ from mlx import nn
 from dflash_mac.structure import target_head
 
 from .args import TrainSettings
-from .batches import batch_indices, make_batch, target_forward
+from .batches import Batch, batch_indices, make_batch, target_forward
 from .blocks import position_weights
 from .checkpoint import LoopState, save_checkpoint
 from .data import Sequence
 from .dflash2_loss import dflash2_loss
+from .features import FeatureStore
 from .forward import LOSSES, layer_masks
-from .soft import LossSpec, target_soft_labels
+from .soft import LossSpec, SoftLabels, target_soft_labels
 
 LOSSES.setdefault("dflash2", dflash2_loss)
 
@@ -85,11 +86,29 @@ class Trainee:
     seqs: list[Sequence]
     settings: TrainSettings
     spec: LossSpec = LossSpec()
+    store: FeatureStore | None = None  # the target's side precomputed (`features.py`)
 
 
 def make_optimizer(s: TrainSettings, total: int) -> tuple[optim.Optimizer, Schedule]:
     sched = Schedule(s.lr, total, s.warmup_frac)
     return optim.AdamW(learning_rate=sched, weight_decay=s.weight_decay), sched
+
+
+def target_side(
+    t: Trainee, idx: list[int], batch: Batch, head
+) -> tuple[mx.array, SoftLabels | None]:
+    """Features ``[B, S, n·H]`` and soft labels of a batch: read from the store, else one
+    frozen target forward."""
+    spec, bs = t.spec, t.settings.block_size
+    if t.store is not None:
+        feats = t.store.features(idx, batch.tokens.shape[1])
+        return feats, t.store.soft(idx, batch.anchors, bs) if spec.soft else None
+    feats, hidden = target_forward(
+        t.target, t.settings.target_layer_ids, batch.tokens, want_hidden=spec.soft
+    )
+    if not spec.soft:
+        return feats, None
+    return feats, target_soft_labels(head, hidden, mx.array(batch.anchors), bs, spec)
 
 
 def train_loop(
@@ -125,16 +144,10 @@ def train_loop(
     try:
         while state.step < state.total:
             step = state.step
-            batch = make_batch(
-                t.seqs, batch_indices(step, len(t.seqs), s.batch_size, s.seed), step, s
-            )
+            idx = batch_indices(step, len(t.seqs), s.batch_size, s.seed)
+            batch = make_batch(t.seqs, idx, step, s)
             masks = layer_masks(drafter, batch.anchors, batch.tokens.shape[1], s.block_size)
-            feats, hidden = target_forward(
-                t.target, s.target_layer_ids, batch.tokens, want_hidden=spec.soft
-            )
-            soft = None
-            if spec.soft:
-                soft = target_soft_labels(head, hidden, mx.array(batch.anchors), s.block_size, spec)
+            feats, soft = target_side(t, idx, batch, head)
             (loss, acc), grads = grad_fn(drafter, feats, batch, masks, soft)
             grads, _ = optim.clip_grad_norm(grads, s.grad_clip)
             t.opt.update(drafter, grads)

@@ -74,20 +74,36 @@ def label_positions(anchors: mx.array, block_size: int) -> mx.array:
     return anchors[..., None] + mx.arange(block_size - 1)[None, None]
 
 
+def top_k_logits(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    """The ids of the top-k logits (in no particular order) and their float32 values."""
+    k = min(k, logits.shape[-1])
+    logits = logits.astype(mx.float32)
+    ids = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k].astype(mx.int32)
+    return ids, mx.take_along_axis(logits, ids, axis=-1)
+
+
+def soft_from_top(
+    ids: mx.array, top: mx.array, lse: mx.array, temperatures: tuple[float, ...] | list[float]
+) -> SoftLabels:
+    """Soft labels from the top-k logits ``[..., k]`` and ``log Σ_v exp(logit_v / T)`` for each
+    temperature ``[..., nT]``: ``p_T = exp(top / T - lse_T)``; the tail holds the rest."""
+    probs = [mx.exp(top / t - lse[..., j : j + 1]) for j, t in enumerate(temperatures)]
+    p = mx.stop_gradient(mx.stack(probs))
+    return SoftLabels(ids, p, mx.clip(1.0 - p.sum(axis=-1), 0.0, 1.0))
+
+
+def log_normalisers(logits: mx.array, temperatures: tuple[float, ...] | list[float]) -> mx.array:
+    """``log Σ_v exp(logit_v / T)`` per temperature ``[..., nT]``."""
+    logits = logits.astype(mx.float32)
+    return mx.stack([mx.logsumexp(logits / t, axis=-1) for t in temperatures], axis=-1)
+
+
 def top_k_soft(
     logits: mx.array, temperatures: tuple[float, ...] | list[float], k: int
 ) -> SoftLabels:
     """Soft labels from target logits ``[..., V]``: the top-k ids, their p_T and the tail."""
-    k = min(k, logits.shape[-1])
-    logits = logits.astype(mx.float32)
-    ids = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k].astype(mx.int32)
-    top = mx.take_along_axis(logits, ids, axis=-1)
-    probs = []
-    for t in temperatures:
-        lse = mx.logsumexp(logits / t, axis=-1, keepdims=True)
-        probs.append(mx.exp(top / t - lse))
-    p = mx.stop_gradient(mx.stack(probs))
-    return SoftLabels(ids, p, mx.clip(1.0 - p.sum(axis=-1), 0.0, 1.0))
+    ids, top = top_k_logits(logits, k)
+    return soft_from_top(ids, top, log_normalisers(logits, temperatures), temperatures)
 
 
 def target_soft_labels(
@@ -97,12 +113,7 @@ def target_soft_labels(
     pos = label_positions(anchors, block_size)  # [B, N, P]
     B, N, P = pos.shape
     h = mx.take_along_axis(hidden, pos.reshape(B, N * P, 1), axis=1).reshape(B, N, P, -1)
-    logits = head.lm_head(h)
-    if head.logit_scale != 1.0:
-        logits = logits * head.logit_scale
-    if head.softcap:
-        logits = mx.tanh(logits / head.softcap) * head.softcap
-    labels = top_k_soft(logits, spec.temperatures, spec.top_k)
+    labels = top_k_soft(head.logits(h), spec.temperatures, spec.top_k)
     mx.eval(labels.ids, labels.probs, labels.tail)
     return labels
 

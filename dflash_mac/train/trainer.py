@@ -30,6 +30,7 @@ from .blocks import decay_gamma
 from .checkpoint import SAVE_DTYPES, LoopState, discard, load_init, resume, save_drafter
 from .config import build_drafter, drafter_config, target_text_config, train_settings
 from .data import Sequence, load_or_regenerate
+from .features import FeatureStore
 from .loop import Trainee, TrainingCallback, make_optimizer, train_loop
 
 
@@ -97,6 +98,27 @@ def prepare_data(
         raise TrainError(f"no regenerated response is at least {args.block_size} tokens long.")
     file = files[0] if len(files) == 1 else files[0].with_name("+".join(f.stem for f in files))
     return TrainingData(seqs, file, sum(len(q.response) for q in seqs), seconds)
+
+
+def feature_store(
+    model: nn.Module, s: TrainSettings, data: TrainingData, args: TrainingArgs, log
+) -> FeatureStore:
+    """The target's features (and soft-label logits) of every sequence, computed once."""
+    t0 = time.perf_counter()
+    store = FeatureStore.open_or_build(
+        model,
+        s.target_layer_ids,
+        data.seqs,
+        data.file,
+        s.max_length,
+        args.loss_spec,
+        progress=lambda d, n: log(
+            f"target features: {d}/{n} sequences ({time.perf_counter() - t0:.0f} s)"
+        ),
+    )
+    rows = store.layout.rows
+    log(f"target features of {rows:,} tokens in {store.folder}")
+    return store
 
 
 def prepare_trainee(
@@ -193,6 +215,8 @@ def train_drafter(args: TrainingArgs, callback: TrainingCallback | None = None) 
     )
 
     trainee, init_note = prepare_trainee(args, s, config, model, data.seqs, cb.log)
+    if args.cache_features:
+        trainee.store = feature_store(model, s, data, args, cb.log)
     n_params = sum(v.size for _, v in tree_flatten(trainee.drafter.parameters()))
     per_epoch = math.ceil(len(data.seqs) / s.batch_size)
     settings_key = dict(asdict(s), data=data.file.name, init_from=init_note)

@@ -1,0 +1,105 @@
+"""`--cache-features`: the frozen target's side of training read from disk equals the live one."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from test_train import _train, prompts_file  # noqa: F401  (fixture)
+
+from dflash_mac.structure import target_head
+from dflash_mac.train.args import TrainSettings
+from dflash_mac.train.batches import make_batch, target_forward
+from dflash_mac.train.data import Sequence
+from dflash_mac.train.features import FeatureStore
+from dflash_mac.train.soft import LossSpec, target_soft_labels
+
+
+def _seqs(rng, vocab: int) -> list[Sequence]:
+    return [
+        Sequence(rng.integers(5, vocab, 7).tolist(), rng.integers(5, vocab, n).tolist())
+        for n in (20, 33, 12)
+    ]
+
+
+def _live_and_stored(tiny_pair, tmp_path, layer_ids, stored_ids=None):
+    rng = np.random.default_rng(0)
+    target = tiny_pair.target
+    vocab = target_head(target).embed.weight.shape[0]
+    seqs = _seqs(rng, vocab)
+    spec = LossSpec("mix", (0.7, 1.0), 0.5, 8)
+    data_file = tmp_path / "regen-x.jsonl"
+    store = FeatureStore.open_or_build(target, stored_ids or layer_ids, seqs, data_file, 64, spec)
+    s = TrainSettings(block_size=5, anchors=6, max_length=64, target_layer_ids=layer_ids)
+    idx = [2, 0, 1]
+    batch = make_batch(seqs, idx, 0, s)
+    feats, hidden = target_forward(target, layer_ids, batch.tokens, want_hidden=True)
+    live = target_soft_labels(
+        target_head(target), hidden, mx.array(batch.anchors), s.block_size, spec
+    )
+    return store, idx, batch, feats, live
+
+
+def test_stored_features_and_soft_labels_equal_the_live_forward(tiny_pair, tmp_path):
+    store, idx, batch, feats, live = _live_and_stored(tiny_pair, tmp_path, [1, 2])
+    got = store.features(idx, batch.tokens.shape[1])
+    for j, i in enumerate(idx):  # real positions only; padding is zeros in the store
+        n = store.layout.lengths[i]
+        assert np.allclose(np.array(got[j, :n]), np.array(feats[j, :n]), atol=1e-5)
+        assert not np.array(got[j, n:]).any()
+    soft = store.soft(idx, batch.anchors, 5)
+    assert np.array_equal(np.sort(np.array(soft.ids), -1), np.sort(np.array(live.ids), -1))
+    order = lambda s: np.argsort(np.array(s.ids), -1)  # noqa: E731  (top-k comes unordered)
+    for a, b in ((soft, order(soft)), (live, order(live))):
+        a.sorted = np.take_along_axis(np.array(a.probs), b[None], -1)
+    assert np.allclose(soft.sorted, live.sorted, atol=1e-6)
+    assert np.allclose(np.array(soft.tail), np.array(live.tail), atol=1e-6)
+
+
+def test_features_of_other_layers_do_not_match(tiny_pair, tmp_path):
+    """Negative control: the equality above can fail (features of the wrong layers)."""
+    store, idx, batch, feats, _ = _live_and_stored(tiny_pair, tmp_path, [1, 2], stored_ids=[0, 3])
+    got = np.array(store.features(idx, batch.tokens.shape[1]))
+    n = store.layout.lengths[idx[0]]
+    assert not np.allclose(got[0, :n], np.array(feats[0, :n]), atol=1e-3)
+
+
+def test_building_resumes_and_reopens(tiny_pair, tmp_path):
+    rng = np.random.default_rng(1)
+    target = tiny_pair.target
+    vocab = target_head(target).embed.weight.shape[0]
+    seqs = _seqs(rng, vocab) * 7  # 21 sequences: one progress write at 16
+    spec = LossSpec("kl", (1.0,), 1.0, 4)
+    seen = []
+    full = FeatureStore.open_or_build(
+        target, [1], seqs, tmp_path / "r.jsonl", 64, spec, progress=lambda d, n: seen.append(d)
+    )
+    assert seen == [16, 21]
+    ref = np.array(full.features([20], 64))
+    meta = full.folder / "meta.json"
+    meta.write_text(json.dumps({"done": 16}))  # as if stopped after the first write
+    rows = np.load(full.folder / "features.npy", mmap_mode="r+")
+    rows[full.layout.starts[16] :] = 0.0
+    rows.flush()
+    again = FeatureStore.open_or_build(
+        target, [1], seqs, tmp_path / "r.jsonl", 64, spec, progress=lambda d, n: seen.append(d)
+    )
+    assert seen == [16, 21, 21]  # only the last five were computed again
+    assert np.array_equal(np.array(again.features([20], 64)), ref)
+
+
+@pytest.mark.slow
+def test_training_with_cached_features_follows_the_live_trajectory(
+    tiny_dirs,
+    prompts_file,  # noqa: F811
+    tmp_path,
+):
+    kw = dict(steps=6, loss="mix", kl_temperatures=[0.7, 1.0])
+    live, _ = _train(tiny_dirs, prompts_file, tmp_path / "a", tmp_path / "ca", **kw)
+    cached, _ = _train(
+        tiny_dirs, prompts_file, tmp_path / "b", tmp_path / "cb", cache_features=True, **kw
+    )
+    assert np.allclose(live, cached, rtol=1e-4, atol=1e-5)
+    assert list((tmp_path / "cb" / "data").glob("features-*/features.npy"))
