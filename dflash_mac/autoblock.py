@@ -41,6 +41,7 @@ class CostCurve:
     ratios: dict[int, float]
     measured: bool = False  # from `bench --cost-curve` (else the generic guess)
     trees: dict[int, float] = field(default_factory=dict)  # tree cycles by node budget
+    batches: dict[tuple[int, int], float] = field(default_factory=dict)  # (B rows, bs)
 
     @classmethod
     def generic(cls, bs_max: int) -> CostCurve:
@@ -68,11 +69,17 @@ class CostCurve:
             ratios = {int(k): float(v) for k, v in (table or data["ratios"]).items()}
             trees = part.get("trees") if table else data.get("trees")
             trees = {int(k): float(v) for k, v in (trees or {}).items()}
+            batches = {  # timed greedy only: a batched cycle's cost barely depends on sampling
+                (int(b), int(k)): float(v)
+                for b, row in data.get("batches", {}).items()
+                for k, v in row.items()
+            }
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
-        if ratios.get(1) != 1.0 or any(v <= 0 for v in [*ratios.values(), *trees.values()]):
+        values = [*ratios.values(), *trees.values(), *batches.values()]
+        if ratios.get(1) != 1.0 or any(v <= 0 for v in values):
             return None
-        return cls(ratios, measured=True, trees=trees)
+        return cls(ratios, measured=True, trees=trees, batches=batches)
 
 
 class CostModel:
@@ -526,6 +533,11 @@ class AutoTuning:
     loses_from: int | None = None  # context tokens from which the drafter is known to lose
     cost_models: dict[bool, CostModel] = field(default_factory=dict)
     controllers: dict[tuple, BlockController] = field(default_factory=dict)
+
+    @property
+    def batch_prior(self) -> dict[tuple[int, int], float]:
+        """Batched cycles' costs by (B rows, bs) from the saved greedy curve (none: timed)."""
+        return self.greedy_curve.batches if self.greedy_curve else {}
 
     def prior(self, bs_max: int, sampled: bool) -> CostCurve:
         curve = self.sampled_curve if sampled else self.greedy_curve

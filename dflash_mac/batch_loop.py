@@ -106,11 +106,17 @@ class BatchEngine:
         block_size: int | None = None,
         auto: bool = True,
         prefill_chunk: int = 512,
+        prior: dict[tuple[int, int], float] | None = None,
+        rule: BatchBlockRule | None = None,
     ):
+        """`prior`: the saved cost curve's batched cycles ((B, bs) -> one-row plain steps);
+        `rule`: a block rule of the caller's (the cost-curve measurement's)."""
         self.pair = pair
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
-        self.rule = BatchBlockRule(block_size or pair.block_size, fixed=not auto)
+        self.rule = rule or BatchBlockRule(
+            block_size or pair.block_size, fixed=not auto, prior=dict(prior or {})
+        )
         self.waiting: deque[BatchRequest] = deque()
         self.prefilling: deque[BatchRequest] = deque()
         self.decoding: list[BatchRequest] = []

@@ -8,7 +8,10 @@ picks the size maximising B * E[tokens | bs] / cost(B, bs) with E = 1 + alpha + 
 alpha^(bs-1); candidates are timed in ascending order at each B (three cycles each), a larger
 one only while it could still pay at the cost of the largest timed below it (costs grow with
 the block), and every `REVISIT` cycles the runner-up is timed again so the costs follow the
-machine. Pure Python."""
+machine. With a measured curve by batch size (`bench --cost-curve`, `prior`: a cycle's cost in
+one-row plain steps by (B, bs)), only the plain batched step is timed at a new B: the other
+sizes start at that time scaled by the curve, and are timed once they are chosen (or revisited
+as the runner-up). Pure Python."""
 
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ class BatchBlockRule:
     cost: dict[tuple[int, int], float] = field(default_factory=dict)
     timed: dict[tuple[int, int], int] = field(default_factory=dict)
     cycles: dict[int, int] = field(default_factory=dict)
+    prior: dict[tuple[int, int], float] = field(default_factory=dict)  # (B, bs) -> plain steps
     last_reason: str = ""
 
     @property
@@ -46,8 +50,8 @@ class BatchBlockRule:
         sizes = [s for s in self.candidates if s <= cap] or [1]
         rates: dict[int, float] = {}
         for s in sizes:  # ascending: a cycle costs at least what a smaller one costs
-            if self.timed.get((batch, s), 0) >= self.SAMPLES + 1:
-                rates[s] = batch * self.expected(s) / self.cost[(batch, s)]
+            if (cost := self.known_cost(batch, s)) is not None:
+                rates[s] = batch * self.expected(s) / cost
                 continue
             floor = max((self.cost[(batch, t)] for t in rates), default=0.0)
             if floor and batch * self.expected(s) / floor < max(rates.values()):
@@ -61,6 +65,17 @@ class BatchBlockRule:
             return ranked[1]
         self.last_reason = "best"
         return ranked[0]
+
+    def known_cost(self, batch: int, bs: int) -> float | None:
+        """Seconds of a cycle of `batch` rows at `bs`: measured, else the plain batched step's
+        measured time scaled by the prior curve, else unknown (None)."""
+        if self.timed.get((batch, bs), 0) >= self.SAMPLES + 1:
+            return self.cost[(batch, bs)]
+        base = (batch, 1)
+        if (batch, bs) in self.prior and base in self.prior and bs != 1:
+            if self.timed.get(base, 0) >= self.SAMPLES + 1:
+                return self.cost[base] * self.prior[(batch, bs)] / self.prior[base]
+        return None
 
     def update(self, batch: int, bs: int, seconds: float, accepted: list[int]) -> None:
         """A cycle of `batch` rows at `bs` took `seconds`; row i accepted `accepted[i]` of its

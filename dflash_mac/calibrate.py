@@ -27,12 +27,16 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
 from .autoblock import TREES, Decision
+from .batch import batch_reason
+from .batch_loop import BatchEngine, BatchRequest
+from .batch_rule import BatchBlockRule
 from .cycle import propose, trees_allowed
 from .decode import DecodeState, GenerationConfig, speculative_stream
 from .pair import Pair
@@ -40,6 +44,8 @@ from .platform import write_atomic
 from .policy import BlockChoice, cost_curve_path
 from .sampling import SamplingParams
 
+BATCHES = (2, 4, 8)  # rows of the batched cycles `bench --cost-curve` times (serve --max-batch)
+BATCH_CYCLES = 6  # steady batched cycles timed per (rows, block size)
 PLAIN_BURST = 8  # plain steps timed as a run, each queued before the previous one's sync
 SAMPLED_TEMP = 0.7  # the sampled curve's temperature (the chat default of most pairs)
 FULL_REPS = 12  # `bench --cost-curve`
@@ -162,6 +168,63 @@ def measure(
     }
 
 
+@dataclass
+class TimedRule(BatchBlockRule):
+    """A fixed block size whose every cycle time is kept (the batched measurement's)."""
+
+    samples: list[float] = field(default_factory=list)
+
+    def update(self, batch: int, bs: int, seconds: float, accepted: list[int]) -> None:
+        self.samples.append(seconds)
+
+
+def batch_sizes(bs_max: int) -> list[int]:
+    """The block sizes a batched table covers: those the batch's block rule weighs."""
+    return BatchBlockRule(bs_max).candidates
+
+
+def measure_batches(
+    pair: Pair,
+    bs_max: int,
+    plain_seconds: float,
+    batches: tuple[int, ...] = BATCHES,
+    context: int = 128,
+    cycles: int = BATCH_CYCLES,
+    progress: Progress | None = None,
+) -> dict:
+    """Median seconds of a greedy batched cycle (`batch_loop.BatchEngine`, every row on the same
+    prompt of `context` tokens) of B rows at each block size the batch rule weighs, and its
+    ratio to a one-row plain step (`plain_seconds`): ``{"batches": {B: {bs: ratio}},
+    "batch_seconds": ...}``. The first two cycles of each (B, bs) compile and are not kept."""
+    vocab = pair.drafter.config.vocab_size
+    ids = [(7919 * i + 11) % vocab for i in range(context)]
+    seconds: dict[str, dict[str, float]] = {}
+    for rows in batches:
+        for bs in batch_sizes(bs_max):
+            rule = TimedRule(bs, fixed=True)
+            engine = BatchEngine(pair, rows, rule=rule)
+            cfg = GenerationConfig(
+                (cycles + 3) * bs + 1, BlockChoice(bs), SamplingParams(), use_eos=False, copy=False
+            )
+            for _ in range(rows):
+                engine.add(
+                    BatchRequest(
+                        ids,
+                        cfg,
+                        DecodeState(pair),
+                        emit=lambda e: None,
+                        should_stop=lambda r=rule: len(r.samples) >= cycles + 2,
+                    )
+                )
+            engine.run()
+            kept = rule.samples[2:] or rule.samples
+            seconds.setdefault(str(rows), {})[str(bs)] = statistics.median(kept)
+            if progress:
+                progress()
+    ratios = {b: {k: v / plain_seconds for k, v in row.items()} for b, row in seconds.items()}
+    return {"batches": ratios, "batch_seconds": seconds}
+
+
 def non_decreasing(values: list[float]) -> list[float]:
     """The least-squares non-decreasing fit (pool adjacent violators): runs that dip are
     replaced by their mean."""
@@ -188,9 +251,31 @@ def measure_both(
     return curve | {"sampled": {"temperature": SAMPLED_TEMP} | sampled}
 
 
+def measure_all(
+    pair: Pair,
+    max_bs: int = 16,
+    context: int = 128,
+    reps: int = FULL_REPS,
+    progress: Progress | None = None,
+) -> dict:
+    """`measure_both`, and where the pair decodes in batches (serve --max-batch) the batched
+    cycles up to the pair's block size (`measure_batches`)."""
+    curve = measure_both(pair, max_bs, context, reps, progress)
+    if batch_reason(pair) is None:
+        plain = curve["seconds"]["1"]
+        curve |= measure_batches(pair, pair.block_size, plain, context=context, progress=progress)
+    return curve
+
+
 def rounds(reps: int) -> int:
     """How many times `measure_both` calls its `progress`."""
     return 2 * (reps + WARMUP_ROUNDS)
+
+
+def all_rounds(pair: Pair, reps: int) -> int:
+    """How many times `measure_all` calls its `progress`."""
+    batched = len(BATCHES) * len(batch_sizes(pair.block_size)) if batch_reason(pair) is None else 0
+    return rounds(reps) + batched
 
 
 def save(curve: dict, path: Path) -> Path:

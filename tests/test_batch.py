@@ -249,6 +249,50 @@ def test_the_batch_rule_times_each_size_then_takes_the_best():
     assert BatchBlockRule(6, fixed=True).choose(8, 100) == 6
 
 
+def test_a_measured_curve_by_batch_size_spares_the_rule_its_timing():
+    def cost(bs: int) -> float:
+        return 0.01 * (1 + 0.4 * (bs > 1) + 0.08 * 4 * bs)
+
+    prior = {(4, s): cost(s) / 0.005 for s in (1, 2, 4, 8)}  # in one-row plain steps
+    rule, chosen = BatchBlockRule(8, prior=prior), []
+    for _ in range(6):
+        bs = rule.choose(4, 100)
+        chosen.append(bs)
+        rule.update(4, bs, cost(bs), [2, 1, 3, 0])
+    best = max(rule.candidates, key=lambda s: rule.expected(s) / cost(s))
+    assert chosen[:3] == [1, 1, 1]  # only the plain batched step is timed
+    assert chosen[3:] == [best] * 3 and rule.last_reason == "best"
+    assert (4, 8) not in rule.timed or best == 8
+    # a prior that is wrong is corrected by the measured cost of what it picked
+    liar = BatchBlockRule(8, prior={(4, s): 1.0 for s in (1, 2, 4, 8)})  # "wide is free"
+    for _ in range(30):
+        bs = liar.choose(4, 100)
+        liar.update(4, bs, 0.01 * (1 + 2.0 * bs), [0, 0, 0, 0])  # and drafts never land
+    assert liar.choose(4, 100) == 1
+    # another batch size without a prior is timed as before
+    assert rule.choose(2, 100) == 1 and rule.last_reason == "timing"
+
+
+def test_the_cost_curve_times_batched_cycles_and_serve_takes_them(tiny_pair, on_thread, tmp_path):
+    from dflash_mac import calibrate
+    from dflash_mac.autoblock import AutoTuning, CostCurve
+    from dflash_mac.bench.costcurve import render
+
+    def run():
+        return calibrate.measure_batches(tiny_pair, 4, 0.01, batches=(2, 4), context=16, cycles=2)
+
+    part = on_thread(run)
+    assert set(part["batches"]) == {"2", "4"}
+    assert all(set(row) == {"1", "2", "4"} for row in part["batches"].values())
+    assert all(v > 0 for row in part["batches"].values() for v in row.values())
+    curve = {"ratios": {"1": 1.0, "2": 1.4}, "seconds": {"1": 0.01, "2": 0.014}} | part
+    assert "Batched cycles" in render(curve)
+    path = calibrate.save(curve, tmp_path / "curve.json")
+    tuning = AutoTuning(greedy_curve=CostCurve.load(path))
+    engine = BatchEngine(tiny_pair, 4, 4, prior=tuning.batch_prior)
+    assert engine.rule.prior[(4, 2)] == pytest.approx(part["batches"]["4"]["2"])
+
+
 def batch_samples(pair, sp: SamplingParams, n: int) -> list[tuple]:
     """n seeded requests of 3 tokens through the engine, 8 at a time."""
     engine, out = BatchEngine(pair, 8, 4, auto=False), []

@@ -139,7 +139,7 @@ def measure_concurrency(
     progress: Callable[[str], None] = lambda line: None,
 ) -> list[dict]:
     """One row per (setting, N): the three ways' summaries and the ratios."""
-    engine = BatchEngine(pair, max(levels), block.size, block.auto)
+    engine = BatchEngine(pair, max(levels), block.size, block.auto, prior=tuning.batch_prior)
     rows = []
     for label, sp in settings:
         for n in levels:

@@ -48,4 +48,23 @@ def render(curve: dict, width: int = 40) -> str:
         for b, r in sorted(trees.items()):
             t = f"   T {sampled['temperature']:g}: {s_trees[b]:.2f}" if b in s_trees else ""
             lines.append(f"{b:>3} nodes {r:>8.2f}{t}  {'█' * max(1, round(width * r / top))}")
+    lines += batch_rows(curve)
     return "\n".join(lines) + "\n"
+
+
+def batch_rows(curve: dict) -> list[str]:
+    """The batched cycles' table: × one-row plain step by rows (B) and block size, and per row
+    (what a row's cycle costs when B share it: the batch's gain is where that is below 1)."""
+    batches = curve.get("batches") or {}
+    if not batches:
+        return []
+    sizes = sorted({int(k) for row in batches.values() for k in row})
+    head = "rows " + "".join(f"{f'bs {b}':>9}" for b in sizes) + "   per row at bs " + str(sizes[0])
+    lines = ["Batched cycles (serve --max-batch), × one-row plain step:", head]
+    for rows in sorted(batches, key=int):
+        row = batches[rows]
+        cells = "".join(f"{row[str(b)]:>9.2f}" if str(b) in row else f"{'–':>9}" for b in sizes)
+        first = row.get(str(sizes[0]))
+        per = f"{first / int(rows):>10.2f}" if first else ""
+        lines.append(f"{rows:>4} {cells}{per}")
+    return lines

@@ -133,7 +133,9 @@ class Worker:
             log.warning("--max-batch %d: requests run one at a time (%s).", max_batch, why)
             return None
         block = self.block.size if self.block else pair.block_size
-        return BatchEngine(pair, max_batch, block, auto=self.block is None or self.block.auto)
+        auto = self.block is None or self.block.auto
+        prior = self.session.tuning.batch_prior
+        return BatchEngine(pair, max_batch, block, auto=auto, prior=prior)
 
     def batch_stats(self) -> dict | None:
         """The batch's occupancy for /v1/dflash/stats (None: no batching)."""
@@ -290,7 +292,11 @@ class Worker:
             self.running.clear()
             self.session.reset()
             self.engine = BatchEngine(
-                engine.pair, engine.max_batch, engine.rule.bs_max, not engine.rule.fixed
+                engine.pair,
+                engine.max_batch,
+                engine.rule.bs_max,
+                not engine.rule.fixed,
+                prior=engine.rule.prior,
             )
 
     def _should_stop(self, job: Job) -> bool:
