@@ -12,7 +12,9 @@ median is kept, and the ratios are made non-decreasing in bs (a wider verify nev
 less: a dip is noise). The whole curve is timed greedy and again at T = 0.7 (`measure_both`);
 both are saved where `auto` reads its prior (`policy.cost_curve_path`).
 
-`dflash-mac bench --cost-curve` measures the full curve (`reps` 12). Front ends that run
+`dflash-mac bench --cost-curve` measures the full curve (`reps` 12) and, where the pair batches,
+greedy batched cycles of 2, 4 and 8 rows (`measure_batches`: the prior of `BatchBlockRule`).
+Front ends that run
 `auto` call `needed` / `calibrate` once their inputs are checked: a pair without a saved curve
 on this machine gets a quick one (`QUICK_REPS`, sizes up to auto's largest) measured once and
 saved, because sizes `auto` does not run keep the prior's cost, and the generic guess can be
