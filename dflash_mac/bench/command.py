@@ -228,7 +228,8 @@ def bench_command(
         False,
         "--cost-curve",
         help="Measure the cost of a cycle at block size 1..16 against a plain step on this "
-        "machine, print it and save it as the prior of --block-size auto.",
+        "machine (and of batched cycles of 2, 4 and 8 rows), print it and save it as the prior "
+        "of --block-size auto and of serve --max-batch.",
     ),
     shape: str | None = typer.Option(
         None,
