@@ -86,14 +86,15 @@ def selector_loss(
     labels: mx.array,
     valid: mx.array,
     weights: mx.array,
+    cand: mx.array | None = None,
 ) -> tuple[mx.array, mx.array]:
-    """Teacher-forced selector CE.
+    """Teacher-forced selector CE (`cand`: the candidates, when the caller has them).
 
     hidden ``[B, N, P, H]`` (block positions 1..bs-1), logits ``[B, N, P, V]``, predecessors and
     labels ``[B, N, P]``, valid ``[B, N]``, weights ``[P]``. Positions whose label is not among
     the top-k candidates are left out. Returns (loss, per-position accuracy of the selector's
     teacher-forced choice ``[P]``, 0 where the label is not a candidate)."""
-    _, cand = selector.candidates(mx.stop_gradient(logits))
+    cand = candidates(selector, logits) if cand is None else cand
     unary = mx.take_along_axis(logits, cand, axis=-1)  # gradient reaches the backbone
     g = selector.hidden_projection(hidden)  # [B, N, P, R]
     s = selector.scores(unary, cand, g, predecessors)  # [B, N, P, k]
@@ -119,12 +120,25 @@ def selector_q(
     return s, cand, mx.softmax(s / temperature, axis=-1)
 
 
+def candidates(selector, logits: mx.array) -> mx.array:
+    """The selector's candidate ids ``[.., k]`` (the backbone's top-k; no gradient)."""
+    return selector.candidates(mx.stop_gradient(logits))[1]
+
+
 def selector_distill_loss(
-    selector, hidden, logits, predecessors, valid, weights, soft: SoftLabels, spec: LossSpec
+    selector,
+    hidden,
+    logits,
+    predecessors,
+    valid,
+    weights,
+    soft: SoftLabels,
+    spec: LossSpec,
+    cand: mx.array | None = None,
 ) -> mx.array:
     """The walk's q over its candidates matched to p_T (teacher-forced predecessors), with
     the position weights; see `soft.selector_soft_loss`."""
-    _, cand = selector.candidates(mx.stop_gradient(logits))
+    cand = candidates(selector, logits) if cand is None else cand
     unary = mx.take_along_axis(logits, cand, axis=-1)
     s = selector.scores(unary, cand, selector.hidden_projection(hidden), predecessors)
     per_pos, _ = selector_soft_loss(s, cand, soft, spec)
@@ -151,13 +165,13 @@ def dflash2_loss(
     logits = drafter.logits(hidden)  # [B, N, bs-1, V]
     backbone = weighted_mean(position_loss(logits, labels, soft, spec), valid, weights)
     preds = mx.concatenate([block_ids[..., :1], labels[..., :-1]], axis=-1)  # true previous
-    sel_ce, acc = selector_loss(
-        drafter.candidate_selector, hidden, logits, preds, labels, valid, weights
-    )
+    selector = drafter.candidate_selector
+    cand = candidates(selector, logits)  # one top-k over the vocabulary for both losses
+    sel_ce, acc = selector_loss(selector, hidden, logits, preds, labels, valid, weights, cand)
     sel = spec.ce_weight * sel_ce
     if spec.kl_part:
         sel = sel + spec.kl_part * selector_distill_loss(
-            drafter.candidate_selector, hidden, logits, preds, valid, weights, soft, spec
+            selector, hidden, logits, preds, valid, weights, soft, spec, cand
         )
     return backbone + sel, acc
 

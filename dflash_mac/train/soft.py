@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx import nn
 
 LOSS_KINDS = ("ce", "kl", "mix")
 
@@ -122,23 +121,36 @@ def _xlogx(p: mx.array) -> mx.array:
     return mx.where(p > 0, p * mx.log(mx.maximum(p, 1e-30)), 0.0)
 
 
-def topk_kl(logits: mx.array, ids: mx.array, p: mx.array, tail: mx.array, t: float) -> mx.array:
+def topk_kl(
+    logits: mx.array,
+    ids: mx.array,
+    p: mx.array,
+    tail: mx.array,
+    t: float,
+    lse: mx.array | None = None,
+) -> mx.array:
     """KL(p_T || q_T) over the top-k ids + tail bucket, per position ``[...]``.
 
-    logits ``[..., V]`` (drafter), ids / p ``[..., k]``, tail ``[...]``."""
+    logits ``[..., V]`` (drafter), ids / p ``[..., k]``, tail ``[...]``; `lse`: the
+    drafter's ``log Σ exp(logits / T)`` when the caller has it. The tail's q is
+    ``1 - Σ_top q`` (one pass over the vocabulary fewer than a log-sum-exp of the rest: on a
+    CPU the exponentials over ``[.., V]`` are most of a training step)."""
     z = logits.astype(mx.float32) / t
-    lse = mx.logsumexp(z, axis=-1)
+    lse = mx.logsumexp(z, axis=-1) if lse is None else lse
     lq = mx.take_along_axis(z, ids, axis=-1) - lse[..., None]
-    rest = mx.put_along_axis(z, ids, mx.array(-mx.inf, dtype=z.dtype), axis=-1)
-    lq_tail = mx.logsumexp(rest, axis=-1) - lse
+    lq_tail = mx.log(mx.maximum(1.0 - mx.exp(lq).sum(axis=-1), 1e-30))
     kl = (_xlogx(p) - p * lq).sum(axis=-1)
     return kl + _xlogx(tail) - mx.where(tail > 0, tail * lq_tail, 0.0)
 
 
-def soft_kl(logits: mx.array, labels: SoftLabels, spec: LossSpec) -> mx.array:
-    """Mean over the training temperatures of `topk_kl`, per position ``[B, N, P]``."""
+def soft_kl(
+    logits: mx.array, labels: SoftLabels, spec: LossSpec, lses: dict | None = None
+) -> mx.array:
+    """Mean over the training temperatures of `topk_kl`, per position ``[B, N, P]``
+    (`lses`: the drafter's log-normaliser by temperature, where already computed)."""
+    lses = lses or {}
     kls = [
-        topk_kl(logits, labels.ids, labels.probs[i], labels.tail[i], t)
+        topk_kl(logits, labels.ids, labels.probs[i], labels.tail[i], t, lses.get(t))
         for i, t in enumerate(spec.temperatures)
     ]
     return sum(kls) / len(kls)
@@ -147,15 +159,22 @@ def soft_kl(logits: mx.array, labels: SoftLabels, spec: LossSpec) -> mx.array:
 def position_loss(
     logits: mx.array, labels: mx.array, soft: SoftLabels | None, spec: LossSpec | None
 ) -> mx.array:
-    """Per-position loss ``[B, N, P]``: CE, KL or their mix (as `spec` says)."""
+    """Per-position loss ``[B, N, P]``: CE, KL or their mix (as `spec` says). Each
+    temperature's log-normaliser over the vocabulary is computed once (CE's is T = 1's)."""
     spec = spec or LossSpec()
+    temps = set(spec.temperatures) if spec.kl_part else set()
+    if spec.ce_weight:
+        temps.add(1.0)
+    z = logits.astype(mx.float32)
+    lses = {t: mx.logsumexp(z / t if t != 1.0 else z, axis=-1) for t in sorted(temps)}
     out = 0.0
     if spec.ce_weight:
-        out = spec.ce_weight * nn.losses.cross_entropy(logits, labels, reduction="none")
+        picked = mx.take_along_axis(z, labels[..., None], axis=-1)[..., 0]
+        out = spec.ce_weight * (lses[1.0] - picked)
     if spec.kl_part:
         if soft is None:
             raise ValueError(f"loss {spec.kind} needs the target's soft labels.")
-        out = out + spec.kl_part * soft_kl(logits, soft, spec)
+        out = out + spec.kl_part * soft_kl(logits, soft, spec, lses)
     return out
 
 
