@@ -82,6 +82,11 @@ def test_bench_cost_curve_saves_a_greedy_and_a_sampled_table(cli):
     curve = json.loads(saved[0].read_text())
     assert curve["ratios"]["1"] == curve["sampled"]["ratios"]["1"] == 1.0
     assert curve["sampled"]["temperature"] == 0.7 and len(curve["sampled"]["ratios"]) == 16
+    # batched cycles (serve --max-batch's prior): 2, 4 and 8 rows at the rule's block sizes
+    batches = curve["batches"]
+    assert "Batched cycles" in r.stdout and set(batches) == {"2", "4", "8"}
+    widest = str(max(int(b) for b in batches["8"]))
+    assert batches["8"][widest] > batches["2"]["1"] > 0  # 8 rows of a wide block cost more
     r = cli("generate", "hi", "-n", str(N), "--temp", "0.7", "--json")  # auto on that prior
     assert r.returncode == 0, r.stderr
 
