@@ -578,7 +578,9 @@ def test_a_probe_after_plain_steps_runs_outside_their_timing(tiny_pair):
     # Noise only adds time: a drafting cycle holds at least most of the work, a plain step
     # (a one-token forward of the tiny target) far less than half of it.
     assert min(drafting) > 0.6 * slow, (slow, drafting)
-    assert max(plain) < 0.5 * slow, (slow, plain)
+    # (one stray descheduled step allowed; with the probe's work inside, every plain step
+    # before a probe would be dear: one in four here)
+    assert sum(s >= 0.5 * slow for s in plain) <= 1, (slow, plain)
 
 
 def test_the_first_cycle_at_a_size_is_not_timed():
