@@ -245,25 +245,16 @@ def measure_both(
     context: int = 128,
     reps: int = FULL_REPS,
     progress: Progress | None = None,
+    batched: bool = False,
 ) -> dict:
     """The greedy curve, with the curve at SAMPLED_TEMP under "sampled" (what `auto` uses as
-    its prior for requests with a temperature)."""
+    its prior for requests with a temperature); `batched`, where the pair decodes in batches
+    (serve --max-batch), also the batched cycles up to the pair's block size
+    (`measure_batches`)."""
     curve = measure(pair, max_bs, context, reps, progress=progress)
     sampled = measure(pair, max_bs, context, reps, SAMPLED_TEMP, progress)
-    return curve | {"sampled": {"temperature": SAMPLED_TEMP} | sampled}
-
-
-def measure_all(
-    pair: Pair,
-    max_bs: int = 16,
-    context: int = 128,
-    reps: int = FULL_REPS,
-    progress: Progress | None = None,
-) -> dict:
-    """`measure_both`, and where the pair decodes in batches (serve --max-batch) the batched
-    cycles up to the pair's block size (`measure_batches`)."""
-    curve = measure_both(pair, max_bs, context, reps, progress)
-    if batch_reason(pair) is None:
+    curve |= {"sampled": {"temperature": SAMPLED_TEMP} | sampled}
+    if batched and batch_reason(pair) is None:
         plain = curve["seconds"]["1"]
         curve |= measure_batches(pair, pair.block_size, plain, context=context, progress=progress)
     return curve
@@ -275,7 +266,7 @@ def rounds(reps: int) -> int:
 
 
 def all_rounds(pair: Pair, reps: int) -> int:
-    """How many times `measure_all` calls its `progress`."""
+    """How many times `measure_both(..., batched=True)` calls its `progress`."""
     batched = len(BATCHES) * len(batch_sizes(pair.block_size)) if batch_reason(pair) is None else 0
     return rounds(reps) + batched
 

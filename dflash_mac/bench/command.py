@@ -127,7 +127,7 @@ def cost_curve_command(
     model: str | None, draft: str | None, draft_bits, err, shape=None, shape_dtype="bf16"
 ) -> None:
     """`bench --cost-curve`: measure, print, save where `auto` finds it."""
-    from dflash_mac.calibrate import FULL_REPS, all_rounds, measure_all, save
+    from dflash_mac.calibrate import FULL_REPS, all_rounds, measure_both, save
     from dflash_mac.cli.terminal import load_pair, progress_bar
     from dflash_mac.policy import cost_curve_path
 
@@ -141,7 +141,7 @@ def cost_curve_command(
         pair = load_pair(model, draft, draft_bits=draft_bits).pair
     title = "Timing cycles at block size 1..16, greedy and at T 0.7, then batched"
     with progress_bar(title, all_rounds(pair, FULL_REPS)) as step:
-        curve = measure_all(pair, progress=step)
+        curve = measure_both(pair, progress=step, batched=True)
     curve |= {"header": header(pair) | {"load_avg": [load_average()]}}
     typer.echo(render(curve), nl=False)
     path = save(curve, cost_curve_path(pair))
