@@ -82,6 +82,7 @@ class BatchStats:
     cycles: int = 0
     rows: int = 0  # rows over all cycles (rows / cycles: mean occupancy)
     last_block: int = 0
+    blocks: dict[int, int] = field(default_factory=dict)  # cycles by block size
 
     def as_dict(self) -> dict:
         mean = self.rows / self.cycles if self.cycles else 0.0
@@ -93,6 +94,7 @@ class BatchStats:
             "cycles": self.cycles,
             "mean_occupancy": round(mean, 3),
             "last_block_size": self.last_block,
+            "block_mix": {str(b): n for b, n in sorted(self.blocks.items())},
         }
 
 
@@ -228,6 +230,7 @@ class BatchEngine:
         self.stats.cycles += 1
         self.stats.rows += len(rows)
         self.stats.last_block = bs
+        self.stats.blocks[bs] = self.stats.blocks.get(bs, 0) + 1
         leaving = []
         for i, (r, row) in enumerate(zip(rows, out)):
             a, bonus = row[0], row[1]

@@ -347,9 +347,12 @@ def test_bench_concurrency_runs_three_ways_and_checks_greedy_identity(tiny_pair,
         assert [w["tokens"] == 12 * r["concurrency"] for w in r["ways"]][:2] == [True, True]
         assert r["ways"][2]["tokens"] > 0  # mlx-lm stops at EOS
         assert r["batched_vs_alone"] > 0 and r["batched_vs_plain"] > 0
+        # the measured batched run's cycles by block size; each commits a token or more
+        assert 0 < sum(r["batch_blocks"].values()) <= 12 * r["concurrency"]
     doc = {"config": {"prompts": 2, "suite": "code", "max_tokens": 12, "block": "auto ≤4"}}
     doc |= {"rows": rows, "header": {"target": "t", "draft": "d", "cpu": "c"}}
     assert "| 2 |" in concurrency_markdown(doc)
+    assert "Batched cycles by block size" in concurrency_markdown(doc)
     assert validate(doc | {"kind": "concurrency"}) == []
     broken = {
         "kind": "concurrency",

@@ -49,6 +49,7 @@ def test_concurrent_clients_decode_together_and_answer_as_alone(tiny_pair, solo)
     assert got == solo
     batch = stats["batch"]
     assert batch["max_batch"] == 4 and batch["mean_occupancy"] > 1.0
+    assert sum(batch["block_mix"].values()) == batch["cycles"]
     assert stats["totals"]["requests"] == 6 and not stats["busy"]
 
 

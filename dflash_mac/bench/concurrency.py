@@ -149,6 +149,7 @@ def measure_concurrency(
             batched(engine, prompts, warm)  # compile and time this batch size's shapes
             one_at_a_time(pair, prompts[:1], warm[:1], tuning)
             plain_batched(pair, prompts, sp, WARMUP_TOKENS)
+            before = dict(engine.stats.blocks)
             ways = [
                 batched(engine, prompts, cfgs),
                 one_at_a_time(pair, prompts, cfgs, tuning),
@@ -157,6 +158,11 @@ def measure_concurrency(
             summ = [w.summary() for w in ways]
             agg = [s["aggregate_tps"] for s in summ]
             row = {"setting": label, "concurrency": n, "ways": summ}
+            row["batch_blocks"] = {  # the measured batched run's cycles by block size
+                str(b): c - before.get(b, 0)
+                for b, c in sorted(engine.stats.blocks.items())
+                if c > before.get(b, 0)
+            }
             row["batched_vs_alone"] = round(agg[0] / agg[1], 3) if agg[1] else None
             row["batched_vs_plain"] = round(agg[0] / agg[2], 3) if agg[2] else None
             if sp.greedy:
@@ -201,6 +207,13 @@ def concurrency_markdown(doc: dict) -> str:
                 f"| {p['aggregate_tps']:.1f} | {r['batched_vs_alone']:.2f}x | "
                 f"{r['batched_vs_plain']:.2f}x | {r.get('identical', '-')} |"
             )
+        mix = [
+            f"N {r['concurrency']}: " + " ".join(f"{b}×{c}" for b, c in r["batch_blocks"].items())
+            for r in doc["rows"]
+            if r["setting"] == label and r.get("batch_blocks")
+        ]
+        if mix:
+            lines += ["", "Batched cycles by block size (size×cycles): " + "; ".join(mix) + "."]
     return "\n".join(lines) + "\n"
 
 
