@@ -127,7 +127,7 @@ def train_loop(
     loss_fn = LOSSES[s.arch]
 
     spec = t.spec
-    head = target_head(t.target) if spec.soft else None
+    head = target_head(t.target) if spec.soft and t.store is None else None  # live labels only
 
     def objective(d, feats, b, masks, soft):
         anchors = mx.array(b.anchors)
