@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 import threading
 
 import mlx.core as mx
@@ -17,7 +18,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from test_sampling import chi_square_p, exact_joint, small_pair  # noqa: F401  (fixture)
 
 from dflash_mac.api import generate
-from dflash_mac.autoblock import BlockController, CostCurve, CostModel, tree_arms
+from dflash_mac.autoblock import TREES, BlockController, CostCurve, CostModel, tree_arms
 from dflash_mac.capture import FeatureCapture
 from dflash_mac.session import Session
 from dflash_mac.testing.oracle import OracleDrafter, with_drafter
@@ -284,3 +285,25 @@ def test_a_forced_budget_drafts_trees_only_and_falls_back_to_plain_steps():
         c.update(d.size, 0, None, tree=d.tree)
     assert seen <= {(1, 0), (8, 8)} and c.last.size == 1
     assert math.isclose(c.tree_cost.cost(8), 1.9)
+
+
+def test_probes_after_a_fallback_are_chains_not_trees():
+    """Where drafting does not pay (chat at T 0.7: a first draft accepted 27 % of the time) the
+    probes that look for it again are the cheapest drafting cycles, chains. A tree's guess
+    (1.3x the chain's tokens, its cost taken from a 5-token chain) must neither turn the probes
+    into trees nor resume drafting on its own."""
+    ratios = {1: 1.0, 2: 1.41, 3: 1.49, 4: 1.62, 5: 1.68, 6: 1.73, 7: 1.83, 8: 1.91}
+    cost = CostModel(CostCurve(ratios, measured=True))  # the pair's sampled curve, no trees
+    c = BlockController(8, cost, timed=False, trees=TREES, guess_weight=1.0)
+    rng, seen = random.Random(0), []
+    for _ in range(500):
+        d = c.choose()
+        a = 0
+        while a < d.size - 1 and rng.random() < (0.27 if a == 0 else 0.47):
+            a += 1
+        seen.append((d.size, d.tree))
+        c.update(d.size, a, None, tree=d.tree, chain=a)
+    after = seen[seen.index((1, 0)) :]
+    probes = [s for s in after if s[0] > 1]
+    assert probes and all(tree == 0 for _, tree in probes), probes
+    assert len(probes) < 0.06 * len(after)  # plain steps, a probe now and then
