@@ -22,13 +22,15 @@ install: $(BIN)/dflash-mac
 run: install
 	HF_HUB_OFFLINE=1 $(BIN)/dflash-mac generate "$(PROMPT)" --max-tokens 200 --verbose
 
-# Everything (what CI runs): lint, then the whole suite.
+# Everything (what CI runs): lint, then the whole suite, on two workers (pytest-xdist): most
+# tests run tiny models in one thread, so two halve the wall time on two cores.
+TEST_WORKERS ?= 2
 test: install lint
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=15
 
 # The quick loop while editing (< 90 s): no chi-square, long greedy or subprocess tests.
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not slow"
 
 lint: install
 	$(BIN)/ruff check .

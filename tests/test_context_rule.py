@@ -39,12 +39,14 @@ def test_stream_generate_stops_at_the_context(tiny_pair):
     assert result.stats.generation_tokens == 3 and result.finish_reason == "length"
 
 
-def run_generate(prompt: str, *args: str) -> subprocess.CompletedProcess:
+def run_generate(home: Path, prompt: str, *args: str) -> subprocess.CompletedProcess:
+    """`generate` in a data home of its own (no other test's cost curve, which `auto` would
+    otherwise measure and announce on first use: `-b 8` keeps stderr to what is tested)."""
     if not (BUNDLED_DRAFT / "config.json").exists():
         pytest.skip("the bundled pair is not built")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "DFLASH_MAC_HOME": str(home)}
     return subprocess.run(
-        [str(CLI), "generate", "-", "--ignore-chat-template", *args],
+        [str(CLI), "generate", "-", "--ignore-chat-template", "-b", "8", *args],
         input=prompt,
         capture_output=True,
         text=True,
@@ -54,8 +56,8 @@ def run_generate(prompt: str, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_generate_warns_once_and_caps_max_tokens():
-    out = run_generate("x " * 2030, "--max-tokens", "500", "--json")
+def test_generate_warns_once_and_caps_max_tokens(tmp_path):
+    out = run_generate(tmp_path, "x " * 2030, "--max-tokens", "500", "--json")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     n, context = result["prompt_tokens"], 2048
@@ -68,10 +70,10 @@ def test_generate_warns_once_and_caps_max_tokens():
 
 
 @pytest.mark.slow
-def test_generate_without_a_cap_says_nothing_and_too_long_fails():
-    out = run_generate("x " * 100, "--max-tokens", "4", "--json")
+def test_generate_without_a_cap_says_nothing_and_too_long_fails(tmp_path):
+    out = run_generate(tmp_path, "x " * 100, "--max-tokens", "4", "--json")
     assert out.returncode == 0 and out.stderr == ""
-    out = run_generate("x " * 2100, "--max-tokens", "4")
+    out = run_generate(tmp_path, "x " * 2100, "--max-tokens", "4")
     assert out.returncode == 1
     [line] = out.stderr.strip().splitlines()  # one sentence (no tokenizer warning before it)
     assert line.startswith("error: the prompt has ")
