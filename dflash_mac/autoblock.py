@@ -12,9 +12,10 @@ It maximises expected tokens per second, E[tokens | bs] / cost(bs), where
   fresh start neither turns drafting off nor shrinks the block.
 
 Block size 1 is plain target decoding (no drafter pass). When drafting does not pay the
-controller falls back to it and probes one drafting cycle now and then (twice as late after
+controller falls back to it and probes one drafting cycle now and then, a chain (the cheapest
+cycle that measures acceptance; trees compete again once drafting pays), twice as late after
 a probe that did not pay, judged on its measured time, twice as soon after one that did; at
-most 256 steps apart, fewer the more drafting gained lately); it falls back 5 % below a plain
+most 256 steps apart, fewer the more drafting gained lately. It falls back 5 % below a plain
 step's rate and resumes only 10 % above it, so it does not flap. A size next to the chosen one
 that is within 5 % of it and still has only the prior's cost runs now and then until it was
 timed a few times, so a prior that is a few per cent off at a size is corrected. Greedy and
