@@ -388,11 +388,10 @@ class BlockController:
     def choose(self) -> Decision:
         """The next cycle: a plain step, a chain of some size, or a tree of some budget (a
         drafting cycle is a tree where the best tree's expected rate beats the chain's)."""
-        chains, trees = self.rates(), self.tree_rates()  # once per cycle
-        if self.fallback and self.chains:
-            # probes are chains: the cheapest cycle that measures acceptance (a tree's estimate
-            # starts from the chain's); trees compete again once drafting pays
-            trees = {}
+        # while plain, probes are chains: the cheapest cycle that measures acceptance (a
+        # tree's estimate starts from the chain's); trees compete again once drafting pays
+        probing = self.fallback and self.chains
+        chains, trees = self.rates(), {} if probing else self.tree_rates()  # once per cycle
         d = self.choose_size(chains, trees)
         if d.size < 2 or not trees:
             return d
