@@ -29,7 +29,17 @@ from .sampling import (
     sample,
     sample_logits,
 )
-from .tree import DraftTree, chain_depth, grow, keep_path, ropes, supports, verify_logits, walk
+from .tree import (
+    DraftTree,
+    chain_depth,
+    graft,
+    grow,
+    keep_path,
+    ropes,
+    supports,
+    verify_logits,
+    walk,
+)
 
 TREE_K = 8  # a DFlash 1 tree node's children at most (DFlash 2: its selector's candidates)
 
@@ -206,6 +216,7 @@ class Cycle:
     copied: bool = False  # drafts copied from earlier text (copydraft.py), not drafted
     tree: DraftTree | None = None  # a tree of drafts (tree.py; `drafts` are its nodes)
     start: int = 0  # a tree's first verified cache position
+    copy: tuple[int, ...] = ()  # a copy grafted onto the tree as one more branch
 
     @property
     def width(self) -> int:
@@ -229,6 +240,7 @@ class Outcome:
     host: float  # host bookkeeping in that interval
     logprobs: list[TokenLogprob] | None = None  # of `committed`, when the request asks
     chain: int = 0  # a tree's: what the chain of the same drafter pass would have accepted
+    drafted: int = 0  # accepted drafts the drafter proposed (less a grafted copy's)
 
 
 class CyclePipeline:
@@ -331,12 +343,16 @@ class CyclePipeline:
                 self.queued = self.start(1, c.verdict[1])
         t_host = time.perf_counter()
         out = c.outcome.tolist()  # the one host sync of the cycle
-        n = c.bs - 1
+        n = c.tree.max_depth if c.tree is not None else c.bs - 1
         a, bonus, drafted = int(out[0]), int(out[1]), [int(d) for d in out[2 : 2 + n]]
         path = [int(i) for i in out[2 + n : 2 + 2 * n]] if c.tree is not None else []
         chain = int(out[2 + 2 * n]) if c.tree is not None else a
+        own = a - sum(i > c.budget for i in path[:a])  # the rest came down the copy's branch
         if c.copied:
             self.policy.update(n, a)
+        elif c.copy:  # what the grafted copy would have committed alone
+            same = [t == d for t, d in zip(c.copy, drafted[:a])]
+            self.policy.update(len(c.copy), same.index(False) if False in same else len(same))
         committed = drafted[:a] + [bonus]
         lps = None if self.logprobs is None else read_logprobs(out[2 + n :], c.bs, committed)
         if self.con:  # the grammar forgets the rejected drafts and takes the bonus
@@ -355,7 +371,7 @@ class CyclePipeline:
         steady = self.last_bs > 0 and (c.bs > 1) == (self.last_bs > 1)
         steady = steady and not (ahead and self.queued is None)
         self.last_bs = c.bs
-        return Outcome(a, committed, seconds, steady, host, lps, chain)
+        return Outcome(a, committed, seconds, steady, host, lps, chain, own)
 
     def ahead(self, anchor: int, room: int) -> None:
         """Queue the next cycle right after the sync, before the host's bookkeeping."""
@@ -375,12 +391,9 @@ class CyclePipeline:
         """Whether the next cycle may copy (then it waits for its anchor, not queued ahead)."""
         return self.index is not None and self.policy.paused == 0 and self.index.may_match()
 
-    def copy_cycle(self, anchor: int, key: mx.array, room: int) -> Cycle | None:
-        """A cycle whose drafts are copied from earlier text, if there are any (its q, all mass
-        on each copied token, is made in `verify`)."""
-        drafts = self.index.propose(anchor, min(self.policy.length(), room - 1))
-        if not drafts:
-            return None
+    def copy_cycle(self, anchor: int, key: mx.array, drafts: list[int]) -> Cycle:
+        """A cycle whose drafts are copied from earlier text (its q, all mass on each copied
+        token, is made in `verify`)."""
         block = mx.array([anchor, *drafts], mx.int32)
         return Cycle(len(drafts) + 1, block, block[1:], None, key, copied=True)
 
@@ -396,9 +409,10 @@ class CyclePipeline:
             self.pen.bind(self.state.ids[-self.pen.context_size :] + [anchor]) if self.pen else None
         )
         can_copy = isinstance(anchor, int) and room > 1 and self.index is not None
-        copied = self.copy_cycle(anchor, key, room) if can_copy else None
-        if copied is not None:  # no drafter pass: its context waits, as after a plain step
-            c = copied
+        copy = self.index.propose(anchor, min(self.policy.length(), room - 1)) if can_copy else []
+        budget = self.tree() if self.tree is not None and bs > 1 else 0
+        if copy and not (budget and not self.policy.sure):  # no drafter pass: its context
+            c = self.copy_cycle(anchor, key, copy)  # waits, as after a plain step
         elif bs == 1:  # a plain target step: no drafts, no split of the key
             c = Cycle(1, first, mx.zeros((0,), mx.int32), None, key, penalty)
             c.masks = self.con.mask()[None] if self.con else None
@@ -407,11 +421,13 @@ class CyclePipeline:
             masks = mx.array([self.pair.drafter.config.mask_token_id] * (bs - 1), mx.int32)
             block = mx.concatenate([first, masks])
             self.ctx.flush()
-            budget = self.tree() if self.tree is not None else 0
             if budget:  # a tree of drafts from the same drafter pass
                 expand = self.pair.drafter.expansion(block, self.ctx.cache, TREE_K)
                 tree = grow(first, expand, bs - 1, budget)
+                if copy:  # a copy the last ones make doubtful: one more branch of the tree
+                    tree = graft(tree, mx.array(copy, mx.int32))
                 c = Cycle(bs, block, tree.tokens[1:], None, k_verify, penalty, tree=tree)
+                c.copy = tuple(copy)
             elif self.con is None:
                 drafts, q = propose(self.pair, block, self.ctx.cache, sp, k_draft, penalty)
                 c = Cycle(bs, block, drafts, q, k_verify, penalty)

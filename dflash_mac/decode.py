@@ -180,12 +180,14 @@ def speculative_stream(
             r = pipe.finish(c, anchor, room)  # accept: the one host sync; commit, roll back
             anchor = r.committed[-1]  # the bonus token: the next cycle's anchor
             if plan and not c.copied:  # copies say nothing about the drafter's blocks
-                plan.update(c.bs, r.accepted, r.seconds, r.steady, c.budget, r.chain)
+                timed = r.seconds if not c.copy else None  # a graft's nodes make a tree dearer
+                plan.update(c.bs, r.drafted, timed, r.steady, c.budget, r.chain)
             pipe.ahead(anchor, room - len(r.committed))  # queued before the bookkeeping
             before = out.count
             text = out.push(r.committed, cfg.max_tokens)
             reason = plan.last.reason if plan else ""
-            rec.cycle(c.bs, r.accepted + 1, r.host, reason, pipe.ctx.rows, c.copied, c.budget)
+            copied = c.copied or r.accepted > r.drafted  # a grafted copy's branch won
+            rec.cycle(c.bs, r.accepted + 1, r.host, reason, pipe.ctx.rows, copied, c.budget)
             stats = rec.snapshot(out.count)
             lps = r.logprobs and r.logprobs[: out.count - before]  # the tokens kept
             yield GenerationEvent(

@@ -14,6 +14,9 @@ candidates in one target pass instead of one chain.
   greedy and sampled (it accepts with probability Σ_children p(c) at a node).
 - `keep_path` moves the accepted path's cache rows to the front of the verified span, so the
   trim that follows leaves the cache of a plain decode of that path.
+- `graft` adds a copied continuation (copydraft.py) as one more branch, verified in the same
+  pass: it goes on below the deepest node that spells its first tokens. The copy's nodes that
+  repeat those stay in the verify but never match, so siblings still hold distinct tokens.
 
 Trees need a target whose every cache is a plain `KVCache` and whose attention applies RoPE as
 `rope(x, offset=cache.offset)` (Llama, Qwen2/3, Mistral ...): `supports`. Hybrid targets keep
@@ -48,11 +51,13 @@ class DraftTree:
     ancestors: mx.array  # [1 + B, 1 + B] bool: [i, j] iff j is i or an ancestor of i
     top: mx.array  # [1 + B] bool: the node is its parent's likeliest child (the chain's draft)
     budget: int  # B
-    max_depth: int  # P: the drafter's block positions
+    max_depth: int  # P: the drafter's block positions (or a grafted copy's length, if longer)
+    live: mx.array | None = None  # [1 + B + C] bool: nodes the walk may descend to (None: all)
+    copied: int = 0  # C: the last C nodes are a grafted copy (`graft`)
 
     @property
     def width(self) -> int:
-        return self.budget + 1
+        return self.budget + self.copied + 1
 
 
 def grow(anchor: mx.array, expand: Expand, max_depth: int, budget: int) -> DraftTree:
@@ -82,11 +87,46 @@ def grow(anchor: mx.array, expand: Expand, max_depth: int, budget: int) -> Draft
     parent = mx.concatenate([mx.zeros((1,), mx.int32), parent])
     depth = mx.concatenate([mx.zeros((1,), mx.int32), mx.concatenate(depths)[keep]])
     top = mx.concatenate([mx.ones((1,), mx.bool_), mx.concatenate(tops)[keep]])
-    eye = mx.eye(n + 1, dtype=mx.bool_)
+    return DraftTree(tokens, parent, depth, ancestors(parent, max_depth), top, n, max_depth)
+
+
+def ancestors(parents: mx.array, max_depth: int) -> mx.array:
+    """[N, N] bool from parent indices [N] (parents before children, the root its own)."""
+    eye = mx.eye(parents.shape[0], dtype=mx.bool_)
     anc = eye
     for _ in range(max_depth):  # ancestors of i: i and those of its parent
-        anc = eye | anc[parent]
-    return DraftTree(tokens, parent, depth, anc, top, n, max_depth)
+        anc = eye | anc[parents]
+    return anc
+
+
+def graft(tree: DraftTree, copy: mx.array) -> DraftTree:
+    """`tree` with the copied continuation `copy [C]` as one more branch (module docstring):
+    copy node k (depth k) hangs below the deepest tree node m that spells copy[:depth(m)], or
+    below copy node k-1; copy nodes at depths ≤ depth(m) repeat tree nodes and never match."""
+    c, w = copy.shape[0], tree.width
+    copy = copy.astype(mx.int32)
+    d = tree.depth
+    spells = (tree.tokens == copy[mx.clip(d - 1, 0, c - 1)]) & (d <= c)
+    spells = spells | (mx.arange(w) == 0)
+    on = (tree.ancestors & ~spells[None, :]).sum(axis=-1) == 0  # every ancestor spells it
+    m = mx.argmax(mx.where(on, d, -1))  # siblings differ: the spelled nodes form one chain
+    k = mx.arange(1, c + 1, dtype=mx.int32)  # the copy nodes' depths
+    below = mx.where(k > d[m] + 1, w + k - 2, m.astype(mx.int32))  # copy node k-1, or m
+    parent = mx.where(k > d[m], below, 0)  # the repeats hang off the root, dead
+    parents = mx.concatenate([tree.parents, parent])
+    live = tree.live if tree.live is not None else mx.ones((w,), mx.bool_)
+    depth = max(tree.max_depth, c)
+    return DraftTree(
+        mx.concatenate([tree.tokens, copy]),
+        parents,
+        mx.concatenate([d, k]),
+        ancestors(parents, depth),
+        mx.concatenate([tree.top, mx.zeros((c,), mx.bool_)]),
+        tree.budget,
+        depth,
+        mx.concatenate([live, k > d[m]]),
+        tree.copied + c,
+    )
 
 
 def walk(tree: DraftTree, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
@@ -95,6 +135,8 @@ def walk(tree: DraftTree, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
     accepted depth). Siblings hold distinct tokens, so at most one child of a node matches.
     `chain_depth(tree, acc, path)` says what the chain of likeliest children accepted."""
     ok = (tree.tokens == x[tree.parents]) | (mx.arange(tree.width) == 0)
+    if tree.live is not None:
+        ok = ok & tree.live
     on_path = (tree.ancestors & ~ok[None, :]).sum(axis=-1) == 0  # every ancestor matched
     last = mx.argmax(mx.where(on_path, tree.depth, -1))  # the deepest: the path is a chain
     levels = mx.arange(1, tree.max_depth + 1)[:, None]  # [P, 1]

@@ -22,7 +22,7 @@ from dflash_mac.autoblock import TREES, BlockController, CostCurve, CostModel, t
 from dflash_mac.capture import FeatureCapture
 from dflash_mac.session import Session
 from dflash_mac.testing.oracle import OracleDrafter, with_drafter
-from dflash_mac.tree import DraftTree, grow, keep_path, verify_logits, walk
+from dflash_mac.tree import DraftTree, graft, grow, keep_path, verify_logits, walk
 
 # log q of 3 candidates (tokens 10+i at position t) at each of 3 positions, whatever the parent
 LOGQ = [[-0.1, -2.5, -3.0], [-0.7, -0.8, -4.0], [-0.05, -3.5, -4.5]]
@@ -82,6 +82,59 @@ def test_the_walk_follows_the_targets_tokens():
     x[path[0]] = 98  # the first step's child holds the wrong token: accept one, bonus 98
     acc, bonus, _ = walk(tree, mx.array(x))
     assert (acc.item(), bonus.item()) == (1, 98)
+
+
+def deepest_path(tree: DraftTree) -> list[int]:
+    """The nodes from the root's child down to the deepest node."""
+    parents, depth = tree.parents.tolist(), tree.depth.tolist()
+    i, path = max(range(tree.width), key=lambda j: depth[j]), []
+    while i:
+        path.append(i)
+        i = parents[i]
+    return path[::-1]
+
+
+def test_a_grafted_copy_goes_on_below_the_nodes_that_spell_it():
+    tree = grow(mx.array(7), fixed_expand, 3, 6)
+    spelled = deepest_path(tree)[:2]  # the copy repeats two tree nodes, then leaves the tree
+    toks = tree.tokens.tolist()
+    copy = [toks[spelled[0]], toks[spelled[1]], 55, 56]
+    g = graft(tree, mx.array(copy))
+    w = tree.width
+    assert g.width == w + 4 and g.max_depth == 4 and g.budget == tree.budget
+    parents, live = g.parents.tolist(), g.live.tolist()
+    assert parents[w + 2 :] == [spelled[1], w + 2] and live[w + 2 :] == [True, True]
+    assert live[w : w + 2] == [False, False] and all(live[:w])  # the repeats never match
+    for i in range(g.width):  # live siblings hold distinct tokens: the walk stays lossless
+        for j in range(i):
+            if live[i] and live[j] and parents[i] == parents[j] and i:
+                assert g.tokens.tolist()[i] != g.tokens.tolist()[j]
+    x = [0] * g.width  # the target says copy[0], copy[1], 55, 56, then 99
+    for a, b in zip([0, *spelled, w + 2, w + 3], copy):
+        x[a] = b
+    x[w + 3] = 99
+    acc, bonus, path = walk(g, mx.array(x))
+    assert (acc.item(), bonus.item()) == (4, 99)
+    assert path.tolist() == [*spelled, w + 2, w + 3]
+    x[spelled[1]] = toks[deepest_path(tree)[2]]  # the target goes on down the tree instead
+    acc, _, path = walk(g, mx.array(x))
+    assert acc.item() == 3 and path.tolist()[:3] == deepest_path(tree)
+    none = graft(tree, mx.array([50, 51]))  # nothing spelled: a branch from the root
+    assert none.parents.tolist()[w:] == [0, w] and all(none.live.tolist())
+
+
+def test_greedy_with_copies_grafted_onto_trees_is_the_targets(tiny_pair):
+    """A doubtful copy (after a partial one) is a branch of the tree; an oracle drafter wrong
+    30 % of the time leaves the copy's branch room to win."""
+    src = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
+    ids = tiny_pair.tokenizer.encode(src * 3 + "# again\n" + src[:20])
+    kw = dict(max_tokens=48, use_eos=False)
+    ref = generate(tiny_pair, ids, block_size=1, copy=False, **kw).tokens
+    oracle = with_drafter(tiny_pair, OracleDrafter(tiny_pair.drafter, ids + ref, 320, 0.3, 1))
+    out = generate(oracle, ids, block_size=5, tree=6, copy=True, **kw)
+    assert out.tokens == ref
+    s = out.stats
+    assert any(t and c for t, c in zip(s.trees, s.copied))  # a copy's branch won a tree
 
 
 @pytest.fixture
@@ -246,6 +299,68 @@ def test_a_lossy_tree_walk_is_detected(small_pair, monkeypatch):  # noqa: F811
     sp = SamplingParams(temperature=1.0)
     samples = tree_samples(small_pair, sp, 600, 6)
     assert chi_square_p(samples, exact_joint(small_pair, sp, prompt=[0, 3, 1, 2])) < 1e-6
+
+
+# (0, 3, x) occurred for every x and the prompt ends with (0, 3): each first token is a copy's
+PERIODIC = [0, 3, 0, 1, 0, 3, 1, 2, 0, 3, 2, 3, 0, 3, 3, 4, 0, 3, 4, 0, 0, 3]
+
+
+def grafted_samples(pair, sp, n) -> tuple[list[tuple], int]:
+    """Samples of 3 tokens after PERIODIC with trees of 1 node and copies on (a new request's
+    first copy is doubtful: a branch of its tree); how many cycles the copy's branch won (the
+    target draws the copied token: rarely, for this random target)."""
+    session, out, won = Session(pair), [], 0
+    for seed in range(n):
+        events = session.stream(
+            PERIODIC, max_tokens=3, block_size=4, temp=sp.temperature, seed=seed,
+            use_eos=False, copy=True, tree=1,
+        )  # fmt: skip
+        events = list(events)
+        out.append(tuple(t for e in events for t in e.tokens))
+        s = events[-1].stats
+        won += sum(bool(t and c) for t, c in zip(s.trees, s.copied))
+    return out, won
+
+
+@pytest.mark.slow
+def test_sampled_trees_with_grafted_copies_keep_the_target_distribution(small_pair, monkeypatch):  # noqa: F811, E501
+    sp = SamplingParams(temperature=1.0)
+    import dflash_mac.cycle as engine
+
+    real, grafted = engine.graft, []
+
+    def counted(tree, copy):
+        grafted.append(copy.shape[0])
+        return real(tree, copy)
+
+    monkeypatch.setattr(engine, "graft", counted)
+    samples, won = grafted_samples(small_pair, sp, 1200)
+    assert len(grafted) >= 1000 and won >= 20  # the test is about the copy's branch
+    joint = exact_joint(small_pair, sp, prompt=PERIODIC)
+    assert chi_square_p(samples, joint) > 0.001
+
+
+@pytest.mark.slow
+def test_a_grafted_copy_taken_whatever_the_target_drew_is_detected(small_pair, monkeypatch):  # noqa: F811
+    """Descending into the copy's branch whatever the target drew must fail the same test."""
+    import dflash_mac.cycle as engine
+
+    real = engine.walk
+
+    def copy_wins(tree, x):
+        if tree.copied:  # the draw at the copy's parent becomes the copy's token
+            first = tree.width - tree.copied
+            live = mx.where(tree.live[first:], mx.arange(tree.copied), tree.copied)
+            k = mx.min(live)  # the first live copy node
+            node = first + mx.minimum(k, tree.copied - 1)
+            at = tree.parents[node]
+            x = mx.where((mx.arange(tree.width) == at) & (k < tree.copied), tree.tokens[node], x)
+        return real(tree, x)
+
+    monkeypatch.setattr(engine, "walk", copy_wins)
+    sp = SamplingParams(temperature=1.0)
+    samples, _ = grafted_samples(small_pair, sp, 600)
+    assert chi_square_p(samples, exact_joint(small_pair, sp, prompt=PERIODIC)) < 1e-6
 
 
 def controller(trees=(8,), chains=True) -> BlockController:
