@@ -169,20 +169,24 @@ def accept_rows(
     drafts: list[RowDraft] | None,  # None: a plain step (bs 1)
     sps: list[SamplingParams],
     keys: list[mx.array],
+    sizes: list[int] | None = None,
 ) -> mx.array:
     """Each row's verdict as `CyclePipeline.verify` gives it alone: `[B, 2]` (accepted
     drafts, bonus token), lazily. Greedy: the longest agreeing prefix; sampled: rejection
-    sampling with the residual, per row with its own settings and key."""
+    sampling with the residual, per row with its own settings and key. `sizes`: each row's
+    own block size (≤ bs; None: bs): a row judges only its first size - 1 drafts, as a cycle
+    of that size alone would (size 1: a plain step)."""
     rows = []
     for i, (sp, key) in enumerate(zip(sps, keys)):
         lg = logits[i]
-        if drafts is None:
-            tok = mx.argmax(lg[0]) if sp.greedy else sample_logits(lg, sp, key)[0]
+        n = lg.shape[0] if sizes is None else sizes[i]
+        if drafts is None or n == 1:
+            tok = mx.argmax(lg[0]) if sp.greedy else sample_logits(lg[:1], sp, key)[0]
             acc = mx.array(0)
         elif sp.greedy:
-            acc, tok = accept_greedy(drafts[i].drafts, lg)
+            acc, tok = accept_greedy(drafts[i].drafts[: n - 1], lg[:n])
         else:
-            p = probabilities(lg, sp)
-            acc, tok = accept_sampled(drafts[i].drafts, drafts[i].q, p, key)
+            p = probabilities(lg[:n], sp)
+            acc, tok = accept_sampled(drafts[i].drafts[: n - 1], drafts[i].q[: n - 1], p, key)
         rows.append(mx.stack([acc.astype(mx.int32), tok.reshape(()).astype(mx.int32)]))
     return mx.stack(rows)

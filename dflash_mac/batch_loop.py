@@ -202,7 +202,9 @@ class BatchEngine:
         rows = self.decoding
         t0 = time.perf_counter()
         room = max(r.cfg.max_tokens - r.out.count for r in rows)
-        bs = self.rule.choose(len(rows), room)
+        caps = [r.cfg.block.size if r.cfg.block else self.rule.bs_max for r in rows]
+        bs = self.rule.choose(len(rows), min(room, max(caps)))
+        sizes = [min(bs, c) for c in caps]  # a row never drafts past its own block size
         sps = [r.cfg.sampling for r in rows]
         keys = [r.key() for r in rows]
         first = mx.array([[r.anchor] for r in rows], mx.int32)  # [B, 1]
@@ -221,12 +223,14 @@ class BatchEngine:
             tokens = mx.concatenate([first, stacked], axis=1)  # [B, bs]
             verify_keys = [s[1] for s in split]
         logits = forward_rows(self.pair, tokens, [r.state for r in rows])  # [B, bs, V]
-        verdict = accept_rows(logits, drafts, sps, verify_keys)  # [B, 2]
+        verdict = accept_rows(logits, drafts, sps, verify_keys, sizes)  # [B, 2]
         outcome = verdict if drafts is None else mx.concatenate([verdict, tokens[:, 1:]], 1)
         feats = cap.features()  # [B, bs, n*H]
         out = outcome.tolist()  # the cycle's one host sync
         seconds = time.perf_counter() - t0
-        self.rule.update(len(rows), bs, seconds, [row[0] for row in out])
+        # acceptance is learnt from the rows that could accept all of the batch's drafts
+        full = [row[0] for row, n in zip(out, sizes) if n == bs]
+        self.rule.update(len(rows), bs, seconds, full)
         self.stats.cycles += 1
         self.stats.rows += len(rows)
         self.stats.last_block = bs
@@ -242,7 +246,7 @@ class BatchEngine:
             r.anchor = bonus
             before = r.out.count
             text = r.out.push(committed, r.cfg.max_tokens)
-            r.rec.cycle(bs, a + 1, 0.0, self.rule.last_reason, r.ctx.rows)
+            r.rec.cycle(sizes[i], a + 1, 0.0, self.rule.last_reason, r.ctx.rows)
             r.emit(self._event(r, text, r.out.tokens[before:], a + 1))
             if r.out.finish_reason is not None or r.stopped():
                 leaving.append(r)

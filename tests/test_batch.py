@@ -162,6 +162,32 @@ def test_batched_greedy_is_token_identical_to_each_request_alone(tiny_pair, on_t
     assert all(len(r) == 24 + 9 * k for k, r in enumerate(refs))
 
 
+def test_rows_of_different_block_sizes_share_a_batch_each_as_alone(tiny_pair, on_thread):
+    """Block sizes 1, 3, 6 and `auto` up to 8 in one batch: each row drafts up to its own size
+    and its tokens are those of the request alone (the oracle, wrong 30 % of the time, gives
+    ragged acceptance)."""
+    blocks = [BlockChoice(1), BlockChoice(3), BlockChoice(6), BlockChoice(8, auto=True)]
+
+    def run():
+        ids = [tiny_pair.tokenizer.encode(p) for p in PROMPTS]
+        ref = [t for t, _ in generate_step(mx.array(ids[0]), tiny_pair.target, max_tokens=40)]
+        oracle = OracleDrafter(tiny_pair.drafter, ids[0] + ref, V_TINY, error_rate=0.3)
+        pair = with_drafter(tiny_pair, oracle)
+        jobs = [(i, config(40, block=b)) for i, b in zip(ids, blocks)]
+        refs = [alone(pair, i, cfg) for i, cfg in jobs]
+        engine = BatchEngine(pair, 4, 8, auto=False)
+        got = batched(pair, jobs, engine)
+        return refs, got, engine
+
+    refs, got, engine = on_thread(run)
+    assert [r["tokens"] for r in got] == refs
+    assert engine.stats.blocks.get(8, 0) > 0 and engine.stats.rows / engine.stats.cycles > 2
+    for r, b in zip(got, blocks):  # each row's own cycles: never past its size, and up to it
+        sizes = r["req"].rec.sizes
+        assert max(sizes) == b.size, (b, sizes)
+    assert sum(got[0]["req"].rec.lengths) == 40 - 1  # block 1: a plain step per token
+
+
 def test_oracle_ragged_acceptance_matches_plain_decoding(tiny_pair, on_thread):
     def run():
         prompts = [tiny_pair.tokenizer.encode(p) for p in PROMPTS[:3]]
@@ -294,9 +320,13 @@ def test_the_cost_curve_times_batched_cycles_and_serve_takes_them(tiny_pair, on_
 
 
 def batch_samples(pair, sp: SamplingParams, n: int) -> list[tuple]:
-    """n seeded requests of 3 tokens through the engine, 8 at a time."""
+    """n seeded requests of 3 tokens through the engine, 8 at a time; every other one has
+    block size 2 (it judges one of the batch's three drafts)."""
     engine, out = BatchEngine(pair, 8, 4, auto=False), []
-    jobs = [([1, 4, 2, 0, 0], config(3, sampling=sp, seed=s)) for s in range(n)]
+    blocks = [BlockChoice(4), BlockChoice(2)]
+    jobs = [
+        ([1, 4, 2, 0, 0], config(3, sampling=sp, seed=s, block=blocks[s % 2])) for s in range(n)
+    ]
     for r in batched(pair, jobs, engine):
         out.append(tuple(r["tokens"]))
     return out
