@@ -23,6 +23,7 @@ from mlx_lm.models.cache import KVCache
 
 from . import hooks
 from .decode import DecodeState
+from .models.penalties import PenaltyContext, draft_sequential
 from .pair import Pair
 from .sampling import (
     SamplingParams,
@@ -129,20 +130,34 @@ def propose_rows(
     caches: list[list],
     sps: list[SamplingParams],
     keys: list[mx.array],
+    penalties: list[PenaltyContext | None] | None = None,
 ) -> list[RowDraft]:
     """Each row's drafts, as `cycle.propose` drafts them alone: the drafter's (small) layers
-    per row on the row's context, the LM head once for the batch, the choice per row."""
+    per row on the row's context, the LM head once for the batch, the choice per row (with
+    its penalties: one position at a time, each penalised given the drafts before it)."""
     d = pair.drafter
     B = blocks.shape[0]
+    pens = penalties or [None] * B
     if not hasattr(d, "hidden"):  # a drafter with only a call (tests' oracle): per row
         lgs = [d(blocks[i : i + 1], caches[i])[0] for i in range(B)]
-        return [RowDraft(mx.argmax(lg, axis=-1), None) for lg in lgs]
+        return [
+            RowDraft(*draft_sequential(lg, pen, sp, key))
+            if pen is not None
+            else RowDraft(mx.argmax(lg, axis=-1), None)
+            for lg, pen, sp, key in zip(lgs, pens, sps, keys)
+        ]
     hidden = mx.concatenate([d.hidden(blocks[i : i + 1], caches[i])[:, 1:] for i in range(B)])
     logits = d.logits(hidden)  # [B, bs-1, V]
     sel = getattr(d, "candidate_selector", None)
     out = []
     for i, (sp, key) in enumerate(zip(sps, keys)):
         h, lg = hidden[i : i + 1], logits[i : i + 1]
+        if (pen := pens[i]) is not None:  # as DFlash2DraftModel.propose / cycle.propose
+            if sel is None:
+                out.append(RowDraft(*draft_sequential(lg[0], pen, sp, key)))
+            else:
+                out.append(RowDraft(*d.penalised_walk(h, lg, blocks[i, :1], sp, key, pen)))
+            continue
         if sel is None:  # DFlash 1: the drafter's own distribution
             if sp.greedy:
                 out.append(RowDraft(mx.argmax(lg[0], axis=-1), None))
@@ -170,16 +185,19 @@ def accept_rows(
     sps: list[SamplingParams],
     keys: list[mx.array],
     sizes: list[int] | None = None,
+    penalties: list[PenaltyContext | None] | None = None,
 ) -> mx.array:
     """Each row's verdict as `CyclePipeline.verify` gives it alone: `[B, 2]` (accepted
     drafts, bonus token), lazily. Greedy: the longest agreeing prefix; sampled: rejection
-    sampling with the residual, per row with its own settings and key. `sizes`: each row's
-    own block size (≤ bs; None: bs): a row judges only its first size - 1 drafts, as a cycle
-    of that size alone would (size 1: a plain step)."""
+    sampling with the residual, per row with its own settings, penalties and key. `sizes`:
+    each row's own block size (≤ bs; None: bs): a row judges only its first size - 1 drafts,
+    as a cycle of that size alone would (size 1: a plain step)."""
     rows = []
     for i, (sp, key) in enumerate(zip(sps, keys)):
         lg = logits[i]
         n = lg.shape[0] if sizes is None else sizes[i]
+        if penalties and (pen := penalties[i]) is not None:  # p penalised as q was
+            lg = pen.apply(lg, mx.zeros((0,), mx.int32) if drafts is None else drafts[i].drafts)
         if drafts is None or n == 1:
             tok = mx.argmax(lg[0]) if sp.greedy else sample_logits(lg[:1], sp, key)[0]
             acc = mx.array(0)

@@ -9,8 +9,9 @@
    verify, each row's own acceptance and rollback; finished rows leave at once.
 
 Each request's events are `decode.GenerationEvent`s, as `speculative_stream` yields them, given
-to its `emit` callback. Requests that need what the batch does not do (penalties, grammars,
-logprobs, a rotating window) are for the one-at-a-time path (`batch_ready` says which)."""
+to its `emit` callback. Rows keep their own block size, sampling settings, penalties, stop
+rules and budgets. Requests that need what the batch does not do (grammars, logprobs, a
+rotating window) are for the one-at-a-time path (`batch_ready` says which)."""
 
 from __future__ import annotations
 
@@ -36,8 +37,6 @@ from .textstream import TextStream
 
 def batch_ready(cfg: GenerationConfig) -> str | None:
     """Why a request must run alone (None: it can join a batch)."""
-    if cfg.penalties is not None:
-        return "penalties"
     if cfg.grammar is not None:
         return "structured output"
     if cfg.logprobs is not None:
@@ -188,6 +187,8 @@ class BatchEngine:
             return
         self.prefilling.popleft()
         last, sp = logits[0, -1], r.cfg.sampling
+        if (pen := r.cfg.penalties) is not None:  # as `CyclePipeline.first_token`
+            last = pen.bind(r.ids).apply(last[None], mx.zeros((0,), mx.int32))[0]
         token = mx.argmax(last) if sp.greedy else sample_logits(last, sp, r.key())
         r.anchor = token.item()
         r.rec.prefilled()
@@ -207,6 +208,10 @@ class BatchEngine:
         sizes = [min(bs, c) for c in caps]  # a row never drafts past its own block size
         sps = [r.cfg.sampling for r in rows]
         keys = [r.key() for r in rows]
+        pens = [  # each row's penalties given its committed tail and anchor
+            p.bind(r.state.ids[-p.context_size :] + [r.anchor]) if (p := r.cfg.penalties) else None
+            for r in rows
+        ]
         first = mx.array([[r.anchor] for r in rows], mx.int32)  # [B, 1]
         drafts: list[RowDraft] | None = None
         if bs == 1:
@@ -218,12 +223,12 @@ class BatchEngine:
             for r in rows:
                 r.ctx.flush()
             caches = [r.ctx.cache for r in rows]
-            drafts = propose_rows(self.pair, blocks, caches, sps, [s[0] for s in split])
+            drafts = propose_rows(self.pair, blocks, caches, sps, [s[0] for s in split], pens)
             stacked = mx.stack([d.drafts.astype(mx.int32) for d in drafts])  # [B, bs-1]
             tokens = mx.concatenate([first, stacked], axis=1)  # [B, bs]
             verify_keys = [s[1] for s in split]
         logits = forward_rows(self.pair, tokens, [r.state for r in rows])  # [B, bs, V]
-        verdict = accept_rows(logits, drafts, sps, verify_keys, sizes)  # [B, 2]
+        verdict = accept_rows(logits, drafts, sps, verify_keys, sizes, pens)  # [B, 2]
         outcome = verdict if drafts is None else mx.concatenate([verdict, tokens[:, 1:]], 1)
         feats = cap.features()  # [B, bs, n*H]
         out = outcome.tolist()  # the cycle's one host sync

@@ -167,7 +167,7 @@ class DFlash2DraftModel(DFlashDraftModel):
         anchor = block[:1]
         sel = self.candidate_selector
         if penalty is not None:
-            return self._penalised_walk(hidden, logits, anchor, sp, key, penalty)
+            return self.penalised_walk(hidden, logits, anchor, sp, key, penalty)
         if sp.greedy:
             path, _, _ = sel.walk(hidden, logits, anchor)
             return path[0], None
@@ -196,7 +196,7 @@ class DFlash2DraftModel(DFlashDraftModel):
 
         return expand
 
-    def _penalised_walk(
+    def penalised_walk(
         self,
         hidden: mx.array,
         logits: mx.array,

@@ -10,9 +10,11 @@ import threading
 
 import mlx.core as mx
 import pytest
-from dflash_mac.models.penalties import Penalties
+from dflash_mac.models.penalties import Penalties, PenaltyContext
 from mlx_lm.generate import generate_step
-from test_sampling import chi_square_p, exact_joint, small_pair  # noqa: F401  (fixture)
+from test_dflash2 import d2_pair, small_d2_pair  # noqa: F401  (fixtures)
+from test_penalties import BIAS, PEN, exact_penalised_joint
+from test_sampling import PROMPT, chi_square_p, exact_joint, small_pair  # noqa: F401  (fixture)
 
 from dflash_mac import batch
 from dflash_mac.batch import batch_reason, forward_rows, ragged_hooks
@@ -103,7 +105,8 @@ def batched(pair, jobs, engine: BatchEngine, stop_after=None, late=None) -> list
 def test_the_tiny_pair_batches(tiny_pair):
     assert batch_reason(tiny_pair) is None
     assert batch_ready(config(4)) is None
-    assert batch_ready(config(4, penalties=Penalties.make(0.5, None, None, None))) == "penalties"
+    assert batch_ready(config(4, penalties=Penalties.make(0.5, None, None, None))) is None
+    assert batch_ready(config(4, logprobs=0)) == "logprobs"
 
 
 def test_batched_forward_and_ragged_rollback_equal_each_row_alone(tiny_pair, on_thread):
@@ -394,3 +397,79 @@ def test_bench_concurrency_runs_three_ways_and_checks_greedy_identity(tiny_pair,
     assert parse_levels("4,1,2,2") == [1, 2, 4]
     with pytest.raises(BenchError, match="stream counts"):
         parse_levels("0,2")
+
+
+# -- penalties and logit bias in a batch ---------------------------------------------------------
+
+
+def penalties(kw: dict) -> Penalties:
+    return Penalties.make(
+        kw.get("presence_penalty"), kw.get("frequency_penalty"), kw.get("repetition_penalty"),
+        kw.get("logit_bias"),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("drafter", ["dflash", "dflash2"])
+def test_penalised_rows_batch_with_plain_ones_each_as_alone(tiny_pair, d2_pair, on_thread, drafter):  # noqa: F811, E501
+    """Rows with penalties, with logit bias and with neither in one batch: each row's tokens
+    are those of the request alone (the first token too: the prefill's logits are biased)."""
+    pair = tiny_pair if drafter == "dflash" else d2_pair
+    pens = [penalties(PEN), None, penalties({**PEN, **BIAS}), penalties({"logit_bias": {11: 4.0}})]
+
+    def run():
+        jobs = [
+            (pair.tokenizer.encode(p), config(30, block=BlockChoice(5), penalties=pen))
+            for p, pen in zip(PROMPTS, pens)
+        ]
+        refs = [alone(pair, ids, cfg) for ids, cfg in jobs]
+        plain = alone(pair, jobs[0][0], config(30, block=BlockChoice(5)))
+        engine = BatchEngine(pair, 4, 5, auto=False)
+        return refs, plain, [r["tokens"] for r in batched(pair, jobs, engine)], engine
+
+    refs, plain, got, engine = on_thread(run)
+    assert got == refs and plain != refs[0]  # the penalties changed the output
+    assert engine.stats.rows / engine.stats.cycles > 2
+
+
+def penalised_batch_samples(pair, sp: SamplingParams, kw: dict, n: int) -> list[tuple]:
+    """n seeded penalised requests of 3 tokens after PROMPT, 8 at a time, block 4."""
+    engine, pen = BatchEngine(pair, 8, 4, auto=False), penalties(kw)
+    jobs = [(PROMPT, config(3, sampling=sp, seed=s, penalties=pen)) for s in range(n)]
+    return [tuple(r["tokens"]) for r in batched(pair, jobs, engine)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["dflash", "dflash2"])
+def test_batched_penalised_sampling_is_the_targets_distribution(
+    small_pair,  # noqa: F811
+    small_d2_pair,  # noqa: F811
+    on_thread,
+    drafter,
+):
+    pair = small_pair if drafter == "dflash" else small_d2_pair
+    sp, kw = SamplingParams(temperature=1.0), {**PEN, **BIAS}
+    joint = exact_penalised_joint(pair, sp, kw)
+    samples = on_thread(lambda: penalised_batch_samples(pair, sp, kw, 1500))
+    assert chi_square_p(samples, joint) > 0.001
+
+
+@pytest.mark.slow
+def test_a_batched_verify_that_forgets_the_block_drafts_is_detected(
+    small_pair,  # noqa: F811
+    on_thread,
+    monkeypatch,
+):
+    """Teeth: penalising the verify without the block's earlier drafts fails the same test."""
+    kw = {"presence_penalty": 2.0, "frequency_penalty": 1.5}
+    real = PenaltyContext.apply
+
+    def apply(self, logits, drafts, first=0):
+        if logits.shape[0] > 1:  # the verify pass: forget the drafts
+            return real(self, logits, mx.zeros((0,), mx.int32), 0)
+        return real(self, logits, drafts, first)
+
+    monkeypatch.setattr(PenaltyContext, "apply", apply)
+    sp = SamplingParams(temperature=1.0)
+    joint = exact_penalised_joint(small_pair, sp, kw)
+    samples = on_thread(lambda: penalised_batch_samples(small_pair, sp, kw, 1200))
+    assert chi_square_p(samples, joint) < 1e-6

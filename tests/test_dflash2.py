@@ -257,6 +257,7 @@ def d2_pair(tiny_pair):
     cfg = DraftConfig.from_dict(d2_config(tiny_pair.target_config, mask, layers=2, top_k=8))
     d = randomize(DFlash2DraftModel(cfg), 4, scale=1.0)
     d.bind(target_head(tiny_pair.target))
+    mx.eval(d.parameters())  # materialised: used on worker threads
     return with_drafter(tiny_pair, d)
 
 
@@ -295,6 +296,7 @@ def small_d2_pair(tiny_pair):
     cfg = DraftConfig.from_dict(d2_config(tcfg, V - 1, group=8, rank=8, top_k=3))
     drafter = randomize(DFlash2DraftModel(cfg), 5, scale=1.0)
     drafter.bind(target_head(target))
+    mx.eval(target.parameters(), drafter.parameters())  # materialised: used on worker threads
     return LoadedPair(target, drafter, tiny_pair.tokenizer, "small", "small-d2", 4, tcfg)
 
 

@@ -3,7 +3,7 @@
 All MLX work (tokenizing, prefill, decode) runs on this thread, in arrival order; request
 handlers talk to it through `Job` queues on the event loop. With `max_batch` > 1 (and a pair
 that batches, `batch.batch_reason`) up to that many requests decode together in one
-`batch_loop.BatchEngine`; requests that need penalties, structured output or logprobs run
+`batch_loop.BatchEngine`; requests that need structured output or logprobs run
 alone, between batches."""
 
 from __future__ import annotations
