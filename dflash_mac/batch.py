@@ -22,6 +22,7 @@ from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attenti
 from mlx_lm.models.cache import KVCache
 
 from . import hooks
+from .cycle import logprob_rows
 from .decode import DecodeState
 from .models.penalties import PenaltyContext, draft_sequential
 from .pair import Pair
@@ -186,13 +187,16 @@ def accept_rows(
     keys: list[mx.array],
     sizes: list[int] | None = None,
     penalties: list[PenaltyContext | None] | None = None,
-) -> mx.array:
+    logprobs: list[int | None] | None = None,
+) -> tuple[mx.array, list[mx.array | None]]:
     """Each row's verdict as `CyclePipeline.verify` gives it alone: `[B, 2]` (accepted
     drafts, bonus token), lazily. Greedy: the longest agreeing prefix; sampled: rejection
     sampling with the residual, per row with its own settings, penalties and key. `sizes`:
     each row's own block size (≤ bs; None: bs): a row judges only its first size - 1 drafts,
-    as a cycle of that size alone would (size 1: a plain step)."""
-    rows = []
+    as a cycle of that size alone would (size 1: a plain step). With `logprobs` (the top k
+    of a row, None: none) each such row also gets its `cycle.logprob_rows` over its size's
+    positions (the committed drafts, then the bonus), else None."""
+    rows, lps = [], []
     for i, (sp, key) in enumerate(zip(sps, keys)):
         lg = logits[i]
         n = lg.shape[0] if sizes is None else sizes[i]
@@ -207,4 +211,13 @@ def accept_rows(
             p = probabilities(lg[:n], sp)
             acc, tok = accept_sampled(drafts[i].drafts[: n - 1], drafts[i].q[: n - 1], p, key)
         rows.append(mx.stack([acc.astype(mx.int32), tok.reshape(()).astype(mx.int32)]))
-    return mx.stack(rows)
+        k = logprobs[i] if logprobs else None
+        if k is not None:  # as `CyclePipeline.queue_verify`: drafts up to acc, then the bonus
+            drafted = drafts[i].drafts[: n - 1] if drafts is not None and n > 1 else None
+            bonus = tok.reshape(1).astype(mx.int32)
+            row = bonus if drafted is None else mx.concatenate([drafted.astype(mx.int32), bonus])
+            row = mx.where(mx.arange(row.shape[0]) < acc, row, bonus)
+            lps.append(logprob_rows(lg[: row.shape[0]], row, k))
+        else:
+            lps.append(None)
+    return mx.stack(rows), lps

@@ -9,9 +9,9 @@
    verify, each row's own acceptance and rollback; finished rows leave at once.
 
 Each request's events are `decode.GenerationEvent`s, as `speculative_stream` yields them, given
-to its `emit` callback. Rows keep their own block size, sampling settings, penalties, stop
-rules and budgets. Requests that need what the batch does not do (grammars, logprobs, a
-rotating window) are for the one-at-a-time path (`batch_ready` says which)."""
+to its `emit` callback. Rows keep their own block size, sampling settings, penalties,
+log-probabilities, stop rules and budgets. Requests that need what the batch does not do (a
+grammar, a rotating window) are for the one-at-a-time path (`batch_ready` says which)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from mlx_lm.generate import generation_stream
 from .batch import RowDraft, accept_rows, forward_rows, propose_rows, ragged_hooks
 from .batch_rule import BatchBlockRule
 from .capture import FeatureCapture, queues_layers
-from .cycle import DraftContext
+from .cycle import DraftContext, TokenLogprob, logprob_rows, read_logprobs
 from .decode import DecodeState, GenerationConfig, GenerationEvent
 from .pair import Pair
 from .sampling import sample_logits
@@ -39,8 +39,6 @@ def batch_ready(cfg: GenerationConfig) -> str | None:
     """Why a request must run alone (None: it can join a batch)."""
     if cfg.grammar is not None:
         return "structured output"
-    if cfg.logprobs is not None:
-        return "logprobs"
     return None
 
 
@@ -190,10 +188,17 @@ class BatchEngine:
         if (pen := r.cfg.penalties) is not None:  # as `CyclePipeline.first_token`
             last = pen.bind(r.ids).apply(last[None], mx.zeros((0,), mx.int32))[0]
         token = mx.argmax(last) if sp.greedy else sample_logits(last, sp, r.key())
-        r.anchor = token.item()
+        lps = None
+        if (k := r.cfg.logprobs) is not None:  # the token and its log-probabilities in one read
+            rows = logprob_rows(last[None], token.reshape(1), k)
+            flat = mx.concatenate([token.reshape(1).astype(mx.float32), rows]).tolist()
+            r.anchor = int(flat[0])
+            lps = read_logprobs(flat[1:], 1, [r.anchor])
+        else:
+            r.anchor = token.item()
         r.rec.prefilled()
         text = r.out.push([r.anchor], r.cfg.max_tokens)
-        r.emit(self._event(r, text, r.out.tokens[:], 0))
+        r.emit(self._event(r, text, r.out.tokens[:], 0, lps and lps[: r.out.count]))
         if r.out.finish_reason is not None:
             return self._end(r)
         self.decoding.append(r)
@@ -228,10 +233,14 @@ class BatchEngine:
             tokens = mx.concatenate([first, stacked], axis=1)  # [B, bs]
             verify_keys = [s[1] for s in split]
         logits = forward_rows(self.pair, tokens, [r.state for r in rows])  # [B, bs, V]
-        verdict = accept_rows(logits, drafts, sps, verify_keys, sizes, pens)  # [B, 2]
+        asks = [r.cfg.logprobs for r in rows]
+        verdict, lp_rows = accept_rows(logits, drafts, sps, verify_keys, sizes, pens, asks)
         outcome = verdict if drafts is None else mx.concatenate([verdict, tokens[:, 1:]], 1)
         feats = cap.features()  # [B, bs, n*H]
-        out = outcome.tolist()  # the cycle's one host sync
+        asked = [x for x in lp_rows if x is not None]
+        mx.eval(outcome, *asked)  # the cycle's one host sync
+        out = outcome.tolist()
+        flats = [None if x is None else x.tolist() for x in lp_rows]
         seconds = time.perf_counter() - t0
         # acceptance is learnt from the rows that could accept all of the batch's drafts
         full = [row[0] for row, n in zip(out, sizes) if n == bs]
@@ -252,7 +261,9 @@ class BatchEngine:
             before = r.out.count
             text = r.out.push(committed, r.cfg.max_tokens)
             r.rec.cycle(sizes[i], a + 1, 0.0, self.rule.last_reason, r.ctx.rows)
-            r.emit(self._event(r, text, r.out.tokens[before:], a + 1))
+            lps = None if flats[i] is None else read_logprobs(flats[i], sizes[i], committed)
+            lps = lps and lps[: r.out.count - before]  # the tokens kept
+            r.emit(self._event(r, text, r.out.tokens[before:], a + 1, lps))
             if r.out.finish_reason is not None or r.stopped():
                 leaving.append(r)
         for r in leaving:
@@ -286,11 +297,18 @@ class BatchEngine:
         if r.done is not None:
             r.done(r)
 
-    def _event(self, r: BatchRequest, text: str, tokens: list[int], accepted: int):
+    def _event(
+        self,
+        r: BatchRequest,
+        text: str,
+        tokens: list[int],
+        accepted: int,
+        logprobs: list[TokenLogprob] | None = None,
+    ):
         out = r.out
         stats = r.rec.snapshot(out.count) if r.rec else None
         return GenerationEvent(
-            text, tokens, accepted, stats, out.finish_reason, None, out.stopped_by
+            text, tokens, accepted, stats, out.finish_reason, logprobs, out.stopped_by
         )
 
     def _count(self) -> None:

@@ -17,6 +17,7 @@ from test_penalties import BIAS, PEN, exact_penalised_joint
 from test_sampling import PROMPT, chi_square_p, exact_joint, small_pair  # noqa: F401  (fixture)
 
 from dflash_mac import batch
+from dflash_mac.api import make_config
 from dflash_mac.batch import batch_reason, forward_rows, ragged_hooks
 from dflash_mac.batch_loop import BatchEngine, BatchRequest, batch_ready
 from dflash_mac.batch_rule import BatchBlockRule
@@ -106,7 +107,8 @@ def test_the_tiny_pair_batches(tiny_pair):
     assert batch_reason(tiny_pair) is None
     assert batch_ready(config(4)) is None
     assert batch_ready(config(4, penalties=Penalties.make(0.5, None, None, None))) is None
-    assert batch_ready(config(4, logprobs=0)) == "logprobs"
+    assert batch_ready(config(4, logprobs=0)) is None
+    assert batch_ready(make_config(4, json_schema={"type": "object"})) == "structured output"
 
 
 def test_batched_forward_and_ragged_rollback_equal_each_row_alone(tiny_pair, on_thread):
@@ -473,3 +475,37 @@ def test_a_batched_verify_that_forgets_the_block_drafts_is_detected(
     joint = exact_penalised_joint(small_pair, sp, kw)
     samples = on_thread(lambda: penalised_batch_samples(small_pair, sp, kw, 1200))
     assert chi_square_p(samples, joint) < 1e-6
+
+
+def test_rows_asking_for_logprobs_get_those_of_the_request_alone(tiny_pair, on_thread):
+    """Log-probabilities (top 3) through the batch, with penalties on one row and block sizes
+    1, 3 and 5: the same entries as each request alone, first token included."""
+    blocks, pens = [BlockChoice(1), BlockChoice(3), BlockChoice(5)], [None, penalties(PEN), None]
+
+    def run():
+        jobs = [
+            (tiny_pair.tokenizer.encode(p), config(16, block=b, penalties=pen, logprobs=3))
+            for p, b, pen in zip(PROMPTS, blocks, pens)
+        ]
+        refs = [
+            [lp for e in speculative_stream(tiny_pair, ids, cfg) for lp in e.logprobs or []]
+            for ids, cfg in jobs
+        ]
+        got = [[] for _ in jobs]
+        engine = BatchEngine(tiny_pair, 3, 5, auto=False)
+        for k, (ids, cfg) in enumerate(jobs):
+            engine.add(
+                BatchRequest(
+                    ids, cfg, DecodeState(tiny_pair), lambda e, k=k: got[k].extend(e.logprobs or [])
+                )
+            )
+        engine.run()
+        return refs, got, engine
+
+    refs, got, engine = on_thread(run)
+    assert engine.stats.rows / engine.stats.cycles > 2
+    for a, b in zip(got, refs):
+        assert len(a) == len(b) == 16
+        assert [x.token for x in a] == [x.token for x in b]
+        assert [x.logprob for x in a] == pytest.approx([x.logprob for x in b], abs=1e-5)
+        assert [[t for t, _ in x.top] for x in a] == [[t for t, _ in x.top] for x in b]

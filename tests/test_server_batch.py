@@ -59,9 +59,39 @@ def test_a_request_the_batch_cannot_do_runs_alone_between_batches(tiny_pair, sol
         kw = {"max_tokens": 24, "temperature": 0, "extra_body": {"ignore_eos": True}}
         with ThreadPoolExecutor(3) as pool:
             plain = [pool.submit(ask, root, i, **kw) for i in (0, 1)]
-            lp = pool.submit(ask, root, 2, logprobs=True, **kw)
+            shaped = pool.submit(ask, root, 2, response_format={"type": "json_object"}, **kw)
             assert [f.result() for f in plain] == solo[:2]
-            assert lp.result() == solo[2]
+            assert shaped.result().lstrip().startswith("{")  # a grammar: the one-at-a-time path
+        totals = httpx.get(root + "/v1/dflash/stats", timeout=10).json()["totals"]
+    assert totals["requests"] == 3
+
+
+def logprobs_of(root: str, i: int, **kw) -> list[tuple]:
+    client = openai.OpenAI(base_url=root + "/v1", api_key="x", max_retries=0)
+    q = QUESTIONS[i % len(QUESTIONS)]
+    r = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": q}], logprobs=True, top_logprobs=3, **kw
+    )
+    return [
+        (t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs])
+        for t in r.choices[0].logprobs.content
+    ]
+
+
+def test_logprobs_requests_batch_and_equal_their_answers_alone(tiny_pair):
+    kw = {"max_tokens": 20, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    with running(create_app(tiny_pair, max_tokens=64)) as root:
+        alone = [logprobs_of(root, i, **kw) for i in range(3)]
+    with running(create_app(tiny_pair, max_tokens=64, max_batch=4)) as root:
+        with ThreadPoolExecutor(3) as pool:
+            got = list(pool.map(lambda i: logprobs_of(root, i, **kw), range(3)))
+        batch = httpx.get(root + "/v1/dflash/stats", timeout=10).json()["batch"]
+    assert batch["mean_occupancy"] > 1.0  # they decoded together
+    assert len(got[0]) == 20
+    for a, b in zip(got, alone):  # the same tokens, their log-probabilities to rounding
+        assert [t for t, *_ in a] == [t for t, *_ in b]
+        assert [lp for _, lp, _ in a] == pytest.approx([lp for _, lp, _ in b], abs=1e-4)
+        assert [[t for t, _ in top] for *_, top in a] == [[t for t, _ in top] for *_, top in b]
 
 
 def test_a_cancelled_stream_leaves_the_batch_and_the_others_finish(tiny_pair, solo):

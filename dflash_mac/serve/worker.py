@@ -3,7 +3,7 @@
 All MLX work (tokenizing, prefill, decode) runs on this thread, in arrival order; request
 handlers talk to it through `Job` queues on the event loop. With `max_batch` > 1 (and a pair
 that batches, `batch.batch_reason`) up to that many requests decode together in one
-`batch_loop.BatchEngine`; requests that need structured output or logprobs run
+`batch_loop.BatchEngine`; requests that need structured output run
 alone, between batches."""
 
 from __future__ import annotations
@@ -261,6 +261,8 @@ class Worker:
         last: list = [None]
 
         def emit(ev) -> None:
+            if ev.logprobs is not None:  # before the text they belong to
+                job.emit("logprobs", entries(pair, ev.logprobs))
             job.emit("text", (ev.text, ev.finish_reason))
             last[0] = ev
 
