@@ -188,6 +188,7 @@ def accept_rows(
     sizes: list[int] | None = None,
     penalties: list[PenaltyContext | None] | None = None,
     logprobs: list[int | None] | None = None,
+    masks: list[mx.array | None] | None = None,
 ) -> tuple[mx.array, list[mx.array | None]]:
     """Each row's verdict as `CyclePipeline.verify` gives it alone: `[B, 2]` (accepted
     drafts, bonus token), lazily. Greedy: the longest agreeing prefix; sampled: rejection
@@ -195,13 +196,17 @@ def accept_rows(
     each row's own block size (≤ bs; None: bs): a row judges only its first size - 1 drafts,
     as a cycle of that size alone would (size 1: a plain step). With `logprobs` (the top k
     of a row, None: none) each such row also gets its `cycle.logprob_rows` over its size's
-    positions (the committed drafts, then the bonus), else None."""
+    positions (the committed drafts, then the bonus), else None. `masks`: a grammar's allowed
+    tokens `[V]` for a row of size 1 (None: no grammar)."""
     rows, lps = [], []
     for i, (sp, key) in enumerate(zip(sps, keys)):
         lg = logits[i]
         n = lg.shape[0] if sizes is None else sizes[i]
         if penalties and (pen := penalties[i]) is not None:  # p penalised as q was
             lg = pen.apply(lg, mx.zeros((0,), mx.int32) if drafts is None else drafts[i].drafts)
+        if masks and (allowed := masks[i]) is not None:  # a grammar's row: a plain step
+            lg = mx.where(allowed, lg[:1], -mx.inf)
+            n = 1
         if drafts is None or n == 1:
             tok = mx.argmax(lg[0]) if sp.greedy else sample_logits(lg[:1], sp, key)[0]
             acc = mx.array(0)

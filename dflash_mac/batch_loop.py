@@ -10,8 +10,9 @@
 
 Each request's events are `decode.GenerationEvent`s, as `speculative_stream` yields them, given
 to its `emit` callback. Rows keep their own block size, sampling settings, penalties,
-log-probabilities, stop rules and budgets. Requests that need what the batch does not do (a
-grammar, a rotating window) are for the one-at-a-time path (`batch_ready` says which)."""
+log-probabilities, stop rules and budgets. A row under a grammar (structured output) takes
+plain steps with the grammar's mask: its drafts would need a host round trip per position
+(`cycle.propose_constrained`), which would stall every row of the batch."""
 
 from __future__ import annotations
 
@@ -27,19 +28,13 @@ from mlx_lm.generate import generation_stream
 from .batch import RowDraft, accept_rows, forward_rows, propose_rows, ragged_hooks
 from .batch_rule import BatchBlockRule
 from .capture import FeatureCapture, queues_layers
+from .constraints import Constraint
 from .cycle import DraftContext, TokenLogprob, logprob_rows, read_logprobs
 from .decode import DecodeState, GenerationConfig, GenerationEvent
 from .pair import Pair
 from .sampling import sample_logits
 from .stats import StatsRecorder
 from .textstream import TextStream
-
-
-def batch_ready(cfg: GenerationConfig) -> str | None:
-    """Why a request must run alone (None: it can join a batch)."""
-    if cfg.grammar is not None:
-        return "structured output"
-    return None
 
 
 @dataclass
@@ -56,6 +51,7 @@ class BatchRequest:
     out: TextStream | None = None
     rec: StatsRecorder | None = None
     ctx: DraftContext | None = None
+    con: Constraint | None = None  # the grammar's state (structured output)
     rng: random.Random = field(default_factory=random.Random)
     chunks: deque = field(default_factory=deque)  # prefill chunks still to run
     anchor: int = 0
@@ -159,10 +155,10 @@ class BatchEngine:
         block = cfg.block.size if cfg.block else self.rule.bs_max
         auto = cfg.block.auto if cfg.block else True
         r.rec = StatsRecorder(block, len(ids), len(r.state.ids), auto, {}, mx.get_peak_memory)
-        r.out = TextStream(
-            self.pair.tokenizer, cfg.stop, self.pair.eos_ids if cfg.use_eos else set()
-        )
+        ends = cfg.use_eos or cfg.grammar is not None  # a grammar's end is the answer's end
+        r.out = TextStream(self.pair.tokenizer, cfg.stop, self.pair.eos_ids if ends else set())
         r.ctx = DraftContext(self.pair.drafter, r.state.draft_cache)
+        r.con = cfg.grammar.start(self.pair) if cfg.grammar is not None else None
         r.rng = random.Random(cfg.seed)
         # the chunks `decode.prefill` runs (same boundaries: the same numbers as alone)
         new = ids[len(r.state.ids) :]
@@ -187,6 +183,8 @@ class BatchEngine:
         last, sp = logits[0, -1], r.cfg.sampling
         if (pen := r.cfg.penalties) is not None:  # as `CyclePipeline.first_token`
             last = pen.bind(r.ids).apply(last[None], mx.zeros((0,), mx.int32))[0]
+        if r.con is not None:
+            last = mx.where(r.con.mask(), last, -mx.inf)
         token = mx.argmax(last) if sp.greedy else sample_logits(last, sp, r.key())
         lps = None
         if (k := r.cfg.logprobs) is not None:  # the token and its log-probabilities in one read
@@ -196,6 +194,8 @@ class BatchEngine:
             lps = read_logprobs(flat[1:], 1, [r.anchor])
         else:
             r.anchor = token.item()
+        if r.con is not None:
+            r.con.consume(r.anchor)
         r.rec.prefilled()
         text = r.out.push([r.anchor], r.cfg.max_tokens)
         r.emit(self._event(r, text, r.out.tokens[:], 0, lps and lps[: r.out.count]))
@@ -208,7 +208,10 @@ class BatchEngine:
         rows = self.decoding
         t0 = time.perf_counter()
         room = max(r.cfg.max_tokens - r.out.count for r in rows)
-        caps = [r.cfg.block.size if r.cfg.block else self.rule.bs_max for r in rows]
+        caps = [
+            1 if r.con is not None else r.cfg.block.size if r.cfg.block else self.rule.bs_max
+            for r in rows
+        ]
         bs = self.rule.choose(len(rows), min(room, max(caps)))
         sizes = [min(bs, c) for c in caps]  # a row never drafts past its own block size
         sps = [r.cfg.sampling for r in rows]
@@ -234,7 +237,8 @@ class BatchEngine:
             verify_keys = [s[1] for s in split]
         logits = forward_rows(self.pair, tokens, [r.state for r in rows])  # [B, bs, V]
         asks = [r.cfg.logprobs for r in rows]
-        verdict, lp_rows = accept_rows(logits, drafts, sps, verify_keys, sizes, pens, asks)
+        masks = [None if r.con is None else r.con.mask() for r in rows]
+        verdict, lp_rows = accept_rows(logits, drafts, sps, verify_keys, sizes, pens, asks, masks)
         outcome = verdict if drafts is None else mx.concatenate([verdict, tokens[:, 1:]], 1)
         feats = cap.features()  # [B, bs, n*H]
         asked = [x for x in lp_rows if x is not None]
@@ -258,6 +262,8 @@ class BatchEngine:
             r.ctx.add(feats[i : i + 1, : len(kept)])
             r.state.ids += kept
             r.anchor = bonus
+            if r.con is not None and not r.con.ended:  # a plain step: no drafts to forget
+                r.con.consume(bonus)
             before = r.out.count
             text = r.out.push(committed, r.cfg.max_tokens)
             r.rec.cycle(sizes[i], a + 1, 0.0, self.rule.last_reason, r.ctx.rows)

@@ -5,8 +5,10 @@ so a batched row's logits equal the row's own bitwise and greedy tokens are iden
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
+from dataclasses import replace
 
 import mlx.core as mx
 import pytest
@@ -19,7 +21,7 @@ from test_sampling import PROMPT, chi_square_p, exact_joint, small_pair  # noqa:
 from dflash_mac import batch
 from dflash_mac.api import make_config
 from dflash_mac.batch import batch_reason, forward_rows, ragged_hooks
-from dflash_mac.batch_loop import BatchEngine, BatchRequest, batch_ready
+from dflash_mac.batch_loop import BatchEngine, BatchRequest
 from dflash_mac.batch_rule import BatchBlockRule
 from dflash_mac.decode import DecodeState, GenerationConfig, speculative_stream
 from dflash_mac.policy import BlockChoice
@@ -105,10 +107,26 @@ def batched(pair, jobs, engine: BatchEngine, stop_after=None, late=None) -> list
 
 def test_the_tiny_pair_batches(tiny_pair):
     assert batch_reason(tiny_pair) is None
-    assert batch_ready(config(4)) is None
-    assert batch_ready(config(4, penalties=Penalties.make(0.5, None, None, None))) is None
-    assert batch_ready(config(4, logprobs=0)) is None
-    assert batch_ready(make_config(4, json_schema={"type": "object"})) == "structured output"
+
+
+def test_a_row_under_a_grammar_takes_plain_steps_beside_drafting_rows(tiny_pair, on_thread):
+    """Structured output in a batch: the grammar's row commits what it commits alone (valid
+    JSON, ended by the grammar) in plain steps; the rows beside it draft as usual."""
+
+    def run():
+        ids = [tiny_pair.tokenizer.encode(p) for p in PROMPTS[:3]]
+        schema = make_config(40, json_schema={"type": "object"}, copy=False)
+        jobs = [(ids[0], replace(schema, prefill_step_size=CHUNK, use_eos=False))]
+        jobs += [(i, config(40, block=BlockChoice(5))) for i in ids[1:]]
+        refs = [alone(tiny_pair, i, cfg) for i, cfg in jobs]
+        engine = BatchEngine(tiny_pair, 3, 5, auto=False)
+        return refs, batched(tiny_pair, jobs, engine), engine
+
+    refs, got, engine = on_thread(run)
+    assert [r["tokens"] for r in got] == refs
+    text = tiny_pair.tokenizer.decode([t for t in refs[0] if t not in tiny_pair.eos_ids])
+    assert isinstance(json.loads(text), dict) and got[0]["reason"] == "stop"
+    assert set(got[0]["req"].rec.sizes) == {1} and max(got[1]["req"].rec.sizes) == 5
 
 
 def test_batched_forward_and_ragged_rollback_equal_each_row_alone(tiny_pair, on_thread):

@@ -53,17 +53,21 @@ def test_concurrent_clients_decode_together_and_answer_as_alone(tiny_pair, solo)
     assert stats["totals"]["requests"] == 6 and not stats["busy"]
 
 
-def test_a_request_the_batch_cannot_do_runs_alone_between_batches(tiny_pair, solo):
+def test_structured_output_joins_the_batch_and_answers_as_alone(tiny_pair, solo):
+    app = create_app(tiny_pair, max_tokens=64)
+    kw = {"max_tokens": 24, "temperature": 0, "response_format": {"type": "json_object"}}
+    with running(app) as root:
+        shaped_alone = ask(root, 2, **kw)
     app = create_app(tiny_pair, max_tokens=64, max_batch=4)
     with running(app) as root:
-        kw = {"max_tokens": 24, "temperature": 0, "extra_body": {"ignore_eos": True}}
+        plain_kw = {"max_tokens": 24, "temperature": 0, "extra_body": {"ignore_eos": True}}
         with ThreadPoolExecutor(3) as pool:
-            plain = [pool.submit(ask, root, i, **kw) for i in (0, 1)]
-            shaped = pool.submit(ask, root, 2, response_format={"type": "json_object"}, **kw)
+            plain = [pool.submit(ask, root, i, **plain_kw) for i in (0, 1)]
+            shaped = pool.submit(ask, root, 2, **kw)
             assert [f.result() for f in plain] == solo[:2]
-            assert shaped.result().lstrip().startswith("{")  # a grammar: the one-at-a-time path
-        totals = httpx.get(root + "/v1/dflash/stats", timeout=10).json()["totals"]
-    assert totals["requests"] == 3
+            assert shaped.result() == shaped_alone and shaped_alone.lstrip().startswith("{")
+        batch = httpx.get(root + "/v1/dflash/stats", timeout=10).json()["batch"]
+    assert batch["mean_occupancy"] > 1.0
 
 
 def logprobs_of(root: str, i: int, **kw) -> list[tuple]:

@@ -270,7 +270,7 @@ def serve(
         "--max-batch",
         min=1,
         help="Requests that decode together (continuous batching with DFlash; 1: one at a "
-        "time). Requests with penalties, structured output or logprobs run alone.",
+        "time). Structured-output requests take plain steps in the batch.",
     ),
     log_file: Path | None = typer.Option(
         None, "--log-file", help="Log file (default: serve-PORT.log in the data directory)."

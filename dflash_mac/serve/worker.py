@@ -3,8 +3,7 @@
 All MLX work (tokenizing, prefill, decode) runs on this thread, in arrival order; request
 handlers talk to it through `Job` queues on the event loop. With `max_batch` > 1 (and a pair
 that batches, `batch.batch_reason`) up to that many requests decode together in one
-`batch_loop.BatchEngine`; requests that need structured output run
-alone, between batches."""
+`batch_loop.BatchEngine` (structured output included: its rows take plain steps)."""
 
 from __future__ import annotations
 
@@ -16,13 +15,12 @@ import queue
 import sys
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 from dflash_mac.api import PromptError, fit_max_tokens, make_config
 from dflash_mac.batch import batch_reason
-from dflash_mac.batch_loop import BatchEngine, BatchRequest, batch_ready
+from dflash_mac.batch_loop import BatchEngine, BatchRequest
 from dflash_mac.distributed.group import lost_peer_message
 from dflash_mac.models.penalties import check_bias_token
 from dflash_mac.policy import BlockChoice, save_acceptance
@@ -203,12 +201,10 @@ class Worker:
             job.emit("end")
 
     def _batch_loop(self) -> None:
-        """Take jobs while the batch has room, step the engine while it has work; a job that
-        must run alone waits until the batch is empty (and holds back the jobs behind it)."""
-        alone: deque[Job] = deque()
+        """Take jobs while the batch has room, step the engine while it has work."""
         while True:
             engine = self.engine  # a new one after a failure (`_step`)
-            while not alone and engine.in_flight + len(engine.waiting) < engine.max_batch:
+            while engine.in_flight + len(engine.waiting) < engine.max_batch:
                 idle = not engine.busy
                 try:
                     job = self._jobs.get(block=idle)
@@ -219,21 +215,9 @@ class Worker:
                     while engine.busy:  # cancelled by stop(): each ends at its next step
                         self._step(engine)
                     return
-                if self._wants_alone(job.req):
-                    alone.append(job)
-                else:
-                    self._join(job)
+                self._join(job)
             if engine.busy:
                 self._step(engine)
-            elif alone:
-                self._alone(alone.popleft())
-
-    def _wants_alone(self, req: GenRequest) -> bool:
-        try:
-            cfg = make_config(max_tokens=req.max_tokens, **req.sampling)
-        except PromptError:
-            return True  # the one-at-a-time path answers with the sentence
-        return batch_ready(cfg) is not None
 
     def _join(self, job: Job) -> None:
         """Prepare a job and hand it to the batch engine (or end it with its error)."""
