@@ -528,14 +528,17 @@ class AutoTuning:
     verifies by rejection, so greedy timings would make sampled drafting look cheaper than it
     is. Requests with the same sampling setting and context band (short or long) continue one
     controller: a chat at T = 0.7 does not relearn each turn that drafting does not pay, and
-    long prompts, where drafters trained on short ones accept less, do not spoil short ones."""
+    long prompts, where drafters trained on short ones accept less, do not spoil short ones.
+    The bands keep apart cost models too: at a long context a plain step costs more and a
+    cycle's ratio to it differs from the curve's (measured at a short one), so there the curve
+    is only a guess and the one-token step is timed afresh."""
 
     greedy_curve: CostCurve | None = None
     sampled_curve: CostCurve | None = None
     remembered: dict = field(default_factory=dict)  # Acceptance.state() by controller memory
     long_from: int = 1024  # context tokens from which a request counts as long
     loses_from: int | None = None  # context tokens from which the drafter is known to lose
-    cost_models: dict[bool, CostModel] = field(default_factory=dict)
+    cost_models: dict[tuple[bool, bool], CostModel] = field(default_factory=dict)  # (sampled, long)
     controllers: dict[tuple, BlockController] = field(default_factory=dict)
 
     @property
@@ -543,9 +546,12 @@ class AutoTuning:
         """Batched cycles' costs by (B rows, bs) from the saved greedy curve (none: timed)."""
         return self.greedy_curve.batches if self.greedy_curve else {}
 
-    def prior(self, bs_max: int, sampled: bool) -> CostCurve:
+    def prior(self, bs_max: int, sampled: bool, long: bool = False) -> CostCurve:
+        """The cost curve requests start from; a guess at long contexts (class docstring)."""
         curve = self.sampled_curve if sampled else self.greedy_curve
-        return curve or CostCurve.generic(bs_max)
+        if curve is None:
+            return CostCurve.generic(bs_max)
+        return replace(curve, measured=False) if long else curve
 
     def controller(
         self,
@@ -568,10 +574,11 @@ class AutoTuning:
         key = (bs_max, setting, long, trees, chains)
         if timed and key in self.controllers:
             return self.controllers[key]
+        prior = self.prior(bs_max, sampled, long)
         if timed:
-            model = self.cost_models.setdefault(sampled, CostModel(self.prior(bs_max, sampled)))
+            model = self.cost_models.setdefault((sampled, long), CostModel(prior))
         else:
-            model = CostModel(self.prior(bs_max, sampled))
+            model = CostModel(prior)
         # sampled requests keep a light guess: they mostly meet poorer acceptance, where a heavy
         # one only delays the fallback (the guess is what saves greedy starts)
         guess = 1.0 if sampled else BlockController.GUESS_WEIGHT

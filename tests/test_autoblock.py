@@ -426,6 +426,31 @@ def test_long_contexts_get_their_own_controller(tiny_pair, monkeypatch):
     assert tuning.controller(BS, ("s",), 800, timed=False).fallback  # seeded too
 
 
+def long_drive(ctl: BlockController, cycles: int, seed: int = 5) -> list[int]:
+    """Cycles at a long context: a plain step takes 20 ms and a block-b cycle 1.5 + 0.5 (b - 1)
+    of them (the curve says 1.5 + 0.07 (b - 1)); 70 % of the drafts are accepted, which pays
+    at the curve's costs (block 8: 3.1 tokens for 2.0 steps), not at these (for 5.0)."""
+    accept, sizes = geometric(0.7, random.Random(seed)), []
+    for _ in range(cycles):
+        bs = ctl.choose().size
+        sizes.append(bs)
+        ctl.update(bs, accept(bs) if bs > 1 else 0, 0.02 * (1.5 + 0.5 * (bs - 1) if bs > 1 else 1))
+    return sizes
+
+
+def test_a_long_context_times_its_own_plain_step_and_sees_dear_cycles():
+    """The curve was measured at a short context; at a long one the long band's cost model
+    times a plain step afresh and finds drafting dearer than the curve says."""
+    tuning = AutoTuning(greedy_curve=CURVE)
+    short, long = tuning.controller(BS, (), 100), tuning.controller(BS, (), 4000)
+    assert long.cost is not short.cost and short.cost.calibrated and not long.cost.calibrated
+    sizes = long_drive(long, 200)
+    assert sizes[3:5] == [1, 1] and long.cost.calibrated  # the one-token step, timed here
+    assert sizes[-100:].count(1) >= 85  # plain decoding, with rare probes
+    # the control: a cost model that trusts the short context's curve keeps drafting
+    assert long_drive(BlockController(BS, CostModel(CURVE)), 200)[-100:].count(1) < 50
+
+
 def _entry():
     from dflash_mac.registry import load_registry
 
