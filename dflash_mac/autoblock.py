@@ -367,6 +367,18 @@ class BlockController:
         guess = TREE_GUESS * self.acc.expected_tokens(self.bs_max)
         return {b: self.tree_acc.expected(b, guess) / self.tree_cost.cost(b) for b in self.trees}
 
+    def graft_pays(self, budget: int, copy: int, hit: float, zero: float) -> bool:
+        """Whether a doubtful copy of `copy` tokens should ride on this cycle's tree of `budget`
+        nodes (tree.graft) rather than run alone: alone it commits 1 + `hit` tokens at the cost
+        of a verify of copy + 1; on the tree it also gains the tree's tokens where it misses
+        from the first (`zero` of the time) and costs the tree plus its nodes. On a CPU, where
+        a verify costs its width, the copy alone wins; where verifies are nearly flat, not."""
+        guess = TREE_GUESS * self.acc.expected_tokens(self.bs_max)
+        tree = self.tree_acc.expected(budget, guess)
+        alone = (1 + hit) / self.cost.cost(copy + 1)
+        both = 1 + hit + zero * max(tree - 1, 0.0)
+        return both / (self.tree_cost.cost(budget) + self.cost.cost(copy + 1) - 1) > alone
+
     def calibrating(self) -> bool:
         """Without a measured curve, a short run of plain steps from cycle 3 measures one: its
         first step waits for its own queueing and its first timing is not used (CostModel),

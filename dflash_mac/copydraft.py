@@ -117,7 +117,7 @@ class CopyPolicy:
     """How long the next copy may be: it doubles after a fully accepted copy (up to `longest`),
     shrinks to what was accepted plus two after a partial one; `patience` misses in a row pause
     copying for `pause` cycles, each pause twice the last (reset by a hit). After a partial
-    copy the next is not `sure`: where a tree is due, it becomes a branch of that tree."""
+    copy the next is not `sure`: where a tree is due, it may become a branch of that tree."""
 
     longest: int = 32  # a 32-token verify costs ~3 plain steps on a CPU, less on a GPU
     budget: int = 8
@@ -125,7 +125,11 @@ class CopyPolicy:
     misses: int = 0
     pause: int = 8
     paused: int = 0
-    sure: bool = False  # the last copy was accepted whole (else a tree cycle hedges it)
+    sure: bool = False  # the last copy was accepted whole (else a tree cycle may hedge it)
+    # doubtful copies (after a partial one): tokens they commit and how often none, moving
+    # averages from the edit suite's replay (docs/design.md §6)
+    doubtful_hit: float = 2.7
+    doubtful_zero: float = 0.3
     counts: dict[str, int] = field(default_factory=lambda: {"cycles": 0, "tokens": 0})
 
     def length(self) -> int:
@@ -138,6 +142,9 @@ class CopyPolicy:
     def update(self, proposed: int, accepted: int) -> None:
         self.counts["cycles"] += 1
         self.counts["tokens"] += accepted
+        if not self.sure:
+            self.doubtful_hit += 0.1 * (accepted - self.doubtful_hit)
+            self.doubtful_zero += 0.1 * ((accepted == 0) - self.doubtful_zero)
         self.sure = accepted == proposed
         if accepted == proposed:
             self.budget = min(self.longest, 2 * self.budget)

@@ -273,6 +273,7 @@ class CyclePipeline:
         grammar: Grammar | None = None,
         copy: bool = False,
         tree: Callable[[], int] | None = None,
+        graft: Callable[[int, int, CopyPolicy], bool] | None = None,
     ):
         self.pair, self.state, self.cap, self.sp, self.size = pair, state, cap, sp, size
         self.pen = penalties
@@ -288,6 +289,7 @@ class CyclePipeline:
         self.index: CopyIndex | None = None  # built from the prompt (`first_token`)
         trees = trees_allowed(pair, state.target_cache, penalties, grammar, logprobs)
         self.tree = tree if trees else None
+        self.graft = graft  # (copy length, tree budget, policy) -> graft it; None: always
         self.ropes = ropes(pair.target) if trees else []  # found once, hooked per tree verify
         self.policy = CopyPolicy()
         self.queued: Cycle | None = None  # the next cycle, queued ahead
@@ -411,8 +413,11 @@ class CyclePipeline:
         can_copy = isinstance(anchor, int) and room > 1 and self.index is not None
         copy = self.index.propose(anchor, min(self.policy.length(), room - 1)) if can_copy else []
         budget = self.tree() if self.tree is not None and bs > 1 else 0
-        if copy and not (budget and not self.policy.sure):  # no drafter pass: its context
-            c = self.copy_cycle(anchor, key, copy)  # waits, as after a plain step
+        grafts = bool(copy and budget) and not self.policy.sure
+        if grafts and self.graft is not None:
+            grafts = self.graft(len(copy), budget, self.policy)
+        if copy and not grafts:  # no drafter pass: its context waits, as after a plain step
+            c = self.copy_cycle(anchor, key, copy)
         elif bs == 1:  # a plain target step: no drafts, no split of the key
             c = Cycle(1, first, mx.zeros((0,), mx.int32), None, key, penalty)
             c.masks = self.con.mask()[None] if self.con else None
@@ -424,7 +429,7 @@ class CyclePipeline:
             if budget:  # a tree of drafts from the same drafter pass
                 expand = self.pair.drafter.expansion(block, self.ctx.cache, TREE_K)
                 tree = grow(first, expand, bs - 1, budget)
-                if copy:  # a copy the last ones make doubtful: one more branch of the tree
+                if copy:  # a doubtful copy that pays on the tree: one more branch of it
                     tree = graft(tree, mx.array(copy, mx.int32))
                 c = Cycle(bs, block, tree.tokens[1:], None, k_verify, penalty, tree=tree)
                 c.copy = tuple(copy)

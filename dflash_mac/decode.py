@@ -14,6 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from .autoblock import AutoTuning, BlockController, tree_arms
 from .capture import FeatureCapture, queues_layers
 from .constraints import Grammar
+from .copydraft import CopyPolicy
 from .cycle import CyclePipeline, TokenLogprob, trees_allowed
 from .kvwindow import bound_context, target_cache
 from .models.penalties import Penalties
@@ -152,6 +153,9 @@ def speculative_stream(
     def budget() -> int:  # the tree budget of the drafting cycle `size` chose (0: a chain)
         return plan.last.tree if plan else trees[0] if trees and not chains else 0
 
+    def graft(copy: int, budget: int, policy: CopyPolicy) -> bool:  # where the costs say so
+        return plan.graft_pays(budget, copy, policy.doubtful_hit, policy.doubtful_zero)
+
     ends = cfg.use_eos or cfg.grammar is not None  # a grammar's end is the answer's end
     out = TextStream(pair.tokenizer, cfg.stop, pair.eos_ids if ends else set())
     facts = mirror.facts() if mirror is not None else {}
@@ -163,8 +167,9 @@ def speculative_stream(
     with capture as cap, state.rollback.hooks(), mx.stream(generation_stream), request_end(mirror):
         pen, asks = cfg.penalties, (cfg.logprobs, cfg.grammar, cfg.copy)
         pipe = CyclePipeline(
-            pair, state, cap, sp, size, pen, cfg.seed, cfg.pipeline, *asks, tree=budget
-        )
+            pair, state, cap, sp, size, pen, cfg.seed, cfg.pipeline, *asks, tree=budget,
+            graft=graft if plan else None,
+        )  # fmt: skip
         logits = prefill(pair, state, prompt_ids, cap, cfg.prefill_step_size)
         anchor = pipe.first_token(logits, prompt_ids)
         rec.prefilled()

@@ -137,6 +137,18 @@ def test_greedy_with_copies_grafted_onto_trees_is_the_targets(tiny_pair):
     assert any(t and c for t, c in zip(s.trees, s.copied))  # a copy's branch won a tree
 
 
+def test_auto_grafts_a_doubtful_copy_only_where_verifies_are_nearly_flat():
+    """A CPU's verify costs its width: a doubtful copy of 5 tokens alone (2.7 tokens for a
+    verify of 6) beats riding on a tree of 8; where verifies are nearly flat it rides."""
+    steep = CostCurve({1: 1.0, **{b: 1.3 + 0.1 * (b - 1) for b in range(2, 40)}}, measured=True)
+    flat = CostCurve({1: 1.0, **{b: 1.05 + 0.005 * (b - 1) for b in range(2, 40)}}, measured=True)
+    for curve, pays in ((steep, False), (flat, True)):
+        ctl = BlockController(8, CostModel(curve), trees=(8,))
+        assert ctl.graft_pays(8, 5, hit=2.7, zero=0.3) is pays
+    ctl = BlockController(8, CostModel(flat), trees=(8,))
+    assert not ctl.graft_pays(8, 5, hit=2.7, zero=0.0)  # a copy that never misses: alone
+
+
 @pytest.fixture
 def prefilled(tiny_pair):
     """A tree drafted by the tiny pair's drafter after a prompt, and the target cache."""
