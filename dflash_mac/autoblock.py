@@ -583,7 +583,7 @@ class AutoTuning:
         only on the seed and the text."""
         long = context_tokens >= self.long_from
         loses = self.loses_from is not None and context_tokens >= self.loses_from
-        key = (bs_max, setting, long, trees, chains)
+        key = (bs_max, setting, long, loses, trees, chains)
         if timed and key in self.controllers:
             return self.controllers[key]
         prior = self.prior(bs_max, sampled, long)
@@ -604,8 +604,8 @@ class AutoTuning:
             chains=chains,
         )
         if timed:
-            controller.memory = json.dumps([bs_max, list(setting), long])
-            if not loses:  # known-losing long contexts keep their pessimistic start
+            if not loses:  # known-losing contexts keep their pessimistic start, unremembered
+                controller.memory = json.dumps([bs_max, list(setting), long])
                 controller.start_from(self.remembered.get(controller.memory))
             self.controllers[key] = controller
         return controller

@@ -157,7 +157,7 @@ def load_tuning(pair: Pair) -> AutoTuning:
         greedy_curve=greedy,
         sampled_curve=sampled,
         remembered=read_acceptance(pair),
-        long_from=limit or LONG_CONTEXT,
+        long_from=min(limit or LONG_CONTEXT, LONG_CONTEXT),
         loses_from=limit,
     )
 

@@ -424,6 +424,12 @@ def test_long_contexts_get_their_own_controller(tiny_pair, monkeypatch):
     ctl = tuning.controller(BS, ("s",), 500)
     assert ctl.fallback and ctl.choose().size == 1
     assert tuning.controller(BS, ("s",), 800, timed=False).fallback  # seeded too
+    entry = replace(entry, long_context_tokens=3500)  # past the long band's start (1,024)
+    tuning = policy.load_tuning(tiny_pair)
+    long = tuning.controller(BS, ("s",), 2000)
+    assert long is not tuning.controller(BS, ("s",), 100) and not long.fallback
+    losing = tuning.controller(BS, ("s",), 4000)  # after a long one: its own, plain first
+    assert losing is not long and losing.fallback and losing.memory is None
 
 
 def long_drive(ctl: BlockController, cycles: int, seed: int = 5) -> list[int]:
