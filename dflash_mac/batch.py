@@ -204,9 +204,8 @@ def accept_rows(
         n = lg.shape[0] if sizes is None else sizes[i]
         if penalties and (pen := penalties[i]) is not None:  # p penalised as q was
             lg = pen.apply(lg, mx.zeros((0,), mx.int32) if drafts is None else drafts[i].drafts)
-        if masks and (allowed := masks[i]) is not None:  # a grammar's row: a plain step
+        if masks and (allowed := masks[i]) is not None:  # a grammar's row (size 1)
             lg = mx.where(allowed, lg[:1], -mx.inf)
-            n = 1
         if drafts is None or n == 1:
             tok = mx.argmax(lg[0]) if sp.greedy else sample_logits(lg[:1], sp, key)[0]
             acc = mx.array(0)

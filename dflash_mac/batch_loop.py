@@ -29,10 +29,9 @@ from .batch import RowDraft, accept_rows, forward_rows, propose_rows, ragged_hoo
 from .batch_rule import BatchBlockRule
 from .capture import FeatureCapture, queues_layers
 from .constraints import Constraint
-from .cycle import DraftContext, TokenLogprob, logprob_rows, read_logprobs
+from .cycle import DraftContext, TokenLogprob, first_token, read_logprobs
 from .decode import DecodeState, GenerationConfig, GenerationEvent
 from .pair import Pair
-from .sampling import sample_logits
 from .stats import StatsRecorder
 from .textstream import TextStream
 
@@ -180,22 +179,10 @@ class BatchEngine:
         if r.chunks:
             return
         self.prefilling.popleft()
-        last, sp = logits[0, -1], r.cfg.sampling
-        if (pen := r.cfg.penalties) is not None:  # as `CyclePipeline.first_token`
-            last = pen.bind(r.ids).apply(last[None], mx.zeros((0,), mx.int32))[0]
-        if r.con is not None:
-            last = mx.where(r.con.mask(), last, -mx.inf)
-        token = mx.argmax(last) if sp.greedy else sample_logits(last, sp, r.key())
-        lps = None
-        if (k := r.cfg.logprobs) is not None:  # the token and its log-probabilities in one read
-            rows = logprob_rows(last[None], token.reshape(1), k)
-            flat = mx.concatenate([token.reshape(1).astype(mx.float32), rows]).tolist()
-            r.anchor = int(flat[0])
-            lps = read_logprobs(flat[1:], 1, [r.anchor])
-        else:
-            r.anchor = token.item()
-        if r.con is not None:
-            r.con.consume(r.anchor)
+        cfg = r.cfg
+        r.anchor, lps = first_token(
+            logits[0, -1], r.ids, cfg.sampling, r.key(), cfg.penalties, r.con, cfg.logprobs
+        )
         r.rec.prefilled()
         text = r.out.push([r.anchor], r.cfg.max_tokens)
         r.emit(self._event(r, text, r.out.tokens[:], 0, lps and lps[: r.out.count]))

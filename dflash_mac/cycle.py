@@ -151,6 +151,35 @@ def read_logprobs(flat: list[float], rows: int, tokens: list[int]) -> list[Token
     return out
 
 
+def first_token(
+    logits: mx.array,  # [V] the prefill's last
+    prompt: list[int],
+    sp: SamplingParams,
+    key: mx.array,
+    pen: Penalties | None = None,
+    con: Constraint | None = None,
+    logprobs: int | None = None,
+) -> tuple[int, list[TokenLogprob] | None]:
+    """The token after the prompt, under the request's penalties and grammar (which takes it),
+    and its log-probabilities when asked: one host sync. Alone and in a batch alike."""
+    if pen:
+        logits = pen.bind(prompt).apply(logits[None], mx.zeros((0,), mx.int32))[0]
+    if con:
+        logits = mx.where(con.mask(), logits, -mx.inf)
+    token = mx.argmax(logits) if sp.greedy else sample_logits(logits, sp, key)
+    lps = None
+    if logprobs is None:
+        token = token.item()
+    else:  # the token and its log-probabilities in one read
+        rows = logprob_rows(logits[None], token.reshape(1), logprobs)
+        flat = mx.concatenate([token.reshape(1).astype(mx.float32), rows]).tolist()
+        token = int(flat[0])
+        lps = read_logprobs(flat[1:], 1, [token])
+    if con:
+        con.consume(token)
+    return token, lps
+
+
 class DraftContext:
     """Committed target features on their way into the drafter's context cache. Drafting
     cycles append them with the next drafter pass; plain steps (block 1) leave them waiting, so
@@ -303,23 +332,9 @@ class CyclePipeline:
 
     def first_token(self, logits: mx.array, prompt: list[int]) -> int:
         """The token after the prompt from the prefill's last logits [V] (host sync)."""
-        if self.pen:
-            logits = self.pen.bind(prompt).apply(logits[None], mx.zeros((0,), mx.int32))[0]
-        if self.con:
-            logits = mx.where(self.con.mask(), logits, -mx.inf)
-        if self.sp.greedy:
-            token = mx.argmax(logits)
-        else:
-            token = sample_logits(logits, self.sp, self.key())
-        if self.logprobs is None:
-            token = token.item()
-        else:  # the token and its log-probabilities in one read
-            rows = logprob_rows(logits[None], token.reshape(1), self.logprobs)
-            flat = mx.concatenate([token.reshape(1).astype(mx.float32), rows]).tolist()
-            token = int(flat[0])
-            self.first_logprobs = read_logprobs(flat[1:], 1, [token])
-        if self.con:
-            self.con.consume(token)
+        token, self.first_logprobs = first_token(
+            logits, prompt, self.sp, self.key(), self.pen, self.con, self.logprobs
+        )
         if self.copies:
             self.index = CopyIndex(prompt)
         self.t_sync = time.perf_counter()
