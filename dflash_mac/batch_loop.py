@@ -90,6 +90,25 @@ class BatchStats:
         }
 
 
+@dataclass
+class Step:
+    """A batched cycle built and queued: its rows and sizes, and the lazy arrays its sync
+    reads (`outcome` [B, 2 + bs-1]: accepted, bonus, drafts)."""
+
+    rows: list[BatchRequest]
+    bs: int
+    sizes: list[int]
+    outcome: mx.array
+    lp_rows: list[mx.array | None]
+    feats: mx.array  # [B, bs, n*H] the captured target features
+    t0: float  # when it was built
+    reason: str  # why the rule chose its size
+
+    @property
+    def asked(self) -> list[mx.array]:
+        return [x for x in self.lp_rows if x is not None]
+
+
 class BatchEngine:
     """Continuous batching of DFlash requests on one pair (module docstring)."""
 
@@ -115,6 +134,8 @@ class BatchEngine:
         self.prefilling: deque[BatchRequest] = deque()
         self.decoding: list[BatchRequest] = []
         self.stats = BatchStats(max_batch)
+        self.queued: Step | None = None  # the next plain step, queued ahead of the last sync
+        self.t_sync = 0.0  # the last cycle's host sync
 
     # -- the caller's side -------------------------------------------------------------------
     def add(self, req: BatchRequest) -> None:
@@ -172,6 +193,7 @@ class BatchEngine:
         logits = self.pair.target(mx.array(chunk)[None], cache=state.target_cache)
         self.pair.drafter.extend_context(cap.features(), state.draft_cache)
         mx.eval([c.state for c in state.target_cache], logits)
+        self.t_sync = time.perf_counter()  # a cycle's time does not include the prefill
         pos = len(state.ids) + len(chunk)
         state.ids = r.ids[:pos]
         if state.record:  # the prompt cache keeps these rows
@@ -192,22 +214,93 @@ class BatchEngine:
 
     # -- the batched cycle -------------------------------------------------------------------
     def _cycle(self, cap: FeatureCapture) -> None:
+        """One batched cycle: the step queued ahead of the last sync if there is one, else one
+        built now; the next plain step queued on this one's lazy tokens where it may be (as
+        `CyclePipeline` does alone); the one host sync; each row's bookkeeping."""
+        c, self.queued = self.queued, None
+        if c is None:
+            c = self._build(self.decoding, self._choose(self.decoding, 0), cap)
+        self.ahead(c, cap)
+        mx.eval(c.outcome, *c.asked)  # the cycle's one host sync
+        out = c.outcome.tolist()
+        flats = [None if x is None else x.tolist() for x in c.lp_rows]
+        now = time.perf_counter()
+        seconds, self.t_sync = now - max(c.t0, self.t_sync), now
+        rows, bs, sizes = c.rows, c.bs, c.sizes
+        # acceptance is learnt from the rows that could accept all of the batch's drafts
+        full = [row[0] for row, n, r in zip(out, sizes, rows) if n == bs and not r.finished]
+        self.rule.update(len(rows), bs, seconds, full)
+        self.stats.cycles += 1
+        self.stats.rows += len(rows)
+        self.stats.last_block = bs
+        self.stats.blocks[bs] = self.stats.blocks.get(bs, 0) + 1
+        leaving = []
+        for i, (r, row) in enumerate(zip(rows, out)):
+            if r.finished:  # cancelled while its step was queued: nothing of it is kept
+                continue
+            a, bonus = row[0], row[1]
+            committed = row[2 : 2 + a] + [bonus]
+            kept = [r.anchor] + committed[:-1]
+            r.state.rollback.rollback(bs - len(kept), len(kept) - 1)
+            r.ctx.add(c.feats[i : i + 1, : len(kept)])
+            r.state.ids += kept
+            r.anchor = bonus
+            if r.con is not None and not r.con.ended:  # a plain step: no drafts to forget
+                r.con.consume(bonus)
+            before = r.out.count
+            text = r.out.push(committed, r.cfg.max_tokens)
+            r.rec.cycle(sizes[i], a + 1, 0.0, c.reason, r.ctx.rows)
+            lps = None if flats[i] is None else read_logprobs(flats[i], sizes[i], committed)
+            lps = lps and lps[: r.out.count - before]  # the tokens kept
+            r.emit(self._event(r, text, r.out.tokens[before:], a + 1, lps))
+            if r.out.finish_reason is not None or r.stopped():
+                leaving.append(r)
+        for r in leaving:
+            self.decoding.remove(r)
+            self._end(r, cancelled=r.out.finish_reason is None)
+
+    def _choose(self, rows: list[BatchRequest], spent: int) -> int:
+        """The batch's block size for `rows`, each `spent` tokens further than it stands."""
+        room = max(r.cfg.max_tokens - r.out.count - spent for r in rows)
+        bs = self.rule.choose(len(rows), min(room, max(self._cap(r) for r in rows)))
+        return bs
+
+    def _cap(self, r: BatchRequest) -> int:
+        """The largest block a row may take (a grammar's row: plain steps)."""
+        return 1 if r.con is not None else r.cfg.block.size if r.cfg.block else self.rule.bs_max
+
+    def ahead(self, c: Step, cap: FeatureCapture) -> None:
+        """After a plain step, queue the next one on its still-lazy tokens, before its sync
+        (the device runs it while the host reads and does the rows' bookkeeping), where the
+        rule picks a plain step again and no row's penalties or grammar need its token on the
+        host first. Rows that leave after the sync have that position trimmed (`_end`)."""
         rows = self.decoding
+        if c.bs != 1 or not rows or any(r.cfg.penalties or r.con is not None for r in rows):
+            return
+        if all(r.cfg.max_tokens - r.out.count <= 1 for r in c.rows):
+            return  # the step ends every row
+        if self._choose(rows, 1) != 1:
+            return
+        lazy = {id(r): c.outcome[i, 1:2] for i, r in enumerate(c.rows)}
+        anchors = [lazy.get(id(r), mx.array([r.anchor], mx.int32)) for r in rows]
+        self.queued = self._build(rows, 1, cap, mx.stack(anchors))
+
+    def _build(
+        self, rows: list[BatchRequest], bs: int, cap: FeatureCapture, first: mx.array | None = None
+    ) -> Step:
+        """Queue a batched cycle of `rows` at block `bs` (drafts, verify, verdicts), lazily;
+        `first` [B, 1]: the rows' anchors (default: their committed ones)."""
         t0 = time.perf_counter()
-        room = max(r.cfg.max_tokens - r.out.count for r in rows)
-        caps = [
-            1 if r.con is not None else r.cfg.block.size if r.cfg.block else self.rule.bs_max
-            for r in rows
-        ]
-        bs = self.rule.choose(len(rows), min(room, max(caps)))
-        sizes = [min(bs, c) for c in caps]  # a row never drafts past its own block size
+        reason = self.rule.last_reason
+        sizes = [min(bs, self._cap(r)) for r in rows]  # a row never drafts past its own size
         sps = [r.cfg.sampling for r in rows]
         keys = [r.key() for r in rows]
         pens = [  # each row's penalties given its committed tail and anchor
             p.bind(r.state.ids[-p.context_size :] + [r.anchor]) if (p := r.cfg.penalties) else None
             for r in rows
         ]
-        first = mx.array([[r.anchor] for r in rows], mx.int32)  # [B, 1]
+        if first is None:
+            first = mx.array([[r.anchor] for r in rows], mx.int32)  # [B, 1]
         drafts: list[RowDraft] | None = None
         if bs == 1:
             tokens, verify_keys = first, keys
@@ -223,45 +316,14 @@ class BatchEngine:
             tokens = mx.concatenate([first, stacked], axis=1)  # [B, bs]
             verify_keys = [s[1] for s in split]
         logits = forward_rows(self.pair, tokens, [r.state for r in rows])  # [B, bs, V]
+        feats = cap.features()  # [B, bs, n*H]
         asks = [r.cfg.logprobs for r in rows]
         masks = [None if r.con is None else r.con.mask() for r in rows]
         verdict, lp_rows = accept_rows(logits, drafts, sps, verify_keys, sizes, pens, asks, masks)
         outcome = verdict if drafts is None else mx.concatenate([verdict, tokens[:, 1:]], 1)
-        feats = cap.features()  # [B, bs, n*H]
-        asked = [x for x in lp_rows if x is not None]
-        mx.eval(outcome, *asked)  # the cycle's one host sync
-        out = outcome.tolist()
-        flats = [None if x is None else x.tolist() for x in lp_rows]
-        seconds = time.perf_counter() - t0
-        # acceptance is learnt from the rows that could accept all of the batch's drafts
-        full = [row[0] for row, n in zip(out, sizes) if n == bs]
-        self.rule.update(len(rows), bs, seconds, full)
-        self.stats.cycles += 1
-        self.stats.rows += len(rows)
-        self.stats.last_block = bs
-        self.stats.blocks[bs] = self.stats.blocks.get(bs, 0) + 1
-        leaving = []
-        for i, (r, row) in enumerate(zip(rows, out)):
-            a, bonus = row[0], row[1]
-            committed = row[2 : 2 + a] + [bonus]
-            kept = [r.anchor] + committed[:-1]
-            r.state.rollback.rollback(bs - len(kept), len(kept) - 1)
-            r.ctx.add(feats[i : i + 1, : len(kept)])
-            r.state.ids += kept
-            r.anchor = bonus
-            if r.con is not None and not r.con.ended:  # a plain step: no drafts to forget
-                r.con.consume(bonus)
-            before = r.out.count
-            text = r.out.push(committed, r.cfg.max_tokens)
-            r.rec.cycle(sizes[i], a + 1, 0.0, self.rule.last_reason, r.ctx.rows)
-            lps = None if flats[i] is None else read_logprobs(flats[i], sizes[i], committed)
-            lps = lps and lps[: r.out.count - before]  # the tokens kept
-            r.emit(self._event(r, text, r.out.tokens[before:], a + 1, lps))
-            if r.out.finish_reason is not None or r.stopped():
-                leaving.append(r)
-        for r in leaving:
-            self.decoding.remove(r)
-            self._end(r, cancelled=r.out.finish_reason is None)
+        step = Step(list(rows), bs, sizes, outcome, lp_rows, feats, t0, reason)
+        mx.async_eval(outcome, *step.asked)
+        return step
 
     # -- leaving ----------------------------------------------------------------------------
     def _drop_stopped(self) -> None:
@@ -279,6 +341,8 @@ class BatchEngine:
         """The request leaves: a last event if it was cut short, its caches trimmed to
         exactly prompt + kept output, then `done`."""
         r.finished = True
+        if self.queued is not None and any(q is r for q in self.queued.rows):  # its queued step
+            r.state.rollback.trim(1)
         if r.out is not None and cancelled:
             r.out.finish_reason = "cancelled"
             r.emit(self._event(r, r.out.flush(), [], 0))

@@ -34,7 +34,6 @@ class CopyIndex:
         self.n = n
         self.ids: list[int] = []
         self.last: dict[tuple[int, ...], int] = {}  # n-gram → the position its last copy ended
-        self.heads: set[tuple[int, ...]] = set()  # their first n-1 tokens
         self.follow: int | None = None  # the earlier position aligned with ids[-1]
         self.run = 0  # tokens the alignment has matched in a row
         self.lost: tuple[int, int] | None = None  # (source position, answer position) left at
@@ -48,7 +47,6 @@ class CopyIndex:
             self.align(self.ids[end], end, self.last.get(gram) if gram else None)
             if gram:
                 self.last[gram] = end
-                self.heads.add(gram[:-1])
 
     def align(self, token: int, end: int, match: int | None) -> None:
         """Move the alignment to cover `token` at `end` (`match`: where the n-gram ending
@@ -104,12 +102,14 @@ class CopyIndex:
         return [at(end + 1 + i % period) for i in range(k)]
 
     def may_match(self) -> bool:
-        """Whether the next anchor could complete a match (then a step queued ahead, before the
-        anchor is known, would miss a copy)."""
+        """Whether the text repeats now: the committed tokens follow an earlier stretch, or
+        left one within RESYNC tokens. Then the next anchor may go on with a copy, and a step
+        queued ahead (before the anchor is known) would miss it. Two tokens seen before are not
+        enough: a long prompt holds most pairs, and giving up the look-ahead for each cost more
+        than the copies it caught (6.8k-token prompt: 0.96x against 1.02x without copies).
+        A repeat that starts after a queued step is copied one token later."""
         f = self.follow
-        if (f is not None and f + 1 < len(self.ids)) or self.lost is not None:
-            return True
-        return tuple(self.ids[-(self.n - 1) :]) in self.heads
+        return (f is not None and f + 1 < len(self.ids)) or self.lost is not None
 
 
 @dataclass

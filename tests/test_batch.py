@@ -277,6 +277,43 @@ def test_requests_admitted_during_decoding_join_and_stay_exact(tiny_pair, on_thr
     assert seen[0]["cycles"] > 0 and seen[0]["decoding"] == 0
 
 
+class Counting(BatchEngine):
+    """The engine, counting the plain steps it queued ahead of a sync."""
+
+    ahead_steps = 0
+
+    def ahead(self, c, cap) -> None:
+        super().ahead(c, cap)
+        self.ahead_steps += self.queued is not None
+
+
+def test_plain_steps_queued_ahead_keep_every_row_exact(tiny_pair, on_thread):
+    """A batch of plain steps queues each step on the last one's lazy tokens: rows that end,
+    are cancelled or join meanwhile still get exactly their tokens alone (a seeded sampled
+    row too), and a row that leaves has the queued position trimmed from its cache."""
+
+    def run():
+        pair = tiny_pair
+        sp = SamplingParams(temperature=0.8)
+        cfgs = [config(10), config(24), config(18, sampling=sp, seed=7), config(30), config(12)]
+        jobs = [(pair.tokenizer.encode(PROMPTS[k % 4]), c) for k, c in enumerate(cfgs)]
+        refs = [alone(pair, ids, replace(c, block=BlockChoice(1))) for ids, c in jobs]
+        engine = Counting(pair, 4, 1, auto=False)
+        got = batched(pair, jobs, engine, stop_after={3: 9}, late={4: 6})
+        return refs, got, engine.ahead_steps
+
+    refs, got, ahead = on_thread(run)
+    assert ahead > 10  # most steps were queued ahead
+    for k, (ref, g) in enumerate(zip(refs, got)):
+        n = len(g["tokens"])
+        assert g["tokens"] == ref[:n], k
+        state = g["req"].state  # prompt + kept output, the last token pending
+        assert len(state.ids) == len(g["req"].ids) + n - 1, k
+        assert state.target_cache[0].offset == len(state.ids), k
+    assert got[3]["reason"] == "cancelled" and 9 <= len(got[3]["tokens"]) < 30
+    assert all(got[k]["reason"] == "length" and got[k]["tokens"] == refs[k] for k in (0, 1, 2, 4))
+
+
 def test_the_batch_rule_times_each_size_then_takes_the_best():
     rule = BatchBlockRule(8)
     chosen = []

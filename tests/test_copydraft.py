@@ -30,6 +30,14 @@ def test_index_finds_the_latest_earlier_occurrence():
     assert idx.may_match() and not CopyIndex([1, 2, 3]).may_match()
 
 
+def test_a_pair_seen_before_is_not_a_repeat():
+    # (1, 2) occurred, but the text does not follow anything earlier: steps may be queued ahead
+    idx = CopyIndex([1, 2, 9, 4, 5, 6, 7, 8, 10, 11, 12, 13, 1, 2])
+    assert not idx.may_match()
+    idx.extend([9])  # now it follows the start: the next anchor may go on with a copy
+    assert idx.may_match() and idx.propose(4, 2) == [5, 6]
+
+
 def test_the_copy_follows_its_source_past_later_repeats_of_a_few_tokens():
     # the answer copies the first line; (2, 3, 4) also occurred later, followed by 7
     idx = CopyIndex([1, 2, 3, 4, 5, 6, 2, 3, 4, 7, 1, 2, 3])

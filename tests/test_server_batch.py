@@ -116,3 +116,28 @@ def test_a_cancelled_stream_leaves_the_batch_and_the_others_finish(tiny_pair, so
         stats = httpx.get(root + "/v1/dflash/stats", timeout=10).json()
     assert not stats["busy"] and stats["batch"]["decoding"] == 0
     assert stats["totals"]["cancelled"] >= 1
+
+
+def test_requests_keep_their_own_block_sizes_in_one_batch(tiny_pair, solo):
+    """`block_size` per request: rows of sizes 1, 3 and auto share the batch, each answers as
+    alone and reports its size; past the drafter's trained block is a 400."""
+    app = create_app(tiny_pair, max_tokens=64, max_batch=4)
+    sizes = [1, 3, "auto"]
+
+    def run(i: int) -> dict:
+        body = {"messages": [{"role": "user", "content": QUESTIONS[i]}], "max_tokens": 24}
+        body |= {"temperature": 0, "ignore_eos": True, "block_size": sizes[i]}
+        return httpx.post(root + "/v1/chat/completions", json=body, timeout=120).json()
+
+    with running(app) as root:
+        with ThreadPoolExecutor(3) as pool:
+            got = list(pool.map(run, range(3)))
+        batch = httpx.get(root + "/v1/dflash/stats", timeout=10).json()["batch"]
+        body = {"messages": [{"role": "user", "content": "hi"}], "block_size": 99}
+        refused = httpx.post(root + "/v1/chat/completions", json=body, timeout=60)
+    assert [g["choices"][0]["message"]["content"] for g in got] == solo[:3]
+    assert batch["mean_occupancy"] > 1.0
+    trained = tiny_pair.drafter.config.block_size
+    assert [g["dflash"]["block_size"] for g in got] == [1, 3, trained]
+    assert got[0]["dflash"]["draft_cycles"] == 0 and got[1]["dflash"]["draft_cycles"] > 0
+    assert refused.status_code == 400 and "block_size" in refused.json()["error"]["message"]

@@ -74,6 +74,13 @@ def test_defaults_and_harmless_zero_values():
     )
     assert req.max_tokens == 256 and req.sampling["temp"] == 0.0
     assert not req.include_usage  # only with stream=true
+    assert req.block_size is None  # the server's block size
+
+
+@pytest.mark.parametrize("value", [1, 5, "auto"])
+def test_a_request_may_ask_its_own_block_size(value):
+    assert parse_chat({"messages": MSG, "block_size": value}, 16, 16).block_size == value
+    assert parse_completion({"prompt": "x", "block_size": value}, 16, 16).block_size == value
 
 
 @pytest.mark.parametrize(
@@ -91,6 +98,9 @@ def test_defaults_and_harmless_zero_values():
         {"messages": [{"role": "bot", "content": ""}]},
         {"messages": MSG, "logit_bias": {"1": 500}},
         {"messages": MSG, "stop": ["a"] * 17},
+        {"messages": MSG, "block_size": 0},
+        {"messages": MSG, "block_size": "8"},
+        {"messages": MSG, "block_size": True},
     ],
 )
 def test_refused(body):

@@ -157,7 +157,7 @@ def openai_body(body: Any) -> dict:
     if body.get("system") not in (None, "", []):
         messages.insert(0, {"role": "system", "content": text_of(body["system"], "system")})
     out: dict[str, Any] = {"messages": messages, "max_tokens": max_tokens}
-    for key in ("model", "temperature", "top_p", "top_k", "stream"):
+    for key in ("model", "temperature", "top_p", "top_k", "stream", "block_size"):
         if body.get(key) is not None:
             out[key] = body[key]
     if body.get("stop_sequences"):

@@ -64,6 +64,7 @@ def options_body(options: Any) -> dict:
         ("presence_penalty", "presence_penalty"),
         ("frequency_penalty", "frequency_penalty"),
         ("repetition_penalty", "repeat_penalty"),
+        ("block_size", "block_size"),  # ours: the request's DFlash block size
     ):
         if options.get(theirs) is not None:
             out[ours] = options[theirs]

@@ -75,6 +75,7 @@ class GenRequest:
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
     context_cap: int | None = None  # a smaller context than the model's (Ollama's num_ctx)
+    block_size: int | str | None = None  # this request's block size or "auto" (None: the server's)
 
 
 def number(
@@ -115,6 +116,16 @@ def flag(body: dict, name: str, default: bool = False) -> bool:
         return default
     if not isinstance(value, bool):
         raise bad(name, f"'{name}' must be true or false.")
+    return value
+
+
+def block_size(body: dict) -> int | str | None:
+    """The request's own block size (an extension field): an integer >= 1 or "auto"."""
+    value = body.get("block_size")
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise bad("block_size", "'block_size' must be \"auto\" or an integer of at least 1.")
     return value
 
 
@@ -269,7 +280,9 @@ def common(
     }
     if sampling["seed"] is not None:
         sampling["seed"] %= 2**32
-    return GenRequest(kind, prompt, stream, stream and include_usage, max_tokens, model, sampling)
+    req = GenRequest(kind, prompt, stream, stream and include_usage, max_tokens, model, sampling)
+    req.block_size = block_size(body)
+    return req
 
 
 def message_text(i: int, content: Any) -> str:

@@ -23,7 +23,7 @@ from dflash_mac.batch import batch_reason
 from dflash_mac.batch_loop import BatchEngine, BatchRequest
 from dflash_mac.distributed.group import lost_peer_message
 from dflash_mac.models.penalties import check_bias_token
-from dflash_mac.policy import BlockChoice, save_acceptance
+from dflash_mac.policy import AUTO, BlockChoice, block_size_for, save_acceptance
 from dflash_mac.session import Session
 from dflash_mac.think import prompt_opens_think
 
@@ -232,7 +232,7 @@ class Worker:
             ids = self._prepare(req)
             budget = fit_max_tokens(self.context_of(req), len(ids), req.max_tokens).max_tokens
             cfg = make_config(
-                max_tokens=budget, block_size=self.block, copy=self.copy, **req.sampling
+                max_tokens=budget, block_size=self.block_of(req), copy=self.copy, **req.sampling
             )
         except (APIError, PromptError) as e:
             self.metrics.count("invalid")
@@ -295,6 +295,21 @@ class Worker:
             return APIError(503, "the server is shutting down.", kind="server_error")
         return APIError(499, why)
 
+    def block_of(self, req: GenRequest) -> BlockChoice | None:
+        """The request's own block size where it asks for one, else the server's; a size the
+        drafter was not trained for is a 400, not a silent clamp."""
+        if req.block_size is None:
+            return self.block
+        trained = self.session.pair.drafter.config.block_size
+        if req.block_size != AUTO and req.block_size > trained:
+            raise APIError(
+                400,
+                f"'block_size' must be at most {trained}, the drafter's trained block "
+                f"(got {req.block_size}).",
+                param="block_size",
+            )
+        return block_size_for(self.session.pair, req.block_size)
+
     def context_of(self, req: GenRequest) -> int:
         """The model's context, or less when the request caps it (Ollama's num_ctx)."""
         return min(self.session.pair.context_length, req.context_cap or 1 << 62)
@@ -338,7 +353,7 @@ class Worker:
                 ids,
                 should_stop=lambda: self._should_stop(job),
                 max_tokens=budget,
-                block_size=self.block,
+                block_size=self.block_of(req),
                 copy=self.copy,
                 tree=self.tree,
                 **req.sampling,
