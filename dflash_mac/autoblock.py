@@ -33,6 +33,14 @@ from pathlib import Path
 # verify width. Replaced by the measured curve when one is saved for the pair and machine.
 PRIOR_DRAFT_OVERHEAD = 0.5
 PRIOR_PER_TOKEN = 0.06
+# At long contexts a plain step costs more and each extra verified token attends to the whole
+# context (a one-query attention is a fused kernel; more queries are not), so a wide verify
+# costs more plain steps than the short-context curve says. Measured on a 2-core CPU
+# (SmolLM2-135M, fp32: a 9-token verify is 1.58 steps at 256 tokens, 2.87 at 6,800;
+# docs/bench.md "Long contexts"), per 1,000 context tokens past the curve's own:
+CURVE_CONTEXT = 256  # about the context a cost curve is measured at
+STEP_GROWTH = 0.16  # a one-token step's growth, in short-context steps
+CONTEXT_SLOPE = 0.062  # each extra verified token's added cost, in short-context steps
 
 
 @dataclass
@@ -57,6 +65,21 @@ class CostCurve:
         top = max(self.ratios)  # beyond the curve: extend its last slope
         slope = self.ratios[top] - self.ratios.get(top - 1, self.ratios[top])
         return self.ratios[top] + max(slope, 0.0) * (bs - top)
+
+    def at_context(self, tokens: int) -> CostCurve:
+        """The curve guessed at a context of `tokens` (measured at a short one): in units of
+        that context's one-token step, 1 + STEP_GROWTH per 1,000 tokens of the short one, a
+        cycle of b tokens costs its short-context overhead plus (b - 1) * CONTEXT_SLOPE per
+        1,000 tokens (both past CURVE_CONTEXT)."""
+        k = max(tokens - CURVE_CONTEXT, 0) / 1000
+        unit = 1 + STEP_GROWTH * k
+
+        def at(b: int, r: float) -> float:
+            return 1 + ((r - 1) + (b - 1) * CONTEXT_SLOPE * k) / unit
+
+        ratios = {b: at(b, r) for b, r in self.ratios.items()}
+        trees = {n: at(1 + n, r) for n, r in self.trees.items()}
+        return CostCurve(ratios, measured=False, trees=trees, batches=self.batches)
 
     @classmethod
     def load(cls, path: Path, sampled: bool = False) -> CostCurve | None:
@@ -379,6 +402,24 @@ class BlockController:
         both = 1 + hit + zero * max(tree - 1, 0.0)
         return both / (self.tree_cost.cost(budget) + self.cost.cost(copy + 1) - 1) > alone
 
+    def copy_length(self, longest: int, rate: float) -> int:
+        """How many tokens a copy proposes (0: none). A copy of n tokens commits 1 + rate +
+        ... + rate^n expected tokens (`rate`: how often a copied token follows an accepted one)
+        for a verify of n + 1, here costed as a chain of that width (an upper bound: a copy has
+        no drafter pass). `longest` if that beats the cycle the controller chose (a plain step at
+        least), else the best shorter length that does: at a short context every useful copy
+        passes, at a long one (each verified token attends to the whole context) long doubtful
+        copies do not."""
+        chosen = max(self.last.rates.get(self.last.size, 0.0), 1.0 / self.cost.cost(1))
+        rates, expected = {}, 1.0
+        for n in range(1, longest + 1):
+            expected += rate**n
+            rates[n] = expected / self.cost.cost(n + 1)
+        if rates and rates[longest] > chosen:
+            return longest
+        best = max(rates, key=rates.get, default=0)
+        return best if best and rates[best] > chosen else 0
+
     def calibrating(self) -> bool:
         """Without a measured curve, a short run of plain steps from cycle 3 measures one: its
         first step waits for its own queueing and its first timing is not used (CostModel),
@@ -538,19 +579,20 @@ class AutoTuning:
     stream; front ends load and save it (`policy.load_tuning`, `policy.save_acceptance`).
     Greedy and sampled requests keep apart cost models: a sampled cycle draws its drafts and
     verifies by rejection, so greedy timings would make sampled drafting look cheaper than it
-    is. Requests with the same sampling setting and context band (short or long) continue one
-    controller: a chat at T = 0.7 does not relearn each turn that drafting does not pay, and
-    long prompts, where drafters trained on short ones accept less, do not spoil short ones.
-    The bands keep apart cost models too: at a long context a plain step costs more and a
-    cycle's ratio to it differs from the curve's (measured at a short one), so there the curve
-    is only a guess and the one-token step is timed afresh."""
+    is. Requests with the same sampling setting and context band (short, or from 1,024, 2,048,
+    4,096, ... tokens) continue one controller: a chat at T = 0.7 does not relearn each turn
+    that drafting does not pay, and long prompts, where drafters trained on short ones accept
+    less, do not spoil short ones. The bands keep apart cost models too: at a long context a
+    plain step costs more and a wide verify more of them than the curve (measured at a short
+    one) says, so there the prior is the curve guessed at the band's middle
+    (`CostCurve.at_context`) and the one-token step is timed afresh."""
 
     greedy_curve: CostCurve | None = None
     sampled_curve: CostCurve | None = None
     remembered: dict = field(default_factory=dict)  # Acceptance.state() by controller memory
     long_from: int = 1024  # context tokens from which a request counts as long
     loses_from: int | None = None  # context tokens from which the drafter is known to lose
-    cost_models: dict[tuple[bool, bool], CostModel] = field(default_factory=dict)  # (sampled, long)
+    cost_models: dict[tuple[bool, int], CostModel] = field(default_factory=dict)  # (sampled, band)
     controllers: dict[tuple, BlockController] = field(default_factory=dict)
 
     @property
@@ -558,12 +600,23 @@ class AutoTuning:
         """Batched cycles' costs by (B rows, bs) from the saved greedy curve (none: timed)."""
         return self.greedy_curve.batches if self.greedy_curve else {}
 
-    def prior(self, bs_max: int, sampled: bool, long: bool = False) -> CostCurve:
-        """The cost curve requests start from; a guess at long contexts (class docstring)."""
+    def band(self, context_tokens: int) -> int:
+        """A context's band: 0 short, else the power of two it starts at (from `long_from`:
+        1,024, 2,048, 4,096, ...), each with its own cost model and controllers."""
+        if context_tokens < self.long_from:
+            return 0
+        band = self.long_from
+        while band * 2 <= context_tokens:
+            band *= 2
+        return band
+
+    def prior(self, bs_max: int, sampled: bool, band: int = 0) -> CostCurve:
+        """The cost curve requests start from; in a long band, the curve guessed at its middle
+        (`CostCurve.at_context`; class docstring)."""
         curve = self.sampled_curve if sampled else self.greedy_curve
         if curve is None:
-            return CostCurve.generic(bs_max)
-        return replace(curve, measured=False) if long else curve
+            curve = CostCurve.generic(bs_max)
+        return curve.at_context(round(band * 1.41)) if band else curve
 
     def controller(
         self,
@@ -581,14 +634,14 @@ class AutoTuning:
         that is better than the guess (`start_from`). `timed=False` (seeded sampling): a fresh
         controller on the prior alone, so the sizes, and with them the random draws, depend
         only on the seed and the text."""
-        long = context_tokens >= self.long_from
+        band = self.band(context_tokens)
         loses = self.loses_from is not None and context_tokens >= self.loses_from
-        key = (bs_max, setting, long, loses, trees, chains)
+        key = (bs_max, setting, band, loses, trees, chains)
         if timed and key in self.controllers:
             return self.controllers[key]
-        prior = self.prior(bs_max, sampled, long)
+        prior = self.prior(bs_max, sampled, band)
         if timed:
-            model = self.cost_models.setdefault((sampled, long), CostModel(prior))
+            model = self.cost_models.setdefault((sampled, band), CostModel(prior))
         else:
             model = CostModel(prior)
         # sampled requests keep a light guess: they mostly meet poorer acceptance, where a heavy
@@ -605,7 +658,7 @@ class AutoTuning:
         )
         if timed:
             if not loses:  # known-losing contexts keep their pessimistic start, unremembered
-                controller.memory = json.dumps([bs_max, list(setting), long])
+                controller.memory = json.dumps([bs_max, list(setting), band > 0])
                 controller.start_from(self.remembered.get(controller.memory))
             self.controllers[key] = controller
         return controller

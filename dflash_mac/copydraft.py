@@ -130,7 +130,16 @@ class CopyPolicy:
     # averages from the edit suite's replay (docs/design.md §6)
     doubtful_hit: float = 2.7
     doubtful_zero: float = 0.3
+    # how often a copied token follows an accepted one (moving averages): after a copy that
+    # was accepted whole (an edit copying its file goes on) and after a partial one
+    sure_rate: float = 0.95
+    doubtful_rate: float = 0.6
     counts: dict[str, int] = field(default_factory=lambda: {"cycles": 0, "tokens": 0})
+
+    @property
+    def rate(self) -> float:
+        """How often the next copy's tokens are expected to follow accepted ones."""
+        return self.sure_rate if self.sure else self.doubtful_rate
 
     def length(self) -> int:
         """The most tokens to copy this cycle (0: no copy now)."""
@@ -145,6 +154,11 @@ class CopyPolicy:
         if not self.sure:
             self.doubtful_hit += 0.1 * (accepted - self.doubtful_hit)
             self.doubtful_zero += 0.1 * ((accepted == 0) - self.doubtful_zero)
+        rate = accepted / max(min(accepted + 1, proposed), 1)  # a rejection ends the tries
+        if self.sure:
+            self.sure_rate += 0.1 * (rate - self.sure_rate)
+        else:
+            self.doubtful_rate += 0.1 * (rate - self.doubtful_rate)
         self.sure = accepted == proposed
         if accepted == proposed:
             self.budget = min(self.longest, 2 * self.budget)

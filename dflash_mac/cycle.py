@@ -303,6 +303,7 @@ class CyclePipeline:
         copy: bool = False,
         tree: Callable[[], int] | None = None,
         graft: Callable[[int, int, CopyPolicy], bool] | None = None,
+        copy_len: Callable[[int, CopyPolicy], int] | None = None,
     ):
         self.pair, self.state, self.cap, self.sp, self.size = pair, state, cap, sp, size
         self.pen = penalties
@@ -319,6 +320,7 @@ class CyclePipeline:
         trees = trees_allowed(pair, state.target_cache, penalties, grammar, logprobs)
         self.tree = tree if trees else None
         self.graft = graft  # (copy length, tree budget, policy) -> graft it; None: always
+        self.copy_len = copy_len  # (longest copy, policy) -> tokens to copy; None: the longest
         self.ropes = ropes(pair.target) if trees else []  # found once, hooked per tree verify
         self.policy = CopyPolicy()
         self.queued: Cycle | None = None  # the next cycle, queued ahead
@@ -426,7 +428,10 @@ class CyclePipeline:
             self.pen.bind(self.state.ids[-self.pen.context_size :] + [anchor]) if self.pen else None
         )
         can_copy = isinstance(anchor, int) and room > 1 and self.index is not None
-        copy = self.index.propose(anchor, min(self.policy.length(), room - 1)) if can_copy else []
+        longest = min(self.policy.length(), room - 1) if can_copy else 0
+        if longest > 0 and self.copy_len is not None:  # as long as the costs say it pays
+            longest = self.copy_len(longest, self.policy)
+        copy = self.index.propose(anchor, longest) if longest > 0 else []
         budget = self.tree() if self.tree is not None and bs > 1 else 0
         grafts = bool(copy and budget) and not self.policy.sure
         if grafts and self.graft is not None:

@@ -156,6 +156,9 @@ def speculative_stream(
     def graft(copy: int, budget: int, policy: CopyPolicy) -> bool:  # where the costs say so
         return plan.graft_pays(budget, copy, policy.doubtful_hit, policy.doubtful_zero)
 
+    def copy_len(longest: int, policy: CopyPolicy) -> int:  # as long as the costs say it pays
+        return plan.copy_length(longest, policy.rate)
+
     ends = cfg.use_eos or cfg.grammar is not None  # a grammar's end is the answer's end
     out = TextStream(pair.tokenizer, cfg.stop, pair.eos_ids if ends else set())
     facts = mirror.facts() if mirror is not None else {}
@@ -168,7 +171,7 @@ def speculative_stream(
         pen, asks = cfg.penalties, (cfg.logprobs, cfg.grammar, cfg.copy)
         pipe = CyclePipeline(
             pair, state, cap, sp, size, pen, cfg.seed, cfg.pipeline, *asks, tree=budget,
-            graft=graft if plan else None,
+            graft=graft if plan else None, copy_len=copy_len if plan else None,
         )  # fmt: skip
         logits = prefill(pair, state, prompt_ids, cap, cfg.prefill_step_size)
         anchor = pipe.first_token(logits, prompt_ids)

@@ -192,6 +192,9 @@ class Scripted:
     def update(self, bs, accepted, seconds, steady=True, tree=0, chain=0) -> None:
         pass
 
+    def copy_length(self, longest: int, rate: float) -> int:
+        return longest
+
 
 def baseline(pair, ids, n):
     return [t for t, _ in generate_step(mx.array(ids), pair.target, max_tokens=n)]
@@ -530,6 +533,9 @@ def test_cycles_are_timed_only_after_one_of_their_kind(tiny_pair):
         def update(self, bs, accepted, seconds, steady=True, tree=0, chain=0):
             self.updates.append((bs, steady))
 
+        def copy_length(self, longest: int, rate: float) -> int:
+            return longest
+
     plan = Scripted()
     ids = tiny_pair.tokenizer.encode("hello world")
     cfg = GenerationConfig(14, use_eos=False)
@@ -743,3 +749,41 @@ def test_a_new_process_starts_from_the_acceptance_earlier_ones_saw(
     save_acceptance(pair, tuning)
     assert list(json.loads(acceptance_path(pair).read_text())) == [greedy.memory]
     assert tuning.controller(bs, (0.0, 1.0, 0, 0.0), timed=False).memory is None
+
+
+def test_a_curve_at_a_long_context_charges_each_verified_token_for_the_context():
+    """A 9-token verify: 1.58 plain steps at 256 tokens of context, 2.87 at 6,800 (measured
+    on this machine, SmolLM2-135M fp32); the guess from the short curve lands near it."""
+    short = CostCurve({1: 1.0, 9: 1.58, 33: 2.59})
+    assert short.at_context(0).ratios == short.ratios
+    assert short.at_context(6800).ratio(9) == pytest.approx(2.87, rel=0.05)
+    assert short.at_context(4096).ratio(9) == pytest.approx(2.57, rel=0.05)
+    assert short.at_context(2048).ratio(9) == pytest.approx(1.97, rel=0.1)
+    assert short.at_context(6800).ratio(1) == 1.0 and not short.at_context(6800).measured
+
+
+def test_long_contexts_keep_a_cost_model_per_band():
+    tuning = AutoTuning(greedy_curve=CURVE)
+    ctl = {n: tuning.controller(BS, (), n) for n in (100, 1500, 2100, 5000, 7000)}
+    assert ctl[1500] is not ctl[2100] and ctl[5000] is ctl[7000]  # bands from 1,024, 2,048, ...
+    costs = [ctl[n].cost.cost(BS) for n in (100, 1500, 2100, 5000)]
+    assert costs == sorted(costs) and costs[-1] > costs[0] + 0.7
+    assert tuning.band(1023) == 0 and tuning.band(1024) == 1024 and tuning.band(5000) == 4096
+
+
+def test_a_copy_is_as_long_as_it_pays():
+    """A copy runs whole where it beats the chosen cycle; else it is cut to the length that
+    pays best, or dropped. A short context keeps copies that a long one cuts."""
+    tuning = AutoTuning(greedy_curve=CURVE)
+    short, long = tuning.controller(BS, (), 100), tuning.controller(BS, (), 7000)
+    for ctl in (short, long):
+        ctl.last = Decision(1, "plain", {1: 1.0})
+    assert short.copy_length(32, 0.95) == 32 and short.copy_length(8, 0.6) == 8
+    assert 0 < long.copy_length(8, 0.6) < 8 and long.copy_length(32, 0.1) == 0
+    assert long.copy_length(32, 0.99) == 32
+    short.last = Decision(4, "drafting", {1: 1.0, 4: 1.8})  # a copy must beat that chain
+    assert short.copy_length(8, 0.3) == 0
+    # the control: the short context's costs at a long one keep every doubtful copy whole
+    trusting = BlockController(BS, CostModel(CURVE))
+    trusting.last = Decision(1, "plain", {1: 1.0})
+    assert trusting.copy_length(8, 0.6) == 8

@@ -328,6 +328,9 @@ class Sizes:
     def update(self, bs, accepted, seconds, steady=True, tree=0, chain=0) -> None:
         pass
 
+    def copy_length(self, longest: int, rate: float) -> int:
+        return longest
+
 
 def test_plain_step_runs_between_drafting_cycles_stay_exact(pair, cases):
     """Plain steps queue the next cycle on the still-lazy token; a hybrid's GatedDeltaNet
