@@ -145,3 +145,15 @@ def test_a_lossy_copy_rule_is_detected(small_pair, monkeypatch):  # noqa: F811
     samples, copies = samples_with_copies(small_pair, sp, 1, 600)
     assert copies >= 500
     assert chi_square_p(samples, exact_joint(small_pair, sp, prompt=PERIODIC)) < 1e-6
+
+
+def test_the_policy_keeps_apart_how_whole_and_partial_copies_go_on():
+    policy = CopyPolicy()
+    sure, doubtful = policy.sure_rate, policy.doubtful_rate
+    policy.update(8, 2)  # a partial copy (the policy was not sure): the doubtful rate moves
+    assert policy.doubtful_rate != doubtful and policy.sure_rate == sure
+    assert not policy.sure and policy.rate == policy.doubtful_rate
+    policy.update(4, 4)  # whole: the next is sure
+    assert policy.sure and policy.rate == policy.sure_rate
+    policy.update(8, 1)  # a sure copy that broke off early lowers the sure rate
+    assert policy.sure_rate < sure

@@ -74,6 +74,19 @@ def test_chat_greedy_equals_generate(server, client):
     assert ext["tau"] >= 1.0
 
 
+def test_a_request_may_ask_its_own_block_size(client):
+    """`block_size` 1 decodes plain (no drafting cycle) and answers as the server's default
+    does; past the drafter's trained block is a 400 with one sentence."""
+    kw = {"max_tokens": 12, "temperature": 0}
+    plain = chat(client, "hello", extra_body={"block_size": 1, "ignore_eos": True}, **kw)
+    default = chat(client, "hello", extra_body={"ignore_eos": True}, **kw)
+    ext = plain.model_extra["dflash"]
+    assert ext["block_size"] == 1 and ext["draft_cycles"] == 0 and ext["cycles"] > 0
+    assert plain.choices[0].message.content == default.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="block_size"):
+        chat(client, "hello", extra_body={"block_size": 99}, **kw)
+
+
 def test_chat_stream_with_usage(server, client):
     prompt = "List three prime numbers."
     whole = chat(client, prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
