@@ -262,8 +262,7 @@ class BatchEngine:
     def _choose(self, rows: list[BatchRequest], spent: int) -> int:
         """The batch's block size for `rows`, each `spent` tokens further than it stands."""
         room = max(r.cfg.max_tokens - r.out.count - spent for r in rows)
-        bs = self.rule.choose(len(rows), min(room, max(self._cap(r) for r in rows)))
-        return bs
+        return self.rule.choose(len(rows), min(room, max(self._cap(r) for r in rows)))
 
     def _cap(self, r: BatchRequest) -> int:
         """The largest block a row may take (a grammar's row: plain steps)."""

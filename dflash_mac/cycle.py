@@ -428,10 +428,9 @@ class CyclePipeline:
             self.pen.bind(self.state.ids[-self.pen.context_size :] + [anchor]) if self.pen else None
         )
         can_copy = isinstance(anchor, int) and room > 1 and self.index is not None
-        longest = min(self.policy.length(), room - 1) if can_copy else 0
-        if longest > 0 and self.copy_len is not None:  # as long as the costs say it pays
-            longest = self.copy_len(longest, self.policy)
-        copy = self.index.propose(anchor, longest) if longest > 0 else []
+        copy = self.index.propose(anchor, min(self.policy.length(), room - 1)) if can_copy else []
+        if copy and self.copy_len is not None:  # as long as the costs say it pays
+            copy = copy[: self.copy_len(len(copy), self.policy)]
         budget = self.tree() if self.tree is not None and bs > 1 else 0
         grafts = bool(copy and budget) and not self.policy.sure
         if grafts and self.graft is not None:

@@ -121,12 +121,7 @@ def flag(body: dict, name: str, default: bool = False) -> bool:
 
 def block_size(body: dict) -> int | str | None:
     """The request's own block size (an extension field): an integer >= 1 or "auto"."""
-    value = body.get("block_size")
-    if value is None or value == "auto":
-        return value
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise bad("block_size", "'block_size' must be \"auto\" or an integer of at least 1.")
-    return value
+    return "auto" if body.get("block_size") == "auto" else integer(body, "block_size", None, lo=1)
 
 
 def stop_strings(body: dict) -> list[str]:
