@@ -43,6 +43,46 @@ STEP_GROWTH = 0.16  # a one-token step's growth, in short-context steps
 CONTEXT_SLOPE = 0.062  # each extra verified token's added cost, in short-context steps
 
 
+@dataclass(frozen=True)
+class ContextCost:
+    """How a cycle's cost grows with the context, per 1,000 tokens past `base`, in one-token
+    steps at `base`: a one-token step by `growth`, each extra verified token by `slope`. The
+    defaults were measured on a 2-core CPU; `bench --cost-curve` fits this machine's (`fit`)."""
+
+    base: int = CURVE_CONTEXT
+    growth: float = STEP_GROWTH
+    slope: float = CONTEXT_SLOPE
+    measured: bool = False
+
+    @classmethod
+    def fit(cls, points: list[dict], bs: int) -> ContextCost:
+        """The least-squares fit through the first point (the shortest context) of timed
+        `{"context", "plain", "cycle"}` points, a plain step's and a `bs`-token cycle's
+        seconds: plain(n) / u = 1 + growth * k and (cycle(n) - plain(n)) / u =
+        (cycle(base) - plain(base)) / u + (bs - 1) * slope * k, with u = plain(base) and
+        k = (n - base) / 1000. Negative fits are clamped to 0."""
+        first, rest = points[0], points[1:]
+        u, extra = first["plain"], first["cycle"] - first["plain"]
+        ks = [(p["context"] - first["context"]) / 1000 for p in rest]
+        kk = sum(k * k for k in ks)
+        if not rest or kk <= 0 or u <= 0 or bs < 2:
+            return cls(base=first["context"])
+        grow = [p["plain"] / u - 1 for p in rest]
+        wide = [((p["cycle"] - p["plain"]) - extra) / u / (bs - 1) for p in rest]
+        growth = sum(k * y for k, y in zip(ks, grow, strict=True)) / kk
+        slope = sum(k * y for k, y in zip(ks, wide, strict=True)) / kk
+        return cls(first["context"], max(growth, 0.0), max(slope, 0.0), measured=True)
+
+    @classmethod
+    def read(cls, data: object) -> ContextCost:
+        """The fit saved with a curve (`"long_context"`), else the default."""
+        try:
+            fit = cls(int(data["base"]), float(data["growth"]), float(data["slope"]), True)
+        except (KeyError, TypeError, ValueError):
+            return cls()
+        return fit if fit.growth >= 0 and fit.slope >= 0 and fit.base >= 0 else cls()
+
+
 @dataclass
 class CostCurve:
     """Cost of a cycle at block size bs relative to a one-token step (ratio[1] == 1)."""
@@ -51,6 +91,7 @@ class CostCurve:
     measured: bool = False  # from `bench --cost-curve` (else the generic guess)
     trees: dict[int, float] = field(default_factory=dict)  # tree cycles by node budget
     batches: dict[tuple[int, int], float] = field(default_factory=dict)  # (B rows, bs)
+    context: ContextCost = field(default_factory=ContextCost)  # growth with the context
 
     @classmethod
     def generic(cls, bs_max: int) -> CostCurve:
@@ -67,19 +108,21 @@ class CostCurve:
         return self.ratios[top] + max(slope, 0.0) * (bs - top)
 
     def at_context(self, tokens: int) -> CostCurve:
-        """The curve guessed at a context of `tokens` (measured at a short one): in units of
-        that context's one-token step, 1 + STEP_GROWTH per 1,000 tokens of the short one, a
-        cycle of b tokens costs its short-context overhead plus (b - 1) * CONTEXT_SLOPE per
-        1,000 tokens (both past CURVE_CONTEXT)."""
-        k = max(tokens - CURVE_CONTEXT, 0) / 1000
-        unit = 1 + STEP_GROWTH * k
+        """The curve at a context of `tokens` (it was timed at a short one): in units of that
+        context's one-token step, 1 + growth per 1,000 tokens of the short one, a cycle of b
+        tokens costs its short-context overhead plus (b - 1) * slope per 1,000 tokens (both
+        past the fit's base; `ContextCost`). Measured where the curve and the fit both are."""
+        c = self.context
+        k = max(tokens - c.base, 0) / 1000
+        unit = 1 + c.growth * k
 
         def at(b: int, r: float) -> float:
-            return 1 + ((r - 1) + (b - 1) * CONTEXT_SLOPE * k) / unit
+            return 1 + ((r - 1) + (b - 1) * c.slope * k) / unit
 
         ratios = {b: at(b, r) for b, r in self.ratios.items()}
         trees = {n: at(1 + n, r) for n, r in self.trees.items()}
-        return CostCurve(ratios, measured=False, trees=trees, batches=self.batches)
+        measured = self.measured and c.measured
+        return CostCurve(ratios, measured, trees=trees, batches=self.batches, context=c)
 
     @classmethod
     def load(cls, path: Path, sampled: bool = False) -> CostCurve | None:
@@ -103,7 +146,8 @@ class CostCurve:
         values = [*ratios.values(), *trees.values(), *batches.values()]
         if ratios.get(1) != 1.0 or any(v <= 0 for v in values):
             return None
-        return cls(ratios, measured=True, trees=trees, batches=batches)
+        context = ContextCost.read(data.get("long_context"))
+        return cls(ratios, measured=True, trees=trees, batches=batches, context=context)
 
 
 class CostModel:

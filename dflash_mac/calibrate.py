@@ -28,14 +28,14 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from .autoblock import TREES, Decision
+from .autoblock import TREES, ContextCost, Decision
 from .batch import batch_reason
 from .batch_loop import BatchEngine, BatchRequest
 from .batch_rule import BatchBlockRule
@@ -51,6 +51,8 @@ BATCH_CYCLES = 6  # steady batched cycles timed per (rows, block size)
 PLAIN_BURST = 8  # plain steps timed as a run, each queued before the previous one's sync
 SAMPLED_TEMP = 0.7  # the sampled curve's temperature (the chat default of most pairs)
 FULL_REPS = 12  # `bench --cost-curve`
+LONG_CONTEXTS = (1024, 2048, 4096)  # where `bench --cost-curve` times how costs grow
+CONTEXT_REPS = 3  # measured rounds at each of them
 QUICK_REPS = 4  # the curve measured at first use of `auto`
 WARMUP_ROUNDS = 2
 CALIBRATE_ENV = "DFLASH_MAC_CALIBRATE"  # "0": no quick curve at first use
@@ -104,31 +106,25 @@ def script(arms: list[Arm], rng: random.Random) -> list[Arm]:
     return [a for arm in order for a in [arm] * (PLAIN_BURST + 1 if arm[0] == 1 else 2)]
 
 
-def measure(
+def prompt_ids(vocab: int, context: int) -> list[int]:
+    """The measurement's prompt: `context` token ids spread over the vocabulary."""
+    return [(7919 * i + 11) % vocab for i in range(context)]
+
+
+def timed_rounds(
     pair: Pair,
-    max_bs: int = 16,
-    context: int = 128,
-    reps: int = FULL_REPS,
-    temperature: float = 0.0,
+    ids: list[int],
+    arms: list[Arm],
+    max_bs: int,
+    sp: SamplingParams,
+    reps: int,
+    state: DecodeState,
     progress: Progress | None = None,
-) -> dict:
-    """Median seconds per cycle for bs = 1..max_bs and the ratios to bs = 1, greedy or (with
-    `temperature`) sampled: drafts drawn, verified by rejection, plain steps drawn too; where
-    the target takes trees, also tree cycles of `auto`'s budgets at depth max_bs - 1 (`trees`,
-    by budget). The drafter pass is also timed alone (`draft_seconds`, bs >= 2): the rest of a
-    cycle is its verify and the host sync."""
-    vocab = pair.drafter.config.vocab_size
-    ids = [(7919 * i + 11) % vocab for i in range(context)]
-    sp = SamplingParams(temperature)
-    sizes, rng = list(range(1, max_bs + 1)), random.Random(0)
-    state = DecodeState(pair)
-    budgets = (
-        TREES if max_bs > 1 and trees_allowed(pair, state.target_cache, None, None, None) else ()
-    )
-    arms = [(bs, 0) for bs in sizes] + [(max_bs, b) for b in budgets]
-    times: dict[Arm, list[float]] = {arm: [] for arm in arms}
-    drafting: dict[int, list[float]] = {bs: [] for bs in sizes[1:]}
-    mask, key = pair.drafter.config.mask_token_id, mx.random.key(0)
+) -> Iterator[tuple[DecodeState, dict[Arm, list[float]]]]:
+    """Run `reps` measured rounds (after WARMUP_ROUNDS) of every arm's cycles on the prompt
+    `ids`, cut back to it after each round; yield the state and the steady cycle times by arm
+    of each measured round."""
+    rng = random.Random(0)
     for r in range(reps + WARMUP_ROUNDS):
         timer = ScriptedSizes(script(arms, rng))
         longest = sum(bs for bs, _ in timer.script) + 1
@@ -142,18 +138,46 @@ def measure(
         if not state.rollback.hybrid:
             state.trim_to(len(ids) - 1)  # the next round prefills the last prompt token
         if r >= WARMUP_ROUNDS:
-            for arm, seconds in timer.seconds.items():
-                times[arm] += seconds
-            for bs in drafting:  # the drafter pass alone (it leaves its context as it was)
-                block = mx.array([ids[-1]] + [mask] * (bs - 1), mx.int32)
-                with mx.stream(generation_stream):
-                    t = time.perf_counter()
-                    mx.eval(propose(pair, block, state.draft_cache, sp, key)[0])
-                    drafting[bs].append(time.perf_counter() - t)
+            yield state, timer.seconds
         if state.rollback.hybrid:  # its state cannot be cut back to the prompt: anew
             state = DecodeState(pair)
         if progress:
             progress()
+
+
+def measure(
+    pair: Pair,
+    max_bs: int = 16,
+    context: int = 128,
+    reps: int = FULL_REPS,
+    temperature: float = 0.0,
+    progress: Progress | None = None,
+) -> dict:
+    """Median seconds per cycle for bs = 1..max_bs and the ratios to bs = 1, greedy or (with
+    `temperature`) sampled: drafts drawn, verified by rejection, plain steps drawn too; where
+    the target takes trees, also tree cycles of `auto`'s budgets at depth max_bs - 1 (`trees`,
+    by budget). The drafter pass is also timed alone (`draft_seconds`, bs >= 2): the rest of a
+    cycle is its verify and the host sync."""
+    ids = prompt_ids(pair.drafter.config.vocab_size, context)
+    sp = SamplingParams(temperature)
+    sizes = list(range(1, max_bs + 1))
+    state = DecodeState(pair)
+    budgets = (
+        TREES if max_bs > 1 and trees_allowed(pair, state.target_cache, None, None, None) else ()
+    )
+    arms = [(bs, 0) for bs in sizes] + [(max_bs, b) for b in budgets]
+    times: dict[Arm, list[float]] = {arm: [] for arm in arms}
+    drafting: dict[int, list[float]] = {bs: [] for bs in sizes[1:]}
+    mask, key = pair.drafter.config.mask_token_id, mx.random.key(0)
+    for now, seconds in timed_rounds(pair, ids, arms, max_bs, sp, reps, state, progress):
+        for arm, timed in seconds.items():
+            times[arm] += timed
+        for bs in drafting:  # the drafter pass alone (it leaves its context as it was)
+            block = mx.array([ids[-1]] + [mask] * (bs - 1), mx.int32)
+            with mx.stream(generation_stream):
+                t = time.perf_counter()
+                mx.eval(propose(pair, block, now.draft_cache, sp, key)[0])
+                drafting[bs].append(time.perf_counter() - t)
     seconds = {bs: statistics.median(times[(bs, 0)]) for bs in sizes}
     ratios = non_decreasing([seconds[bs] / seconds[1] for bs in range(2, max_bs + 1)])
     draft = {bs: statistics.median(ts) for bs, ts in drafting.items()}
@@ -167,6 +191,43 @@ def measure(
         "tree_depth": max_bs - 1,
         "context": context,
         "reps": reps,
+    }
+
+
+def contexts_for(pair: Pair, bs: int, contexts: tuple[int, ...] = LONG_CONTEXTS) -> list[int]:
+    """The long contexts the pair's target has room for (with a measurement round after)."""
+    room = pair.context_length - (PLAIN_BURST + 1 + 2 * bs) * 2
+    return [n for n in contexts if n <= room]
+
+
+def measure_contexts(
+    pair: Pair,
+    bs: int,
+    base: int = 128,
+    contexts: tuple[int, ...] = LONG_CONTEXTS,
+    reps: int = CONTEXT_REPS,
+    progress: Progress | None = None,
+) -> dict:
+    """A plain step and a greedy cycle of `bs` tokens timed at a short context (`base`) and at
+    the longer `contexts` the target has room for, and the fit `auto` prices long contexts with
+    (`ContextCost.fit`): ``{"long_context": {"base", "growth", "slope", "block_size",
+    "points": [{"context", "plain", "cycle"}]}}``."""
+    vocab = pair.drafter.config.vocab_size
+    points = []
+    for n in [base, *contexts_for(pair, bs, contexts)]:
+        ids = prompt_ids(vocab, n)
+        arms = [(1, 0), (bs, 0)]
+        times: dict[Arm, list[float]] = {arm: [] for arm in arms}
+        state, greedy = DecodeState(pair), SamplingParams()
+        for _, seconds in timed_rounds(pair, ids, arms, bs, greedy, reps, state, progress):
+            for arm, timed in seconds.items():
+                times[arm] += timed
+        plain, cycle = (statistics.median(times[arm]) for arm in arms)
+        points.append({"context": n, "plain": plain, "cycle": cycle})
+    fit = ContextCost.fit(points, bs)
+    return {
+        "long_context": {"base": fit.base, "growth": fit.growth, "slope": fit.slope}
+        | {"block_size": bs, "points": points}
     }
 
 
@@ -198,8 +259,7 @@ def measure_batches(
     prompt of `context` tokens) of B rows at each block size the batch rule weighs, and its
     ratio to a one-row plain step (`plain_seconds`): ``{"batches": {B: {bs: ratio}},
     "batch_seconds": ...}``. The first two cycles of each (B, bs) compile and are not kept."""
-    vocab = pair.drafter.config.vocab_size
-    ids = [(7919 * i + 11) % vocab for i in range(context)]
+    ids = prompt_ids(pair.drafter.config.vocab_size, context)
     seconds: dict[str, dict[str, float]] = {}
     for rows in batches:
         for bs in batch_sizes(bs_max):
@@ -246,17 +306,21 @@ def measure_both(
     reps: int = FULL_REPS,
     progress: Progress | None = None,
     batched: bool = False,
+    contexts: bool = False,
 ) -> dict:
     """The greedy curve, with the curve at SAMPLED_TEMP under "sampled" (what `auto` uses as
     its prior for requests with a temperature); `batched`, where the pair decodes in batches
     (serve --max-batch), also the batched cycles up to the pair's block size
-    (`measure_batches`)."""
+    (`measure_batches`); `contexts`, also how a cycle at the pair's block size grows with the
+    context (`measure_contexts`)."""
     curve = measure(pair, max_bs, context, reps, progress=progress)
     sampled = measure(pair, max_bs, context, reps, SAMPLED_TEMP, progress)
     curve |= {"sampled": {"temperature": SAMPLED_TEMP} | sampled}
     if batched and batch_reason(pair) is None:
         plain = curve["seconds"]["1"]
         curve |= measure_batches(pair, pair.block_size, plain, context=context, progress=progress)
+    if contexts:
+        curve |= measure_contexts(pair, pair.block_size, context, progress=progress)
     return curve
 
 
@@ -266,9 +330,10 @@ def rounds(reps: int) -> int:
 
 
 def all_rounds(pair: Pair, reps: int) -> int:
-    """How many times `measure_both(..., batched=True)` calls its `progress`."""
+    """How many times `measure_both(..., batched=True, contexts=True)` calls its `progress`."""
     batched = len(BATCHES) * len(batch_sizes(pair.block_size)) if batch_reason(pair) is None else 0
-    return rounds(reps) + batched
+    long = (1 + len(contexts_for(pair, pair.block_size))) * (CONTEXT_REPS + WARMUP_ROUNDS)
+    return rounds(reps) + batched + long
 
 
 def save(curve: dict, path: Path) -> Path:

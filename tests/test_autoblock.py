@@ -7,6 +7,7 @@ import json
 import random
 import threading
 import time
+from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
@@ -16,6 +17,7 @@ from dflash_mac.autoblock import (
     Acceptance,
     AutoTuning,
     BlockController,
+    ContextCost,
     CostCurve,
     CostModel,
     Decision,
@@ -760,6 +762,65 @@ def test_a_curve_at_a_long_context_charges_each_verified_token_for_the_context()
     assert short.at_context(4096).ratio(9) == pytest.approx(2.57, rel=0.05)
     assert short.at_context(2048).ratio(9) == pytest.approx(1.97, rel=0.1)
     assert short.at_context(6800).ratio(1) == 1.0 and not short.at_context(6800).measured
+
+
+def test_the_context_fit_recovers_how_costs_grow_and_auto_prices_with_it(tmp_path):
+    """`ContextCost.fit` inverts `at_context`: points timed on a machine whose plain step grows
+    0.3 and whose verified tokens add 0.1 per 1,000 tokens give those back, and a saved curve
+    with that fit prices long contexts by it (dearer than the default) while a malformed fit
+    falls back to the default. Control: points that do not grow fit zero growth."""
+    g, s, bs, base = 0.3, 0.1, 8, 128
+    points = []
+    for n in (base, 1024, 2048, 4096):
+        k = (n - base) / 1000
+        plain = 0.05 * (1 + g * k)
+        points.append({"context": n, "plain": plain, "cycle": plain + 0.05 * (0.6 + 7 * s * k)})
+    fit = ContextCost.fit(points, bs)
+    assert fit.measured and fit.base == base
+    assert fit.growth == pytest.approx(g) and fit.slope == pytest.approx(s)
+    flat = [dict(p, plain=0.05, cycle=0.08) for p in points]
+    assert ContextCost.fit(flat, bs).growth == 0 and ContextCost.fit(flat, bs).slope == 0
+    assert not ContextCost.fit(points[:1], bs).measured  # one context: nothing to fit
+    p = tmp_path / "c.json"
+    table = {"1": 1.0, "8": 1.6}
+    long = {"base": fit.base, "growth": fit.growth, "slope": fit.slope}
+    p.write_text(json.dumps({"ratios": table, "long_context": long}))
+    curve = CostCurve.load(p)
+    assert curve.context == fit and curve.at_context(4096).measured
+    expected = points[-1]["cycle"] / points[-1]["plain"]  # 0.6 extra at the base: 1.6
+    assert curve.at_context(4096).ratio(8) == pytest.approx(expected)
+    assert curve.at_context(4096).ratio(8) > CostCurve({1: 1.0, 8: 1.6}).at_context(4096).ratio(8)
+    p.write_text(json.dumps({"ratios": table, "long_context": {"base": "x"}}))
+    assert CostCurve.load(p).context == ContextCost() and not CostCurve.load(p).context.measured
+
+
+def test_bench_cost_curve_times_long_contexts_and_auto_takes_the_fit(
+    tiny_pair, tmp_path, monkeypatch
+):
+    """The long-context part of `bench --cost-curve` on a real (tiny) pair: a plain step and a
+    cycle timed at each context that fits, shown as a table, saved, and the prior of the long
+    bands from then on."""
+    from dflash_mac.bench.costcurve import render
+    from dflash_mac.calibrate import contexts_for, measure, measure_contexts, save
+    from dflash_mac.policy import cost_curve_path, load_tuning
+
+    monkeypatch.setenv("DFLASH_MAC_HOME", str(tmp_path))
+    pair = tiny_pair
+    small = SimpleNamespace(context_length=2048)  # 2,048 leaves no room for the cycles
+    assert contexts_for(small, 3) == [1024] and contexts_for(small, 3, (512, 4096)) == [512]
+    curve = measure(pair, max_bs=3, context=16, reps=1)
+    curve |= measure_contexts(pair, 3, base=16, contexts=(256, 1024, 4096), reps=1)
+    long = curve["long_context"]
+    assert [p["context"] for p in long["points"]] == [16, 256, 1024]
+    assert all(p["cycle"] > 0 and p["plain"] > 0 for p in long["points"])
+    assert long["base"] == 16 and long["block_size"] == 3 and long["growth"] >= 0
+    table = render(curve)
+    rows = table[table.index("Long contexts") :].splitlines()[2:5]
+    assert [int(r.split()[0]) for r in rows] == [16, 256, 1024]
+    save(curve, cost_curve_path(pair))
+    tuning = load_tuning(pair)
+    prior = tuning.prior(3, sampled=False, band=1024)
+    assert prior.context == ContextCost.read(long) and prior.context.measured and prior.measured
 
 
 def test_long_contexts_keep_a_cost_model_per_band():

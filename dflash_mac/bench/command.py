@@ -139,9 +139,9 @@ def cost_curve_command(
             pair = random_pair(shape, shape_dtype)
     else:
         pair = load_pair(model, draft, draft_bits=draft_bits).pair
-    title = "Timing cycles at block size 1..16, greedy and at T 0.7, then batched"
+    title = "Timing cycles at block size 1..16, greedy and at T 0.7, batched, long contexts"
     with progress_bar(title, all_rounds(pair, FULL_REPS)) as step:
-        curve = measure_both(pair, progress=step, batched=True)
+        curve = measure_both(pair, progress=step, batched=True, contexts=True)
     curve |= {"header": header(pair) | {"load_avg": [load_average()]}}
     typer.echo(render(curve), nl=False)
     path = save(curve, cost_curve_path(pair))
@@ -228,8 +228,9 @@ def bench_command(
         False,
         "--cost-curve",
         help="Measure the cost of a cycle at block size 1..16 against a plain step on this "
-        "machine (and of batched cycles of 2, 4 and 8 rows), print it and save it as the prior "
-        "of --block-size auto and of serve --max-batch.",
+        "machine (and of batched cycles of 2, 4 and 8 rows, and how a cycle's cost grows with "
+        "the context up to 4,096 tokens), print it and save it as the prior of --block-size "
+        "auto and of serve --max-batch.",
     ),
     shape: str | None = typer.Option(
         None,

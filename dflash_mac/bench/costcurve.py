@@ -4,6 +4,8 @@ measures the quick curve front ends save at the first use of `--block-size auto`
 
 from __future__ import annotations
 
+from dflash_mac.autoblock import ContextCost, CostCurve
+
 
 def render(curve: dict, width: int = 40) -> str:
     """A table and a terminal plot of the ratios (each also the break-even τ: the tokens a
@@ -48,7 +50,7 @@ def render(curve: dict, width: int = 40) -> str:
         for b, r in sorted(trees.items()):
             t = f"   T {sampled['temperature']:g}: {s_trees[b]:.2f}" if b in s_trees else ""
             lines.append(f"{b:>3} nodes {r:>8.2f}{t}  {'█' * max(1, round(width * r / top))}")
-    lines += batch_rows(curve)
+    lines += batch_rows(curve) + context_rows(curve)
     return "\n".join(lines) + "\n"
 
 
@@ -67,4 +69,29 @@ def batch_rows(curve: dict) -> list[str]:
         first = row.get(str(sizes[0]))
         per = f"{first / int(rows):>10.2f}" if first else ""
         lines.append(f"{rows:>4} {cells}{per}")
+    return lines
+
+
+def context_rows(curve: dict) -> list[str]:
+    """The long-context table: a plain step and a cycle of the pair's block size timed at each
+    context, the cycle in that context's plain steps as timed and as `auto` prices it (the
+    fit, `ContextCost`), and the fit in words."""
+    long = curve.get("long_context")
+    if not long or not long.get("points"):
+        return []
+    bs, fit = long["block_size"], ContextCost.read(long)
+    first = long["points"][0]
+    priced = CostCurve({1: 1.0, bs: first["cycle"] / first["plain"]}, context=fit)
+    lines = [
+        f"Long contexts, a plain step and a cycle of bs {bs} (greedy):",
+        "context   plain ms   cycle ms   × plain step   fit",
+    ]
+    for p in long["points"]:
+        n, plain, cycle = p["context"], p["plain"], p["cycle"]
+        at = priced.at_context(n).ratio(bs)
+        lines.append(
+            f"{n:>7} {1000 * plain:>10.2f} {1000 * cycle:>10.2f} {cycle / plain:>14.2f} {at:>5.2f}"
+        )
+    lines.append(f"fit: per 1,000 tokens past {fit.base}, a plain step grows by {fit.growth:.3f}")
+    lines.append(f"and each extra verified token adds {fit.slope:.3f} (plain steps at {fit.base}).")
     return lines

@@ -87,6 +87,10 @@ def test_bench_cost_curve_saves_a_greedy_and_a_sampled_table(cli):
     assert "Batched cycles" in r.stdout and set(batches) == {"2", "4", "8"}
     widest = str(max(int(b) for b in batches["8"]))
     assert batches["8"][widest] > batches["2"]["1"] > 0  # 8 rows of a wide block cost more
+    # how a cycle's cost grows with the context (the long bands' prior), up to what fits
+    long = curve["long_context"]
+    assert [p["context"] for p in long["points"]] == [128, 1024]  # a 2,048-token target
+    assert "Long contexts" in r.stdout and long["growth"] >= 0 and long["slope"] >= 0
     r = cli("generate", "hi", "-n", str(N), "--temp", "0.7", "--json")  # auto on that prior
     assert r.returncode == 0, r.stderr
 

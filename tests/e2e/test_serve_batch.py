@@ -1,6 +1,7 @@
 """`dflash-mac serve --max-batch 8` as a user starts it: eight real `openai` clients at once get
-the answers each gets alone (a fresh subprocess on loopback, bounded in time; the reference
-BLAS, whose matmuls are row-invariant, so batched rows are bitwise the rows alone)."""
+the answers each gets alone, some asking their own block size (a fresh subprocess on loopback,
+bounded in time; the reference BLAS, whose matmuls are row-invariant, so batched rows are
+bitwise the rows alone)."""
 
 from __future__ import annotations
 
@@ -25,11 +26,14 @@ QUESTIONS = [
     "Name three colours.",
 ]
 
+SIZES = [1, 3, "auto"]
+
 
 def ask(root: str, i: int) -> str:
     client = openai.OpenAI(base_url=root + "/v1", api_key="x", max_retries=0, timeout=60)
     messages = [{"role": "user", "content": QUESTIONS[i]}]
-    kw = {"max_tokens": 12 + 3 * i, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    extra = {"ignore_eos": True, "block_size": SIZES[i % 3]}  # rows of three sizes share a batch
+    kw = {"max_tokens": 12 + 3 * i, "temperature": 0, "extra_body": extra}
     if i % 2:
         parts = client.chat.completions.create(model="m", messages=messages, stream=True, **kw)
         return "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
@@ -49,9 +53,24 @@ def test_eight_concurrent_clients_get_their_solo_answers(cli, tmp_path):
             together = list(pool.map(lambda i: ask(srv.root, i), range(8)))
         stats = httpx.get(srv.root + "/v1/dflash/stats", timeout=10).json()
         alone = [ask(srv.root, i) for i in range(8)]  # one at a time: a batch of one
+        # the size a request ran is in the answer; Ollama's options carry it too
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        ran = post(srv.root + "/v1/chat/completions", body | {"block_size": 3})
+        ollama = {"model": "m", "messages": body["messages"], "stream": False}
+        plain = post(srv.root + "/api/chat", ollama | {"options": {"block_size": 1}})
+        refused = httpx.post(srv.root + "/v1/chat/completions", json=body | {"block_size": 99})
     finally:
         srv.stop()
         del cli.env["DFLASH_MAC_BLAS"]
     assert together == alone
     assert all(together)
     assert stats["batch"]["max_batch"] == 8 and stats["batch"]["mean_occupancy"] > 1.5
+    assert ran["dflash"]["block_size"] == 3 and plain["message"]["content"]
+    assert plain["dflash"]["block_size"] == 1 and plain["dflash"]["draft_cycles"] == 0
+    assert refused.status_code == 400 and "block_size" in refused.json()["error"]["message"]
+
+
+def post(url: str, body: dict) -> dict:
+    r = httpx.post(url, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
