@@ -15,7 +15,8 @@ Block size 1 is plain target decoding (no drafter pass). When drafting does not 
 controller falls back to it and probes one drafting cycle now and then, a chain (the cheapest
 cycle that measures acceptance; trees compete again once drafting pays), twice as late after
 a probe that did not pay, judged on its measured time, twice as soon after one that did; at
-most 256 steps apart, fewer the more drafting gained lately. It falls back 5 % below a plain
+most 256 steps apart, fewer the more drafting gained lately (realised: tokens per cycle time,
+never the guess a fresh controller starts from). It falls back 5 % below a plain
 step's rate and resumes only 10 % above it, so it does not flap. A size next to the chosen one
 that is within 5 % of it and still has only the prior's cost runs now and then until it was
 timed a few times, so a prior that is a few per cent off at a size is corrected. Greedy and
@@ -364,6 +365,7 @@ class BlockController:
     NEIGHBOUR_TIMINGS = 3  # timed cycles a size gets that way (its first is never timed)
     NEIGHBOUR_EVERY = 16  # drafting cycles between two of them
     GUESS_WEIGHT = 8.0  # drafting cycles the generic guess is worth at first (fading as theirs)
+    GAIN_ALPHA = 0.1  # the realised rate's average: a lucky block alone moves it little
 
     def __init__(
         self,
@@ -404,6 +406,7 @@ class BlockController:
             self.interval = self.countdown = 8 * probe_every
             self.probe_max = 32 * probe_every
         self.upside = 0.0  # how much faster than plain steps drafting ran lately (decaying)
+        self.realised = 1.0  # drafting cycles' tokens per plain-step time, averaged (GAIN_ALPHA)
         self.cycles = 0
         self.idle = 0  # cycles since the last drafting one was observed
         self.timed = timed  # False: decide from the prior costs only (reproducible choices)
@@ -412,15 +415,18 @@ class BlockController:
         self.last = Decision(1 if plain_first else bs_max, "start")
         self.memory: str | None = None  # where its acceptance is remembered (policy.py)
 
-    def start_from(self, state: object) -> bool:
+    def start_from(self, state: object, lower: bool = False) -> bool:
         """Start from remembered acceptance (`Acceptance.restore`) where it expects more tokens
-        at the largest size than the current estimate: a memory only ever raises the start (a
+        at the largest size than the current estimate: a memory only raises the start (a
         pessimistic one would keep drafting off on text the drafter predicts well until probes
-        pay; without it a poor start falls back within a few cycles anyway)."""
+        pay; without it a poor start falls back within a few cycles anyway). `lower`: take a
+        pessimistic one too (long contexts, where those few cycles are dear and drafters
+        trained on short text mostly lose: it then starts with plain steps and probes)."""
         remembered = Acceptance(self.bs_max, self.acc.decay, self.acc.prior, self.acc.weight)
         if not remembered.restore(state):
             return False
-        if remembered.expected_tokens(self.bs_max) <= self.acc.expected_tokens(self.bs_max):
+        more = remembered.expected_tokens(self.bs_max) > self.acc.expected_tokens(self.bs_max)
+        if not (more or lower):
             return False
         self.acc = remembered
         return True
@@ -539,7 +545,6 @@ class BlockController:
             self.last = Decision(near, f"timing block {near} (close to {cur})", rates)
         else:
             self.last = Decision(cur, f"expected {rates[cur]:.2f}× a plain step", rates)
-            self.upside = max(self.upside, rates[cur] / rates[1] - 1.0)
         if self.plain_first and self.last.size == 1:
             self.last = replace(self.last, reason=f"long context, {self.last.reason}")
         return self.last
@@ -596,10 +601,14 @@ class BlockController:
             self.tree_acc.observe(tree, accepted + 1)
         self.acc.observe(bs, chain if tree else accepted, self.idle)
         self.idle = 0
-        if self.fallback:  # a probe: sooner next time if it paid, else later
-            spent = cost.cost(tree or bs)
-            if seconds is not None and self.timed and self.cost.unit:
-                spent = max(spent, seconds / self.cost.unit)
+        spent = cost.cost(tree or bs)
+        if seconds is not None and self.timed and self.cost.unit:
+            spent = max(spent, seconds / self.cost.unit)
+        if not self.fallback:  # the upside is what drafting realised, never what it expected
+            rate = (accepted + 1) / spent
+            self.realised += self.GAIN_ALPHA * (rate - self.realised)
+            self.upside = max(self.upside, self.realised - 1.0)
+        else:  # a probe: sooner next time if it paid, else later
             paid = accepted + 1 >= spent
             grown = self.interval // 2 if paid else 2 * self.interval
             self.interval = min(max(grown, self.probe_base), self.probe_cap())
@@ -675,7 +684,8 @@ class AutoTuning:
         """The controller of a request, up to `bs_max`. Where the drafter is known to lose on
         long contexts, a long request starts with plain decoding and drafts only when its
         probes pay. A new controller starts from the remembered acceptance of its setting where
-        that is better than the guess (`start_from`). `timed=False` (seeded sampling): a fresh
+        that is better than the guess, and in a long band whatever it is (`start_from`).
+        `timed=False` (seeded sampling): a fresh
         controller on the prior alone, so the sizes, and with them the random draws, depend
         only on the seed and the text."""
         band = self.band(context_tokens)
@@ -703,7 +713,7 @@ class AutoTuning:
         if timed:
             if not loses:  # known-losing contexts keep their pessimistic start, unremembered
                 controller.memory = json.dumps([bs_max, list(setting), band > 0])
-                controller.start_from(self.remembered.get(controller.memory))
+                controller.start_from(self.remembered.get(controller.memory), lower=band > 0)
             self.controllers[key] = controller
         return controller
 

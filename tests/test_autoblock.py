@@ -391,6 +391,23 @@ def test_a_slow_plain_step_does_not_make_drafting_look_cheap():
     assert model.cost(3) >= 1.0 + (CostCurve.generic(8).ratio(3) - 1.0) / (2 * CostModel.TRUST)
 
 
+def test_only_realised_gains_bring_the_probes_closer():
+    """The wait between probes shortens with what drafting gained lately: cycles that
+    committed more than they cost, never a fresh controller's guess. (A guess of 2.1x kept a
+    long prompt's probes at T 0.7 about 20 cycles apart where none paid: 0.94x plain.)
+    Control: a run whose drafts are all accepted does bring them closer."""
+    ctl = controller()
+    first = ctl.choose()
+    assert first.size > 1 and first.rates[first.size] > 1.5  # the guess: drafting pays well
+    rejected = drive(ctl, lambda bs: 0, 200)
+    assert ctl.upside == 0 and ctl.probe_cap() == ctl.probe_max
+    gaps = [i for i, b in enumerate(rejected) if b > 1][-3:]
+    assert gaps[-1] - gaps[-2] >= 64  # probes back off far
+    paid = controller()
+    drive(paid, lambda bs: bs - 1, 40)  # whole blocks: 8 tokens for about 2 steps' time
+    assert paid.upside > 1.0 and paid.probe_cap() < 32
+
+
 def test_probes_back_off_when_one_lucky_block_is_all_they_see():
     """At sampling-like acceptance (30 %) drafting never pays; a probe that happens to accept
     a few drafts must not bring the probes back to every 8 plain steps."""
@@ -762,6 +779,25 @@ def test_a_curve_at_a_long_context_charges_each_verified_token_for_the_context()
     assert short.at_context(4096).ratio(9) == pytest.approx(2.57, rel=0.05)
     assert short.at_context(2048).ratio(9) == pytest.approx(1.97, rel=0.1)
     assert short.at_context(6800).ratio(1) == 1.0 and not short.at_context(6800).measured
+
+
+def test_a_long_band_starts_from_a_poor_memory_with_plain_steps():
+    """Long contexts take a remembered acceptance that is worse than the guess too: a setting
+    that lost there before starts with plain steps and probes, instead of drafting about a
+    dozen dear cycles to learn it again (0.9x of a 96-token answer on 2k tokens at T 0.7).
+    Control: a short context keeps the guess, and a good probe still brings drafting back."""
+    poor = Acceptance(BS)
+    for _ in range(50):
+        poor.observe(BS, 0)
+    setting, memory = (0.7, 1.0, 0, 0.0), json.dumps([BS, [0.7, 1.0, 0, 0.0], True])
+    tuning = AutoTuning(greedy_curve=CURVE, sampled_curve=CURVE, remembered={memory: poor.state()})
+    long = tuning.controller(BS, setting, 2000, sampled=True)
+    assert long.memory == memory and long.acc.alphas(1)[0] < 0.2
+    sizes = drive(long, lambda bs: bs - 1, 80)  # then the text turns predictable
+    assert sizes[:6] == [1] * 6 and sizes[-30:] == [BS] * 30  # back within a few probes
+    short = tuning.controller(BS, setting, 100, sampled=True)
+    assert short.acc.alphas(1)[0] == pytest.approx(0.7) and short.choose().size > 1
+    assert not BlockController(BS, CostModel(CURVE)).start_from(poor.state())
 
 
 def test_the_context_fit_recovers_how_costs_grow_and_auto_prices_with_it(tmp_path):
