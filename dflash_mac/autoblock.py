@@ -30,6 +30,8 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from .copydraft import CopyRates
+
 # A generic prior: a drafting cycle costs a one-token step, plus the drafter pass and the extra
 # verify width. Replaced by the measured curve when one is saved for the pair and machine.
 PRIOR_DRAFT_OVERHEAD = 0.5
@@ -414,6 +416,7 @@ class BlockController:
         self.neighbour_countdown = self.NEIGHBOUR_EVERY
         self.last = Decision(1 if plain_first else bs_max, "start")
         self.memory: str | None = None  # where its acceptance is remembered (policy.py)
+        self.copy_rates = CopyRates()  # what its requests' copies got (they go on from it)
 
     def start_from(self, state: object, lower: bool = False) -> bool:
         """Start from remembered acceptance (`Acceptance.restore`) where it expects more tokens

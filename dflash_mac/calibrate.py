@@ -37,6 +37,7 @@ from mlx_lm.generate import generation_stream
 
 from .autoblock import TREES, ContextCost, Decision
 from .batch import batch_reason
+from .copydraft import CopyRates
 from .batch_loop import BatchEngine, BatchRequest
 from .batch_rule import BatchBlockRule
 from .cycle import propose, trees_allowed
@@ -73,6 +74,7 @@ class ScriptedSizes:
         self.last = Decision(arms[0][0], "measuring", tree=arms[0][1])
         self.updates = 0
         self.seconds: dict[Arm, list[float]] = {}
+        self.copy_rates = CopyRates()  # (the measurement copies nothing)
 
     def choose(self) -> Decision:
         size, tree = self.script[min(self.next, len(self.script) - 1)]

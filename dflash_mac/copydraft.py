@@ -113,11 +113,27 @@ class CopyIndex:
 
 
 @dataclass
+class CopyRates:
+    """What copies got, as moving averages: how often a copied token follows an accepted one
+    after a copy accepted whole (an edit copying its file goes on) and after a partial one, and
+    what doubtful copies (after a partial one) commit and how often none (from the edit
+    suite's replay, docs/design.md §6). Kept by whoever continues requests of one setting (the
+    `auto` controller), so a request starts from what the last ones' copies got: a sampled
+    target turns down more copied tokens than a greedy one."""
+
+    sure_rate: float = 0.95
+    doubtful_rate: float = 0.6
+    doubtful_hit: float = 2.7
+    doubtful_zero: float = 0.3
+
+
+@dataclass
 class CopyPolicy:
     """How long the next copy may be: it doubles after a fully accepted copy (up to `longest`),
     shrinks to what was accepted plus two after a partial one; `patience` misses in a row pause
     copying for `pause` cycles, each pause twice the last (reset by a hit). After a partial
-    copy the next is not `sure`: where a tree is due, it may become a branch of that tree."""
+    copy the next is not `sure`: where a tree is due, it may become a branch of that tree.
+    `rates`: what copies got (`CopyRates`), passed in where they outlive the request."""
 
     longest: int = 32  # a 32-token verify costs ~3 plain steps on a CPU, less on a GPU
     budget: int = 8
@@ -126,20 +142,14 @@ class CopyPolicy:
     pause: int = 8
     paused: int = 0
     sure: bool = False  # the last copy was accepted whole (else a tree cycle may hedge it)
-    # doubtful copies (after a partial one): tokens they commit and how often none, moving
-    # averages from the edit suite's replay (docs/design.md §6)
-    doubtful_hit: float = 2.7
-    doubtful_zero: float = 0.3
-    # how often a copied token follows an accepted one (moving averages): after a copy that
-    # was accepted whole (an edit copying its file goes on) and after a partial one
-    sure_rate: float = 0.95
-    doubtful_rate: float = 0.6
+    rates: CopyRates = field(default_factory=CopyRates)
     counts: dict[str, int] = field(default_factory=lambda: {"cycles": 0, "tokens": 0})
 
     @property
     def rate(self) -> float:
         """How often the next copy's tokens are expected to follow accepted ones."""
-        return self.sure_rate if self.sure else self.doubtful_rate
+        r = self.rates
+        return r.sure_rate if self.sure else r.doubtful_rate
 
     def length(self) -> int:
         """The most tokens to copy this cycle (0: no copy now)."""
@@ -151,14 +161,15 @@ class CopyPolicy:
     def update(self, proposed: int, accepted: int) -> None:
         self.counts["cycles"] += 1
         self.counts["tokens"] += accepted
+        r = self.rates
         if not self.sure:
-            self.doubtful_hit += 0.1 * (accepted - self.doubtful_hit)
-            self.doubtful_zero += 0.1 * ((accepted == 0) - self.doubtful_zero)
+            r.doubtful_hit += 0.1 * (accepted - r.doubtful_hit)
+            r.doubtful_zero += 0.1 * ((accepted == 0) - r.doubtful_zero)
         rate = accepted / max(min(accepted + 1, proposed), 1)  # a rejection ends the tries
         if self.sure:
-            self.sure_rate += 0.1 * (rate - self.sure_rate)
+            r.sure_rate += 0.1 * (rate - r.sure_rate)
         else:
-            self.doubtful_rate += 0.1 * (rate - self.doubtful_rate)
+            r.doubtful_rate += 0.1 * (rate - r.doubtful_rate)
         self.sure = accepted == proposed
         if accepted == proposed:
             self.budget = min(self.longest, 2 * self.budget)

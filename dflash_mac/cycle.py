@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from .capture import FeatureCapture, queues_layers
 from .constraints import Constraint, Grammar
-from .copydraft import CopyIndex, CopyPolicy
+from .copydraft import CopyIndex, CopyPolicy, CopyRates
 from .models.penalties import Penalties, PenaltyContext, draft_sequential
 from .pair import Pair
 from .sampling import (
@@ -304,6 +304,7 @@ class CyclePipeline:
         tree: Callable[[], int] | None = None,
         graft: Callable[[int, int, CopyPolicy], bool] | None = None,
         copy_len: Callable[[int, CopyPolicy], int] | None = None,
+        copy_rates: CopyRates | None = None,
     ):
         self.pair, self.state, self.cap, self.sp, self.size = pair, state, cap, sp, size
         self.pen = penalties
@@ -322,7 +323,7 @@ class CyclePipeline:
         self.graft = graft  # (copy length, tree budget, policy) -> graft it; None: always
         self.copy_len = copy_len  # (longest copy, policy) -> tokens to copy; None: the longest
         self.ropes = ropes(pair.target) if trees else []  # found once, hooked per tree verify
-        self.policy = CopyPolicy()
+        self.policy = CopyPolicy(rates=copy_rates or CopyRates())  # rates: the caller's to keep
         self.queued: Cycle | None = None  # the next cycle, queued ahead
         self.chosen: int | None = None  # the next size, chosen before a plain step's sync
         self.last_bs = 0  # the previous cycle's size (0: none yet)

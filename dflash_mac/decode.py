@@ -154,7 +154,7 @@ def speculative_stream(
         return plan.last.tree if plan else trees[0] if trees and not chains else 0
 
     def graft(copy: int, budget: int, policy: CopyPolicy) -> bool:  # where the costs say so
-        return plan.graft_pays(budget, copy, policy.doubtful_hit, policy.doubtful_zero)
+        return plan.graft_pays(budget, copy, policy.rates.doubtful_hit, policy.rates.doubtful_zero)
 
     def copy_len(longest: int, policy: CopyPolicy) -> int:  # as long as the costs say it pays
         return plan.copy_length(longest, policy.rate)
@@ -172,6 +172,7 @@ def speculative_stream(
         pipe = CyclePipeline(
             pair, state, cap, sp, size, pen, cfg.seed, cfg.pipeline, *asks, tree=budget,
             graft=graft if plan else None, copy_len=copy_len if plan else None,
+            copy_rates=plan.copy_rates if plan else None,
         )  # fmt: skip
         logits = prefill(pair, state, prompt_ids, cap, cfg.prefill_step_size)
         anchor = pipe.first_token(logits, prompt_ids)

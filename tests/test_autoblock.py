@@ -22,6 +22,7 @@ from dflash_mac.autoblock import (
     CostModel,
     Decision,
 )
+from dflash_mac.copydraft import CopyRates
 from dflash_mac.cycle import DraftContext
 from dflash_mac.decode import DecodeState, GenerationConfig, speculative_stream
 from dflash_mac.policy import BlockChoice, block_size_for, parse_block_size
@@ -185,6 +186,7 @@ class Scripted:
     def __init__(self, sizes: list[int]):
         self.sizes, self.i = sizes, 0
         self.last = Decision(1, "scripted")
+        self.copy_rates = CopyRates()
 
     def choose(self) -> Decision:
         self.last = Decision(self.sizes[self.i % len(self.sizes)], "scripted")
@@ -544,6 +546,7 @@ def test_cycles_are_timed_only_after_one_of_their_kind(tiny_pair):
     class Scripted:
         def __init__(self):
             self.updates, self.last = [], Decision(3, "scripted")
+            self.copy_rates = CopyRates()
 
         def choose(self):
             self.last = Decision(next(sizes), "scripted")

@@ -4,13 +4,18 @@ exact distribution (chi-square, with a lossy rule the test must reject)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 import pytest
 from dflash_mac.models.distribution import SamplingParams
 from test_sampling import chi_square_p, exact_joint, small_pair  # noqa: F401  (fixture)
 
 from dflash_mac.api import generate
-from dflash_mac.copydraft import CopyIndex, CopyPolicy
+from dflash_mac.autoblock import AutoTuning
+from dflash_mac.copydraft import CopyIndex, CopyPolicy, CopyRates
+from dflash_mac.decode import GenerationConfig, speculative_stream
+from dflash_mac.policy import BlockChoice
 from dflash_mac.session import Session
 from dflash_mac.testing.oracle import OracleDrafter, with_drafter
 
@@ -149,11 +154,35 @@ def test_a_lossy_copy_rule_is_detected(small_pair, monkeypatch):  # noqa: F811
 
 def test_the_policy_keeps_apart_how_whole_and_partial_copies_go_on():
     policy = CopyPolicy()
-    sure, doubtful = policy.sure_rate, policy.doubtful_rate
+    rates = policy.rates
+    sure, doubtful = rates.sure_rate, rates.doubtful_rate
     policy.update(8, 2)  # a partial copy (the policy was not sure): the doubtful rate moves
-    assert policy.doubtful_rate != doubtful and policy.sure_rate == sure
-    assert not policy.sure and policy.rate == policy.doubtful_rate
+    assert rates.doubtful_rate != doubtful and rates.sure_rate == sure
+    assert not policy.sure and policy.rate == rates.doubtful_rate
     policy.update(4, 4)  # whole: the next is sure
-    assert policy.sure and policy.rate == policy.sure_rate
+    assert policy.sure and policy.rate == rates.sure_rate
     policy.update(8, 1)  # a sure copy that broke off early lowers the sure rate
-    assert policy.sure_rate < sure
+    assert rates.sure_rate < sure
+
+
+def test_what_copies_got_carries_over_to_the_next_request_of_the_setting(tiny_pair):
+    """The `auto` controller of a setting keeps its requests' copy rates (`CopyRates`): the next
+    request starts from what the last ones' copies got, not from the fresh 0.95 / 0.6 (a
+    sampled target that turned copies down does not pay for them again). Control: a request
+    with a fixed block size keeps its rates to itself."""
+    tok = tiny_pair.tokenizer
+    src = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
+    ids = tok.encode(src * 3 + "# again\n" + src[:20])
+    cfg = GenerationConfig(48, use_eos=False)
+    tuning = AutoTuning()
+    first = list(speculative_stream(tiny_pair, ids, cfg, tuning=tuning))
+    assert first[-1].stats.copied.count(True) > 0
+    (ctl,) = tuning.controllers.values()
+    learnt = replace(ctl.copy_rates)
+    assert learnt != CopyRates()  # the copies moved them
+    list(speculative_stream(tiny_pair, ids, cfg, tuning=tuning))
+    assert ctl.copy_rates != learnt  # the next request's copies went on from them
+    kept = replace(ctl.copy_rates)
+    fixed = GenerationConfig(48, use_eos=False, block=BlockChoice(4))
+    assert any(e.stats.copied.count(True) for e in speculative_stream(tiny_pair, ids, fixed))
+    assert ctl.copy_rates == kept

@@ -16,6 +16,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 from scipy.stats import chisquare
 
 from dflash_mac import hooks, hybrid
+from dflash_mac.copydraft import CopyRates
 from dflash_mac.decode import DecodeState, GenerationConfig, speculative_stream
 from dflash_mac.loading import LoadedPair, load
 from dflash_mac.policy import BlockChoice
@@ -317,6 +318,7 @@ class Sizes:
 
     def __init__(self, sizes: list[int]):
         self.sizes, self.i = sizes, 0
+        self.copy_rates = CopyRates()
 
     def choose(self):
         from dflash_mac.autoblock import Decision
