@@ -37,9 +37,9 @@ from mlx_lm.generate import generation_stream
 
 from .autoblock import TREES, ContextCost, Decision
 from .batch import batch_reason
-from .copydraft import CopyRates
 from .batch_loop import BatchEngine, BatchRequest
 from .batch_rule import BatchBlockRule
+from .copydraft import CopyRates
 from .cycle import propose, trees_allowed
 from .decode import DecodeState, GenerationConfig, speculative_stream
 from .pair import Pair
