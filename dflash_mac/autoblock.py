@@ -16,8 +16,8 @@ controller falls back to it and probes one drafting cycle now and then, a chain 
 cycle that measures acceptance; trees compete again once drafting pays), twice as late after
 a probe that did not pay, judged on its measured time, twice as soon after one that did; at
 most 256 steps apart, fewer the more drafting gained lately (realised: tokens per cycle time,
-never the guess a fresh controller starts from). It falls back 5 % below a plain
-step's rate and resumes only 10 % above it, so it does not flap. A size next to the chosen one
+never the guess a fresh controller starts from). It falls back 5 % below a plain step's rate
+and resumes only 10 % above it, so it does not flap. A size next to the chosen one
 that is within 5 % of it and still has only the prior's cost runs now and then until it was
 timed a few times, so a prior that is a few per cent off at a size is corrected. Greedy and
 sampled decoding keep apart cost models (policy.auto_controller). Pure Python (no MLX):
@@ -688,9 +688,8 @@ class AutoTuning:
         long contexts, a long request starts with plain decoding and drafts only when its
         probes pay. A new controller starts from the remembered acceptance of its setting where
         that is better than the guess, and in a long band whatever it is (`start_from`).
-        `timed=False` (seeded sampling): a fresh
-        controller on the prior alone, so the sizes, and with them the random draws, depend
-        only on the seed and the text."""
+        `timed=False` (seeded sampling): a fresh controller on the prior alone, so the sizes,
+        and with them the random draws, depend only on the seed and the text."""
         band = self.band(context_tokens)
         loses = self.loses_from is not None and context_tokens >= self.loses_from
         key = (bs_max, setting, band, loses, trees, chains)
