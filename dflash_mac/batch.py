@@ -42,10 +42,13 @@ ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads", "n
 
 
 class RowCaches:
-    """One layer's caches of the rows of a batch: the `cache` argument of a ragged forward."""
+    """One layer's caches of the rows of a batch: the `cache` argument of a ragged forward.
+    `lengths`: the rows' token counts when they are packed into one sequence `[1, sum]`
+    (rows of different lengths); None: stacked `[B, L]`."""
 
-    def __init__(self, rows: list[KVCache]):
+    def __init__(self, rows: list[KVCache], lengths: list[int] | None = None):
         self.rows = rows
+        self.lengths = lengths
 
     def make_mask(self, *args, **kwargs) -> None:
         return None  # each row makes its own (RaggedAttention)
@@ -59,6 +62,8 @@ class RaggedAttention:
     def __call__(self, attn, call, x: mx.array, mask=None, cache=None) -> mx.array:
         if not isinstance(cache, RowCaches):
             return call(x, mask, cache=cache)
+        if cache.lengths is not None:
+            return self.packed(attn, x, cache)
         B, L, _ = x.shape
         q = attn.q_proj(x).reshape(B, L, attn.n_heads, -1)
         k = attn.k_proj(x).reshape(B, L, attn.n_kv_heads, -1)
@@ -77,6 +82,29 @@ class RaggedAttention:
                 scaled_dot_product_attention(qi, ki, vi, cache=c, scale=attn.scale, mask=row_mask)
             )
         out = mx.concatenate(outs).transpose(0, 2, 1, 3).reshape(B, L, -1)
+        return attn.o_proj(out)
+
+    def packed(self, attn, x: mx.array, cache: RowCaches) -> mx.array:
+        """Rows of different lengths packed into `x [1, sum L, D]`: the projections once, then
+        each row's span with its own RoPE offset, cache and mask, as that row alone."""
+        _, T, _ = x.shape
+        q = attn.q_proj(x).reshape(1, T, attn.n_heads, -1)
+        k = attn.k_proj(x).reshape(1, T, attn.n_kv_heads, -1)
+        v = attn.v_proj(x).reshape(1, T, attn.n_kv_heads, -1)
+        if hasattr(attn, "q_norm"):  # Qwen3
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))  # [1, H, T, hd]
+        outs, start = [], 0
+        for c, n in zip(cache.rows, cache.lengths):
+            span = slice(start, start + n)
+            row_mask = create_attention_mask(x[:, span], c)  # before the update, as alone
+            qi = attn.rope(q[:, :, span], offset=c.offset)
+            ki, vi = c.update_and_fetch(attn.rope(k[:, :, span], offset=c.offset), v[:, :, span])
+            outs.append(
+                scaled_dot_product_attention(qi, ki, vi, cache=c, scale=attn.scale, mask=row_mask)
+            )
+            start += n
+        out = mx.concatenate(outs, axis=2).transpose(0, 2, 1, 3).reshape(1, T, -1)
         return attn.o_proj(out)
 
 
@@ -110,11 +138,26 @@ def ragged_hooks(pair: Pair) -> ExitStack:
     return stack
 
 
-def forward_rows(pair: Pair, tokens: mx.array, states: list[DecodeState]) -> mx.array:
+def forward_rows(
+    pair: Pair, tokens: mx.array | list[mx.array], states: list[DecodeState]
+) -> mx.array | list[mx.array]:
     """The target on `tokens [B, L]`, row i continuing `states[i]`'s cache: logits
-    [B, L, V], lazily (inside `ragged_hooks`)."""
-    caches = [RowCaches(list(layer)) for layer in zip(*(s.target_cache for s in states))]
-    return pair.target(tokens, cache=caches)
+    [B, L, V], lazily (inside `ragged_hooks`). `tokens` may be a list of rows of different
+    lengths [L_i]: they run packed in one pass, and the logits come back per row, [L_i, V]."""
+    lengths = None
+    if isinstance(tokens, list):
+        lengths = [int(t.shape[0]) for t in tokens]
+        tokens = mx.stack(tokens) if len(set(lengths)) == 1 else mx.concatenate(tokens)[None]
+        lengths = None if tokens.shape[0] == len(lengths) else lengths
+    layers = zip(*(s.target_cache for s in states))
+    logits = pair.target(tokens, cache=[RowCaches(list(layer), lengths) for layer in layers])
+    return logits if lengths is None else split_rows(logits, lengths)
+
+
+def split_rows(x: mx.array, lengths: list[int]) -> list[mx.array]:
+    """A packed `[1, sum L, ...]` back into rows `[L_i, ...]`."""
+    ends = [sum(lengths[: i + 1]) for i in range(len(lengths) - 1)]
+    return mx.split(x[0], ends) if ends else [x[0]]
 
 
 @dataclass

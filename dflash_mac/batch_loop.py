@@ -8,6 +8,11 @@
 4. runs one batched DFlash cycle of every decoding row (batch.py): one drafter pass, one
    verify, each row's own acceptance and rollback; finished rows leave at once.
 
+A row whose last tokens repeat earlier text (an edit repeating its file) verifies a copy of
+what followed there instead (copydraft.py), with its own `CopyPolicy`, in the same pass as the
+others' blocks: rows of different lengths are packed into one sequence (`forward_rows`), so a
+long copy costs its own tokens, not a padding of every row to its length.
+
 Each request's events are `decode.GenerationEvent`s, as `speculative_stream` yields them, given
 to its `emit` callback. Rows keep their own block size, sampling settings, penalties,
 log-probabilities, stop rules and budgets. A row under a grammar (structured output) takes
@@ -25,10 +30,18 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from .batch import RowDraft, accept_rows, forward_rows, propose_rows, ragged_hooks
+from .batch import (
+    RowDraft,
+    accept_rows,
+    forward_rows,
+    propose_rows,
+    ragged_hooks,
+    split_rows,
+)
 from .batch_rule import BatchBlockRule
 from .capture import FeatureCapture, queues_layers
 from .constraints import Constraint
+from .copydraft import CopyIndex, CopyPolicy
 from .cycle import DraftContext, TokenLogprob, first_token, read_logprobs
 from .decode import DecodeState, GenerationConfig, GenerationEvent
 from .pair import Pair
@@ -51,6 +64,8 @@ class BatchRequest:
     rec: StatsRecorder | None = None
     ctx: DraftContext | None = None
     con: Constraint | None = None  # the grammar's state (structured output)
+    index: CopyIndex | None = None  # copy drafting over prompt + committed ids (None: off)
+    policy: CopyPolicy = field(default_factory=CopyPolicy)
     rng: random.Random = field(default_factory=random.Random)
     chunks: deque = field(default_factory=deque)  # prefill chunks still to run
     anchor: int = 0
@@ -75,6 +90,8 @@ class BatchStats:
     rows: int = 0  # rows over all cycles (rows / cycles: mean occupancy)
     last_block: int = 0
     blocks: dict[int, int] = field(default_factory=dict)  # cycles by block size
+    copy_cycles: int = 0  # cycles in which some row verified a copy
+    copied: int = 0  # copied tokens accepted
 
     def as_dict(self) -> dict:
         mean = self.rows / self.cycles if self.cycles else 0.0
@@ -87,6 +104,8 @@ class BatchStats:
             "mean_occupancy": round(mean, 3),
             "last_block_size": self.last_block,
             "block_mix": {str(b): n for b, n in sorted(self.blocks.items())},
+            "copy_cycles": self.copy_cycles,
+            "copied_tokens": self.copied,
         }
 
 
@@ -97,12 +116,14 @@ class Step:
 
     rows: list[BatchRequest]
     bs: int
-    sizes: list[int]
+    sizes: list[int]  # the positions each row judges (its block size, or its copy + 1)
     outcome: mx.array
     lp_rows: list[mx.array | None]
-    feats: mx.array  # [B, bs, n*H] the captured target features
+    feats: mx.array | list[mx.array]  # row i's captured target features [width_i, n*H]
     t0: float  # when it was built
     reason: str  # why the rule chose its size
+    widths: list[int]  # the positions each row ran (bs, or its copy + 1 in a packed pass)
+    copied: list[int]  # each row's copied drafts (0: none)
 
     @property
     def asked(self) -> list[mx.array]:
@@ -179,6 +200,7 @@ class BatchEngine:
         r.out = TextStream(self.pair.tokenizer, cfg.stop, self.pair.eos_ids if ends else set())
         r.ctx = DraftContext(self.pair.drafter, r.state.draft_cache)
         r.con = cfg.grammar.start(self.pair) if cfg.grammar is not None else None
+        r.policy = CopyPolicy()
         r.rng = random.Random(cfg.seed)
         # the chunks `decode.prefill` runs (same boundaries: the same numbers as alone)
         new = ids[len(r.state.ids) :]
@@ -202,6 +224,8 @@ class BatchEngine:
             return
         self.prefilling.popleft()
         cfg = r.cfg
+        if cfg.copy and cfg.penalties is None and r.con is None:  # as alone (cycle.py)
+            r.index = CopyIndex(r.ids)
         r.anchor, lps = first_token(
             logits[0, -1], r.ids, cfg.sampling, r.key(), cfg.penalties, r.con, cfg.logprobs
         )
@@ -228,9 +252,15 @@ class BatchEngine:
         seconds, self.t_sync = now - max(c.t0, self.t_sync), now
         rows, bs, sizes = c.rows, c.bs, c.sizes
         # acceptance is learnt from the rows that could accept all of the batch's drafts
-        full = [row[0] for row, n, r in zip(out, sizes, rows) if n == bs and not r.finished]
-        self.rule.update(len(rows), bs, seconds, full)
+        full = [
+            row[0]
+            for row, n, k, r in zip(out, sizes, c.copied, rows)
+            if n == bs and not k and not r.finished
+        ]
+        # a cycle with copies is no (B, bs) cycle: its drafting rows' acceptance still counts
+        self.rule.update(len(rows), bs, None if any(c.copied) else seconds, full)
         self.stats.cycles += 1
+        self.stats.copy_cycles += any(c.copied)
         self.stats.rows += len(rows)
         self.stats.last_block = bs
         self.stats.blocks[bs] = self.stats.blocks.get(bs, 0) + 1
@@ -241,15 +271,20 @@ class BatchEngine:
             a, bonus = row[0], row[1]
             committed = row[2 : 2 + a] + [bonus]
             kept = [r.anchor] + committed[:-1]
-            r.state.rollback.rollback(bs - len(kept), len(kept) - 1)
-            r.ctx.add(c.feats[i : i + 1, : len(kept)])
+            r.state.rollback.rollback(c.widths[i] - len(kept), len(kept) - 1)
+            r.ctx.add(c.feats[i][None, : len(kept)])
             r.state.ids += kept
             r.anchor = bonus
+            if r.index is not None:
+                r.index.extend(kept)
+            if c.copied[i]:
+                r.policy.update(c.copied[i], a)
+                self.stats.copied += a
             if r.con is not None and not r.con.ended:  # a plain step: no drafts to forget
                 r.con.consume(bonus)
             before = r.out.count
             text = r.out.push(committed, r.cfg.max_tokens)
-            r.rec.cycle(sizes[i], a + 1, 0.0, c.reason, r.ctx.rows)
+            r.rec.cycle(sizes[i], a + 1, 0.0, c.reason, r.ctx.rows, bool(c.copied[i]))
             lps = None if flats[i] is None else read_logprobs(flats[i], sizes[i], committed)
             lps = lps and lps[: r.out.count - before]  # the tokens kept
             r.emit(self._event(r, text, r.out.tokens[before:], a + 1, lps))
@@ -271,10 +306,12 @@ class BatchEngine:
     def ahead(self, c: Step, cap: FeatureCapture) -> None:
         """After a plain step, queue the next one on its still-lazy tokens, before its sync
         (the device runs it while the host reads and does the rows' bookkeeping), where the
-        rule picks a plain step again and no row's penalties or grammar need its token on the
-        host first. Rows that leave after the sync have that position trimmed (`_end`)."""
+        rule picks a plain step again and no row's penalties, grammar or copy needs its token
+        on the host first. Rows that leave after the sync have that position trimmed (`_end`)."""
         rows = self.decoding
-        if c.bs != 1 or not rows or any(r.cfg.penalties or r.con is not None for r in rows):
+        if c.bs != 1 or any(c.copied) or not rows:
+            return
+        if any(r.cfg.penalties or r.con is not None or self._may_copy(r) for r in rows):
             return
         if all(r.cfg.max_tokens - r.out.count <= 1 for r in c.rows):
             return  # the step ends every row
@@ -284,11 +321,24 @@ class BatchEngine:
         anchors = [lazy.get(id(r), mx.array([r.anchor], mx.int32)) for r in rows]
         self.queued = self._build(rows, 1, cap, mx.stack(anchors))
 
+    def _may_copy(self, r: BatchRequest) -> bool:
+        """Whether the row's next cycle may copy (then its anchor is needed on the host)."""
+        return r.index is not None and r.policy.paused == 0 and r.index.may_match()
+
+    def _copy(self, r: BatchRequest) -> list[int]:
+        """The row's copy for this cycle: what followed its last tokens earlier, as long as
+        its policy allows and its budget has room for ([]: none), as alone."""
+        room = r.cfg.max_tokens - r.out.count
+        if r.index is None or room <= 1:
+            return []
+        return r.index.propose(r.anchor, min(r.policy.length(), room - 1))
+
     def _build(
         self, rows: list[BatchRequest], bs: int, cap: FeatureCapture, first: mx.array | None = None
     ) -> Step:
         """Queue a batched cycle of `rows` at block `bs` (drafts, verify, verdicts), lazily;
-        `first` [B, 1]: the rows' anchors (default: their committed ones)."""
+        `first` [B, 1]: the rows' anchors (default: their committed ones, and then rows may
+        copy instead of drafting)."""
         t0 = time.perf_counter()
         reason = self.rule.last_reason
         sizes = [min(bs, self._cap(r)) for r in rows]  # a row never drafts past its own size
@@ -298,29 +348,53 @@ class BatchEngine:
             p.bind(r.state.ids[-p.context_size :] + [r.anchor]) if (p := r.cfg.penalties) else None
             for r in rows
         ]
+        copies = [self._copy(r) for r in rows] if first is None else [[] for _ in rows]
         if first is None:
             first = mx.array([[r.anchor] for r in rows], mx.int32)  # [B, 1]
-        drafts: list[RowDraft] | None = None
-        if bs == 1:
-            tokens, verify_keys = first, keys
-        else:
-            split = [mx.random.split(k) for k in keys]  # (drafting, verifying) as alone
+        drafts: list[RowDraft | None] = [None] * len(rows)
+        verify_keys = list(keys)
+        drafting = [i for i, cp in enumerate(copies) if not cp]  # rows the drafter drafts for
+        if bs > 1 and drafting:
+            split = [mx.random.split(keys[i]) for i in drafting]  # (drafting, verifying) as alone
             mask = self.pair.drafter.config.mask_token_id
-            blocks = mx.concatenate([first, mx.full((len(rows), bs - 1), mask, mx.int32)], 1)
-            for r in rows:
-                r.ctx.flush()
-            caches = [r.ctx.cache for r in rows]
-            drafts = propose_rows(self.pair, blocks, caches, sps, [s[0] for s in split], pens)
-            stacked = mx.stack([d.drafts.astype(mx.int32) for d in drafts])  # [B, bs-1]
-            tokens = mx.concatenate([first, stacked], axis=1)  # [B, bs]
-            verify_keys = [s[1] for s in split]
-        logits = forward_rows(self.pair, tokens, [r.state for r in rows])  # [B, bs, V]
-        feats = cap.features()  # [B, bs, n*H]
+            anchors = first[mx.array(drafting)] if len(drafting) < len(rows) else first
+            blocks = mx.concatenate([anchors, mx.full((len(drafting), bs - 1), mask, mx.int32)], 1)
+            for i in drafting:
+                rows[i].ctx.flush()
+            caches = [rows[i].ctx.cache for i in drafting]
+            subset = [sps[i] for i in drafting], [s[0] for s in split], [pens[i] for i in drafting]
+            for i, d, s in zip(drafting, propose_rows(self.pair, blocks, caches, *subset), split):
+                drafts[i], verify_keys[i] = d, s[1]
+        widths = [1 + len(cp) if cp else bs for cp in copies]
+        for i, cp in enumerate(copies):
+            if cp:  # greedy needs no q; sampled gets its one-hot below, once V is known
+                drafts[i], sizes[i] = RowDraft(mx.array(cp, mx.int32), None), widths[i]
+            elif drafts[i] is None:  # a plain step (bs 1)
+                drafts[i] = RowDraft(mx.zeros((0,), mx.int32), None)
+        rows_tokens = [
+            mx.concatenate([first[i], d.drafts.astype(mx.int32)]) for i, d in enumerate(drafts)
+        ]
+        logits = forward_rows(self.pair, rows_tokens, [r.state for r in rows])  # row i [w_i, V]
+        feats = cap.features()  # [B, bs, n*H], or packed [1, sum w, n*H]
+        if len(set(widths)) > 1:
+            feats = split_rows(feats, widths)
+        for i, cp in enumerate(copies):
+            if cp and not sps[i].greedy:  # a copied token is a draft with all of q's mass on it
+                vocab = mx.arange(logits[i].shape[-1])[None]
+                drafts[i].q = (vocab == drafts[i].drafts[:, None]).astype(mx.float32)
         asks = [r.cfg.logprobs for r in rows]
         masks = [None if r.con is None else r.con.mask() for r in rows]
-        verdict, lp_rows = accept_rows(logits, drafts, sps, verify_keys, sizes, pens, asks, masks)
-        outcome = verdict if drafts is None else mx.concatenate([verdict, tokens[:, 1:]], 1)
-        step = Step(list(rows), bs, sizes, outcome, lp_rows, feats, t0, reason)
+        plain = bs == 1 and not any(copies)
+        verdict, lp_rows = accept_rows(
+            logits, None if plain else drafts, sps, verify_keys, sizes, pens, asks, masks
+        )
+        outcome = verdict
+        if not plain:  # each row's drafts, padded to the widest
+            w = max(widths) - 1
+            pad = [mx.pad(t[1:], (0, w - t.shape[0] + 1)) for t in rows_tokens]
+            outcome = mx.concatenate([verdict, mx.stack(pad)], 1)
+        copied = [len(cp) for cp in copies]
+        step = Step(list(rows), bs, sizes, outcome, lp_rows, feats, t0, reason, widths, copied)
         mx.async_eval(outcome, *step.asked)
         return step
 

@@ -77,9 +77,13 @@ class BatchBlockRule:
                 return self.cost[base] * self.prior[(batch, bs)] / self.prior[base]
         return None
 
-    def update(self, batch: int, bs: int, seconds: float, accepted: list[int]) -> None:
-        """A cycle of `batch` rows at `bs` took `seconds`; row i accepted `accepted[i]` of its
-        bs - 1 drafts."""
+    def update(self, batch: int, bs: int, seconds: float | None, accepted: list[int]) -> None:
+        """A cycle of `batch` rows at `bs` took `seconds` (None: not a cycle of that shape, as
+        one where some rows verified copies); row i accepted `accepted[i]` of its bs - 1
+        drafts."""
+        if seconds is None:
+            self.learn(bs, accepted)
+            return
         key = (batch, bs)
         n = self.timed.get(key, 0)
         self.timed[key] = n + 1
@@ -87,6 +91,10 @@ class BatchBlockRule:
         if n >= 1:  # the first cycle at a shape compiles
             old = self.cost.get(key)
             self.cost[key] = seconds if old is None else 0.7 * old + 0.3 * seconds
+        self.learn(bs, accepted)
+
+    def learn(self, bs: int, accepted: list[int]) -> None:
+        """The running acceptance, from rows that judged all of a cycle's bs - 1 drafts."""
         if bs > 1 and accepted:
             # per-position acceptance: accepted positions over positions tried (a rejection
             # ends a row's tries)

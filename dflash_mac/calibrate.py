@@ -239,8 +239,9 @@ class TimedRule(BatchBlockRule):
 
     samples: list[float] = field(default_factory=list)
 
-    def update(self, batch: int, bs: int, seconds: float, accepted: list[int]) -> None:
-        self.samples.append(seconds)
+    def update(self, batch: int, bs: int, seconds: float | None, accepted: list[int]) -> None:
+        if seconds is not None:  # None: a cycle with copies, not one of this shape
+            self.samples.append(seconds)
 
 
 def batch_sizes(bs_max: int) -> list[int]:

@@ -14,6 +14,7 @@ import mlx.core as mx
 import pytest
 from dflash_mac.models.penalties import Penalties, PenaltyContext
 from mlx_lm.generate import generate_step
+from test_copydraft import PERIODIC
 from test_dflash2 import d2_pair, small_d2_pair  # noqa: F401  (fixtures)
 from test_penalties import BIAS, PEN, exact_penalised_joint
 from test_sampling import PROMPT, chi_square_p, exact_joint, small_pair  # noqa: F401  (fixture)
@@ -564,3 +565,102 @@ def test_rows_asking_for_logprobs_get_those_of_the_request_alone(tiny_pair, on_t
         assert [x.token for x in a] == [x.token for x in b]
         assert [x.logprob for x in a] == pytest.approx([x.logprob for x in b], abs=1e-5)
         assert [[t for t, _ in x.top] for x in a] == [[t for t, _ in x.top] for x in b]
+
+
+def test_packed_rows_of_different_lengths_equal_each_row_alone(tiny_pair, on_thread):
+    """Rows of 1, 9, 3 and 5 tokens in one packed pass (a copy beside plain steps and blocks):
+    bitwise the logits and caches each row gets by itself."""
+
+    def run():
+        pair = tiny_pair
+        rows = [DecodeState(pair) for _ in PROMPTS]
+        solo = [DecodeState(pair) for _ in PROMPTS]
+        for p, a, b in zip(PROMPTS, rows, solo):
+            for s in (a, b):
+                mx.eval(pair.target(mx.array(pair.tokenizer.encode(p))[None], cache=s.target_cache))
+        rng = mx.random.key(2)
+        for lengths in ([1, 9, 3, 5], [4, 1, 1, 12]):
+            tokens = [mx.random.randint(0, 200, (n,), key=mx.random.key(n + k)) for k, n in
+                      enumerate(lengths)]  # fmt: skip
+            rng = mx.random.split(rng)[0]
+            with ragged_hooks(pair):
+                together = forward_rows(pair, tokens, rows)
+            assert isinstance(together, list)
+            for i, s in enumerate(solo):
+                own = pair.target(tokens[i][None], cache=s.target_cache)[0]
+                assert together[i].shape == own.shape
+                assert mx.array_equal(together[i], own).item(), (lengths, i)
+            for a, b in zip(rows, solo):
+                assert a.target_cache[0].offset == b.target_cache[0].offset
+                for ca, cb in zip(a.target_cache, b.target_cache):
+                    assert mx.array_equal(ca.state[0], cb.state[0]).item()
+
+    on_thread(run)
+
+
+REPEATS = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
+
+
+@pytest.mark.parametrize("block", [BlockChoice(1), BlockChoice(5), BlockChoice(8, auto=True)])
+def test_rows_that_copy_share_a_batch_with_drafting_rows_each_as_alone(tiny_pair, on_thread, block):
+    """Copy drafting in the batch: rows repeating their prompt verify copies (of their own
+    lengths, packed beside the others' blocks or plain steps), and every row's tokens are the
+    request's alone. Control: without copies the engine runs no copy cycle."""
+
+    def run():
+        tok = tiny_pair.tokenizer
+        ids = [tok.encode(REPEATS * 3 + REPEATS[:24]), tok.encode(PROMPTS[0])]
+        ids += [tok.encode(REPEATS * 2 + REPEATS[:30]), tok.encode(PROMPTS[2])]
+        jobs = [(i, config(40 + 5 * k, block=block, copy=True)) for k, i in enumerate(ids)]
+        refs = [alone(tiny_pair, i, cfg) for i, cfg in jobs]
+        engine = BatchEngine(tiny_pair, 4, block.size, block.auto)
+        got = batched(tiny_pair, jobs, engine)
+        off = BatchEngine(tiny_pair, 4, block.size, block.auto)
+        plain = batched(tiny_pair, [(i, replace(c, copy=False)) for i, c in jobs], off)
+        return refs, got, plain, engine, off
+
+    refs, got, plain, engine, off = on_thread(run)
+    assert [r["tokens"] for r in got] == refs == [r["tokens"] for r in plain]
+    assert engine.stats.copy_cycles > 0 and off.stats.copy_cycles == 0
+    assert engine.stats.copied > engine.stats.copy_cycles  # copies were accepted
+    assert any(got[0]["req"].rec.copied)
+    assert engine.stats.rows < off.stats.rows  # the copying rows needed fewer cycles
+    assert engine.stats.rows / engine.stats.cycles > 2  # they did decode together
+    assert engine.stats.as_dict()["copied_tokens"] == engine.stats.copied
+
+
+def copy_batch_samples(pair, sp: SamplingParams, n: int, blocks) -> tuple[list[tuple], int]:
+    """n seeded 3-token requests after a periodic prompt, 8 at a time, copies on."""
+    engine = BatchEngine(pair, 8, max(b.size for b in blocks), auto=False)
+    jobs = [
+        (PERIODIC, config(3, sampling=sp, seed=s, block=blocks[s % len(blocks)], copy=True))
+        for s in range(n)
+    ]
+    out = [tuple(r["tokens"]) for r in batched(pair, jobs, engine)]
+    return out, engine.stats.copied + engine.stats.copy_cycles
+
+
+@pytest.mark.slow
+def test_batched_copies_keep_the_target_distribution(small_pair, on_thread):  # noqa: F811
+    sp = SamplingParams(temperature=1.0)
+    joint = exact_joint(small_pair, sp, prompt=PERIODIC)
+    blocks = [BlockChoice(4), BlockChoice(1)]
+    samples, copies = on_thread(lambda: copy_batch_samples(small_pair, sp, 1200, blocks))
+    assert copies >= 300  # the test is about copies
+    assert chi_square_p(samples, joint) > 0.001
+
+
+@pytest.mark.slow
+def test_a_lossy_batched_copy_rule_is_detected(small_pair, on_thread, monkeypatch):  # noqa: F811
+    """Accepting every copied token fails the same test (at block 1 every draft is a copy)."""
+    sp = SamplingParams(temperature=1.0)
+    joint = exact_joint(small_pair, sp, prompt=PERIODIC)
+    real = batch.accept_sampled
+
+    def accept_all(drafts, q, p, key):
+        return mx.array(drafts.shape[0]), real(drafts, q, p, key)[1]
+
+    monkeypatch.setattr(batch, "accept_sampled", accept_all)
+    samples, copies = on_thread(lambda: copy_batch_samples(small_pair, sp, 600, [BlockChoice(1)]))
+    assert copies >= 150
+    assert chi_square_p(samples, joint) < 1e-6
