@@ -214,7 +214,7 @@ class BatchEngine:
         state, chunk = r.state, r.chunks.popleft()
         logits = self.pair.target(mx.array(chunk)[None], cache=state.target_cache)
         self.pair.drafter.extend_context(cap.features(), state.draft_cache)
-        mx.eval([c.state for c in state.target_cache], logits)
+        mx.eval([c.state for c in state.target_cache], *([] if r.chunks else [logits]))
         self.t_sync = time.perf_counter()  # a cycle's time does not include the prefill
         pos = len(state.ids) + len(chunk)
         state.ids = r.ids[:pos]
