@@ -3,8 +3,10 @@
 `BatchEngine` runs on one thread (the caller's). Each `step()`:
 1. ends the rows whose request was cancelled (their caches are handed back at once);
 2. admits waiting requests while fewer than `max_batch` are in flight;
-3. runs ONE prefill chunk of the oldest request still prefilling (so a long prompt does not
-   stall the others for its whole prefill) and, when its prompt is done, its first token;
+3. runs the next prefill chunk of the requests still prefilling, oldest first, up to 512
+   tokens in all, in one packed pass (so a long prompt does not stall the others for its whole
+   prefill, and prompts that arrive together share the pass) and, for each request whose
+   prompt is done, its first token;
 4. runs one batched DFlash cycle of every decoding row (batch.py): one drafter pass, one
    verify, each row's own acceptance and rollback; finished rows leave at once.
 
@@ -92,6 +94,8 @@ class BatchStats:
     blocks: dict[int, int] = field(default_factory=dict)  # cycles by block size
     copy_cycles: int = 0  # cycles in which some row verified a copy
     copied: int = 0  # copied tokens accepted
+    prefill_passes: int = 0
+    prefill_chunks: int = 0  # chunks over those passes (several requests' share a pass)
 
     def as_dict(self) -> dict:
         mean = self.rows / self.cycles if self.cycles else 0.0
@@ -106,6 +110,8 @@ class BatchStats:
             "block_mix": {str(b): n for b, n in sorted(self.blocks.items())},
             "copy_cycles": self.copy_cycles,
             "copied_tokens": self.copied,
+            "prefill_passes": self.prefill_passes,
+            "prefill_chunks": self.prefill_chunks,
         }
 
 
@@ -185,7 +191,7 @@ class BatchEngine:
             while self.waiting and self.in_flight < self.max_batch:
                 self._admit(self.waiting.popleft())
             if self.prefilling:
-                self._prefill_chunk(self.prefilling[0], cap)
+                self._prefill(cap)
             if self.decoding:
                 self._cycle(cap)
         self._count()
@@ -210,24 +216,58 @@ class BatchEngine:
         r.chunks = deque([head[i : i + step] for i in range(0, len(head), step)] + [new[-1:]])
         self.prefilling.append(r)
 
-    def _prefill_chunk(self, r: BatchRequest, cap: FeatureCapture) -> None:
-        state, chunk = r.state, r.chunks.popleft()
-        logits = self.pair.target(mx.array(chunk)[None], cache=state.target_cache)
-        self.pair.drafter.extend_context(cap.features(), state.draft_cache)
-        mx.eval([c.state for c in state.target_cache], *([] if r.chunks else [logits]))
+    def _prefill(self, cap: FeatureCapture) -> None:
+        """The next chunk of each prefilling request, oldest first, while they come to at most
+        `prefill_chunk` tokens (one chunk at least), in one packed target pass: requests that
+        arrive together share its weight reads, and each row keeps the chunks it gets alone."""
+        batch, total = [], 0
+        for r in self.prefilling:
+            n = len(r.chunks[0])
+            if batch and total + n > self.prefill_chunk:
+                break
+            batch.append(r)
+            total += n
+        chunks = [r.chunks.popleft() for r in batch]
+        self.stats.prefill_passes += 1
+        self.stats.prefill_chunks += len(chunks)
+        if len(batch) == 1:  # its own cache: the pass it runs alone
+            r = batch[0]
+            logits = [self.pair.target(mx.array(chunks[0])[None], cache=r.state.target_cache)[0]]
+            feats = [cap.features()[0]]
+        else:
+            lengths = [len(c) for c in chunks]
+            states = [r.state for r in batch]
+            logits = forward_rows(self.pair, [mx.array(c) for c in chunks], states)
+            feats = cap.features()  # [B, L, n*H], or packed [1, sum L, n*H]
+            rows = range(len(batch))
+            feats = (
+                split_rows(feats, lengths) if len(set(lengths)) > 1 else [feats[i] for i in rows]
+            )
+            logits = [logits[i] for i in rows]
+        for r, f in zip(batch, feats):
+            self.pair.drafter.extend_context(f[None], r.state.draft_cache)
+        last = [lg[-1] for r, lg in zip(batch, logits) if not r.chunks]  # only those are read
+        mx.eval([c.state for r in batch for c in r.state.target_cache], *last)
         self.t_sync = time.perf_counter()  # a cycle's time does not include the prefill
+        for r, chunk, lg in zip(batch, chunks, logits):
+            self._prefilled(r, chunk, lg[-1])
+
+    def _prefilled(self, r: BatchRequest, chunk: list[int], last: mx.array) -> None:
+        """A chunk of `r` ran (`last`: its last position's logits [V]); after the prompt's
+        last chunk, its first token."""
+        state = r.state
         pos = len(state.ids) + len(chunk)
         state.ids = r.ids[:pos]
         if state.record:  # the prompt cache keeps these rows
             state.record.chunk(state.ids, state.target_cache, state.draft_cache)
         if r.chunks:
             return
-        self.prefilling.popleft()
+        self.prefilling.remove(r)
         cfg = r.cfg
         if cfg.copy and cfg.penalties is None and r.con is None:  # as alone (cycle.py)
             r.index = CopyIndex(r.ids)
         r.anchor, lps = first_token(
-            logits[0, -1], r.ids, cfg.sampling, r.key(), cfg.penalties, r.con, cfg.logprobs
+            last, r.ids, cfg.sampling, r.key(), cfg.penalties, r.con, cfg.logprobs
         )
         r.rec.prefilled()
         text = r.out.push([r.anchor], r.cfg.max_tokens)

@@ -664,3 +664,26 @@ def test_a_lossy_batched_copy_rule_is_detected(small_pair, on_thread, monkeypatc
     samples, copies = on_thread(lambda: copy_batch_samples(small_pair, sp, 600, [BlockChoice(1)]))
     assert copies >= 150
     assert chi_square_p(samples, joint) < 1e-6
+
+
+def test_prompts_that_arrive_together_prefill_in_shared_passes_each_as_alone(tiny_pair, on_thread):
+    """Four prompts of 7 to 61 tokens in chunks of 16 (engine cap 40 tokens a pass): their
+    chunks share packed passes, oldest first, and every answer is the request's alone (same
+    chunk boundaries); a prompt of one chunk more than the cap still gets its pass."""
+
+    def run():
+        tok = tiny_pair.tokenizer
+        texts = [REPEATS * 2, PROMPTS[1], REPEATS[:50], PROMPTS[3] * 3]
+        ids = [tok.encode(t) for t in texts]
+        jobs = [(i, config(12, block=BlockChoice(4), prefill_step_size=16)) for i in ids]
+        refs = [alone(tiny_pair, i, cfg) for i, cfg in jobs]
+        engine = BatchEngine(tiny_pair, 4, 4, auto=False, prefill_chunk=40)
+        got = batched(tiny_pair, jobs, engine)
+        return ids, refs, got, engine
+
+    ids, refs, got, engine = on_thread(run)
+    assert [r["tokens"] for r in got] == refs
+    chunks = sum(-(-(len(i) - 1) // 16) + 1 for i in ids)  # as `decode.prefill` cuts them
+    s = engine.stats
+    assert s.prefill_chunks == chunks and s.prefill_passes < chunks
+    assert max(len(i) for i in ids) > 40  # the cap was binding somewhere
