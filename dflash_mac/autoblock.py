@@ -715,10 +715,18 @@ class AutoTuning:
         if timed:
             if not loses:  # known-losing contexts keep their pessimistic start, unremembered
                 controller.memory = json.dumps([bs_max, list(setting), band > 0])
-                controller.start_from(self.remembered.get(controller.memory), lower=band > 0)
+                memory = self.remembered.get(controller.memory)
+                controller.start_from(memory, lower=band > 0)
+                if isinstance(memory, dict) and "copy" in memory:  # what copies got then
+                    controller.copy_rates = CopyRates.read(memory["copy"])
             self.controllers[key] = controller
         return controller
 
     def acceptance(self) -> dict:
-        """What to remember between processes: each kept controller's acceptance by setting."""
-        return {c.memory: c.acc.state() for c in self.controllers.values() if c.memory}
+        """What to remember between processes: each kept controller's acceptance and copy
+        rates by setting."""
+        return {
+            c.memory: c.acc.state() | {"copy": c.copy_rates.state()}
+            for c in self.controllers.values()
+            if c.memory
+        }

@@ -9,7 +9,7 @@ ones fared and pauses after repeated misses, so text that does not repeat pays a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 N = 3  # tokens a match needs (the anchor and the two before it)
 RESYNC = 8  # tokens after leaving the source within which the copy may resume by one token
@@ -118,13 +118,30 @@ class CopyRates:
     after a copy accepted whole (an edit copying its file goes on) and after a partial one, and
     what doubtful copies (after a partial one) commit and how often none (from the edit
     suite's replay, docs/design.md §6). Kept by whoever continues requests of one setting (the
-    `auto` controller), so a request starts from what the last ones' copies got: a sampled
-    target turns down more copied tokens than a greedy one."""
+    `auto` controller, and remembered with its acceptance between processes), so a request
+    starts from what the last ones' copies got: a sampled target turns down more copied tokens
+    than a greedy one."""
 
     sure_rate: float = 0.95
     doubtful_rate: float = 0.6
     doubtful_hit: float = 2.7
     doubtful_zero: float = 0.3
+
+    def state(self) -> dict[str, float]:
+        """The rates, to remember between processes (`read`)."""
+        return {k: round(v, 4) for k, v in asdict(self).items()}
+
+    @classmethod
+    def read(cls, state: object) -> CopyRates:
+        """Rates remembered by an earlier process; the defaults where `state` is not valid."""
+        try:
+            rates = cls(**{k: float(v) for k, v in state.items()})  # type: ignore[union-attr]
+        except (AttributeError, TypeError, ValueError):
+            return cls()
+        unit = (rates.sure_rate, rates.doubtful_rate, rates.doubtful_zero)
+        if not all(0.0 <= x <= 1.0 for x in unit) or not 0.0 <= rates.doubtful_hit <= 64:
+            return cls()
+        return rates
 
 
 @dataclass

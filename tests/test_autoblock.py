@@ -887,3 +887,34 @@ def test_a_copy_is_as_long_as_it_pays():
     trusting = BlockController(BS, CostModel(CURVE))
     trusting.last = Decision(1, "plain", {1: 1.0})
     assert trusting.copy_length(8, 0.6) == 8
+
+
+def test_copy_rates_are_remembered_between_processes(tiny_pair, tmp_path, monkeypatch):
+    """What a setting's copies got (`CopyRates`) is saved with its acceptance: a new process
+    starts its copies from it. Another setting, a memory from before copy rates were kept and
+    a malformed one start from the defaults."""
+    from dflash_mac.copydraft import CopyRates
+    from dflash_mac.policy import acceptance_path, load_tuning, save_acceptance
+
+    monkeypatch.setenv("DFLASH_MAC_HOME", str(tmp_path))
+    bs, sampled = tiny_pair.block_size, (0.7, 1.0, 0, 0.0)
+    tuning = load_tuning(tiny_pair)
+    c = tuning.controller(bs, sampled, sampled=True)
+    assert c.copy_rates == CopyRates()
+    c.copy_rates.sure_rate, c.copy_rates.doubtful_rate = 0.5, 0.2  # a sampled target said no
+    save_acceptance(tiny_pair, tuning)
+    again = load_tuning(tiny_pair).controller(bs, sampled, sampled=True)
+    assert again is not c and again.copy_rates == CopyRates(0.5, 0.2)
+    assert load_tuning(tiny_pair).controller(bs, (0.0, 1.0, 0, 0.0)).copy_rates == CopyRates()
+    path = acceptance_path(tiny_pair)
+    for bad in ({"sure_rate": 7.0}, "x", None):
+        data = json.loads(path.read_text())
+        data[c.memory]["copy"] = bad
+        path.write_text(json.dumps(data))
+        assert (
+            load_tuning(tiny_pair).controller(bs, sampled, sampled=True).copy_rates == CopyRates()
+        )
+    data = json.loads(path.read_text())
+    del data[c.memory]["copy"]  # written before copy rates were kept
+    path.write_text(json.dumps(data))
+    assert load_tuning(tiny_pair).controller(bs, sampled, sampled=True).copy_rates == CopyRates()
