@@ -150,8 +150,12 @@ class CopyPolicy:
     shrinks to what was accepted plus two after a partial one; `patience` misses in a row pause
     copying for `pause` cycles, each pause twice the last (reset by a hit). After a partial
     copy the next is not `sure`: where a tree is due, it may become a branch of that tree.
-    `rates`: what copies got (`CopyRates`), passed in where they outlive the request."""
+    `rates`: what copies got (`CopyRates`), passed in where they outlive the request. Where
+    the costs price every copy out (poor rates carried over from other text), `probe` lets
+    every `patience + 1`-th refused one through at `PROBE` tokens: rates only move when copies
+    run, so without it a request that repeats its prompt would never find out."""
 
+    PROBE = 4  # tokens of a probing copy (a 5-token verify costs ~1.5 plain steps on a CPU)
     longest: int = 32  # a 32-token verify costs ~3 plain steps on a CPU, less on a GPU
     budget: int = 8
     patience: int = 3
@@ -159,6 +163,7 @@ class CopyPolicy:
     pause: int = 8
     paused: int = 0
     sure: bool = False  # the last copy was accepted whole (else a tree cycle may hedge it)
+    refused: int = 0  # copies the costs refused since the last one ran
     rates: CopyRates = field(default_factory=CopyRates)
     counts: dict[str, int] = field(default_factory=lambda: {"cycles": 0, "tokens": 0})
 
@@ -175,7 +180,15 @@ class CopyPolicy:
             return 0
         return self.budget
 
+    def probe(self, longest: int) -> int:
+        """Tokens to copy after the costs refused a copy of up to `longest` (0: none)."""
+        self.refused += 1
+        if self.refused <= self.patience:
+            return 0
+        return min(longest, self.PROBE)
+
     def update(self, proposed: int, accepted: int) -> None:
+        self.refused = 0
         self.counts["cycles"] += 1
         self.counts["tokens"] += accepted
         r = self.rates

@@ -431,7 +431,8 @@ class CyclePipeline:
         can_copy = isinstance(anchor, int) and room > 1 and self.index is not None
         copy = self.index.propose(anchor, min(self.policy.length(), room - 1)) if can_copy else []
         if copy and self.copy_len is not None:  # as long as the costs say it pays
-            copy = copy[: self.copy_len(len(copy), self.policy)]
+            n = self.copy_len(len(copy), self.policy) or self.policy.probe(len(copy))
+            copy = copy[:n]
         budget = self.tree() if self.tree is not None and bs > 1 else 0
         grafts = bool(copy and budget) and not self.policy.sure
         if grafts and self.graft is not None:

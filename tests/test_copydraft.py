@@ -12,7 +12,7 @@ from dflash_mac.models.distribution import SamplingParams
 from test_sampling import chi_square_p, exact_joint, small_pair  # noqa: F401  (fixture)
 
 from dflash_mac.api import generate
-from dflash_mac.autoblock import AutoTuning
+from dflash_mac.autoblock import AutoTuning, BlockController
 from dflash_mac.copydraft import CopyIndex, CopyPolicy, CopyRates
 from dflash_mac.decode import GenerationConfig, speculative_stream
 from dflash_mac.policy import BlockChoice
@@ -186,3 +186,30 @@ def test_what_copies_got_carries_over_to_the_next_request_of_the_setting(tiny_pa
     fixed = GenerationConfig(48, use_eos=False, block=BlockChoice(4))
     assert any(e.stats.copied.count(True) for e in speculative_stream(tiny_pair, ids, fixed))
     assert ctl.copy_rates == kept
+
+
+def test_text_that_repeats_is_copied_after_poor_copies_elsewhere(tiny_pair, monkeypatch):
+    """Rates carried over from text whose copies failed can price every copy out (here the
+    costs refuse every copy), and rates move only when copies run: a probing copy after a few
+    refusals finds out that this request repeats its prompt (and moves the rates, so that
+    with real costs copying resumes). Control: without the probe it never copies."""
+    tok = tiny_pair.tokenizer
+    src = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
+    ids = tok.encode(src * 3 + "# again\n" + src[:20])
+    cfg = GenerationConfig(48, use_eos=False, tree=0)
+    refused = []
+
+    def never(self, longest: int, rate: float) -> int:
+        refused.append(rate)
+        return 0
+
+    monkeypatch.setattr(BlockController, "copy_length", never)
+    events = list(speculative_stream(tiny_pair, ids, cfg, tuning=AutoTuning()))
+    plain = generate(tiny_pair, ids, max_tokens=48, use_eos=False, block_size=1, copy=False)
+    assert [t for e in events for t in e.tokens] == plain.tokens
+    stats = events[-1].stats
+    assert refused and stats.copy_cycles > 0
+    assert stats.copy_tokens > 2 * stats.copy_cycles  # the probes' copies were accepted
+    monkeypatch.setattr(CopyPolicy, "probe", lambda self, longest: 0)
+    again = list(speculative_stream(tiny_pair, ids, cfg, tuning=AutoTuning()))
+    assert again[-1].stats.copy_cycles == 0
