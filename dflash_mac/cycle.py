@@ -431,7 +431,9 @@ class CyclePipeline:
         can_copy = isinstance(anchor, int) and room > 1 and self.index is not None
         copy = self.index.propose(anchor, min(self.policy.length(), room - 1)) if can_copy else []
         if copy and self.copy_len is not None:  # as long as the costs say it pays
-            n = self.copy_len(len(copy), self.policy) or self.policy.probe(len(copy))
+            n = self.copy_len(len(copy), self.policy)
+            if n == 0 and (k := self.policy.probe(len(copy))):  # priced at a fresh start's
+                n = self.copy_len(k, CopyPolicy())  # rates: where even those lose, no probe
             copy = copy[:n]
         budget = self.tree() if self.tree is not None and bs > 1 else 0
         grafts = bool(copy and budget) and not self.policy.sure

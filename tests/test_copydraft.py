@@ -17,6 +17,7 @@ from dflash_mac.copydraft import CopyIndex, CopyPolicy, CopyRates
 from dflash_mac.decode import GenerationConfig, speculative_stream
 from dflash_mac.policy import BlockChoice
 from dflash_mac.session import Session
+from dflash_mac.stats import DecodeStats
 from dflash_mac.testing.oracle import OracleDrafter, with_drafter
 
 # (0, 3, x) occurred for every token x, and the prompt ends with (0, 3): whatever the first
@@ -189,27 +190,35 @@ def test_what_copies_got_carries_over_to_the_next_request_of_the_setting(tiny_pa
 
 
 def test_text_that_repeats_is_copied_after_poor_copies_elsewhere(tiny_pair, monkeypatch):
-    """Rates carried over from text whose copies failed can price every copy out (here the
-    costs refuse every copy), and rates move only when copies run: a probing copy after a few
-    refusals finds out that this request repeats its prompt (and moves the rates, so that
-    with real costs copying resumes). Control: without the probe it never copies."""
+    """Rates carried over from text whose copies failed price every copy out, and rates move
+    only when copies run: a probing copy after a few refusals, priced at a fresh start's
+    rates, finds out that this request repeats its prompt. Controls: without the probe it never
+    copies, nor where even a fresh start's rates would not pay (a long context's costs)."""
     tok = tiny_pair.tokenizer
     src = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
     ids = tok.encode(src * 3 + "# again\n" + src[:20])
     cfg = GenerationConfig(48, use_eos=False, tree=0)
-    refused = []
+    fresh, refused = CopyRates().doubtful_rate, []
 
-    def never(self, longest: int, rate: float) -> int:
-        refused.append(rate)
-        return 0
+    def costs(self, longest: int, rate: float) -> int:  # copies pay at a fresh start's rates
+        refused.append(rate < fresh)
+        return longest if rate >= fresh else 0
 
-    monkeypatch.setattr(BlockController, "copy_length", never)
-    events = list(speculative_stream(tiny_pair, ids, cfg, tuning=AutoTuning()))
+    def run() -> DecodeStats:
+        tuning = AutoTuning()
+        ctl = tuning.controller(tiny_pair.block_size, (0.0, 1.0, 0, 0.0))
+        ctl.copy_rates = CopyRates(sure_rate=0.3, doubtful_rate=0.1, doubtful_hit=0.2)
+        events = list(speculative_stream(tiny_pair, ids, cfg, tuning=tuning))
+        assert [t for e in events for t in e.tokens] == plain.tokens
+        return events[-1].stats
+
     plain = generate(tiny_pair, ids, max_tokens=48, use_eos=False, block_size=1, copy=False)
-    assert [t for e in events for t in e.tokens] == plain.tokens
-    stats = events[-1].stats
-    assert refused and stats.copy_cycles > 0
+    monkeypatch.setattr(BlockController, "copy_length", costs)
+    stats = run()
+    assert any(refused) and stats.copy_cycles > 0
     assert stats.copy_tokens > 2 * stats.copy_cycles  # the probes' copies were accepted
+    monkeypatch.setattr(BlockController, "copy_length", lambda self, longest, rate: 0)
+    assert run().copy_cycles == 0  # even a fresh start's rates lose: no probe
+    monkeypatch.setattr(BlockController, "copy_length", costs)
     monkeypatch.setattr(CopyPolicy, "probe", lambda self, longest: 0)
-    again = list(speculative_stream(tiny_pair, ids, cfg, tuning=AutoTuning()))
-    assert again[-1].stats.copy_cycles == 0
+    assert run().copy_cycles == 0
