@@ -1,5 +1,6 @@
 """`dflash-mac serve --max-batch 8` as a user starts it: eight real `openai` clients at once get
-the answers each gets alone, some asking their own block size (a fresh subprocess on loopback,
+the answers each gets alone, some asking their own block size, and edits that copy their source
+inside the batch get theirs too (a fresh subprocess on loopback,
 bounded in time; the reference BLAS, whose matmuls are row-invariant, so batched rows are
 bitwise the rows alone)."""
 
@@ -28,6 +29,10 @@ QUESTIONS = [
 
 SIZES = [1, 3, "auto"]
 
+# an edit repeats its source: rows that copy it share the batch with rows that draft
+SOURCE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
+EDITS = [SOURCE * 3 + SOURCE[:24], "import os", SOURCE * 2 + SOURCE[:30], "class Stack:"]
+
 
 def ask(root: str, i: int) -> str:
     client = openai.OpenAI(base_url=root + "/v1", api_key="x", max_retries=0, timeout=60)
@@ -42,6 +47,12 @@ def ask(root: str, i: int) -> str:
         .choices[0]
         .message.content
     )
+
+
+def complete(root: str, i: int) -> str:
+    """A raw completion (no chat template) of `EDITS[i]`, greedy, to its length."""
+    body = {"prompt": EDITS[i], "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    return post(root + "/v1/completions", body)["choices"][0]["text"]
 
 
 def test_eight_concurrent_clients_get_their_solo_answers(cli, tmp_path):
@@ -59,6 +70,11 @@ def test_eight_concurrent_clients_get_their_solo_answers(cli, tmp_path):
         ollama = {"model": "m", "messages": body["messages"], "stream": False}
         plain = post(srv.root + "/api/chat", ollama | {"options": {"block_size": 1}})
         refused = httpx.post(srv.root + "/v1/chat/completions", json=body | {"block_size": 99})
+        before = httpx.get(srv.root + "/v1/dflash/stats", timeout=10).json()["batch"]
+        with ThreadPoolExecutor(4) as pool:  # edits copy their source inside the batch
+            edits = list(pool.map(lambda i: complete(srv.root, i), range(4)))
+        copies = httpx.get(srv.root + "/v1/dflash/stats", timeout=10).json()["batch"]
+        edits_alone = [complete(srv.root, i) for i in range(4)]
     finally:
         srv.stop()
         del cli.env["DFLASH_MAC_BLAS"]
@@ -68,6 +84,10 @@ def test_eight_concurrent_clients_get_their_solo_answers(cli, tmp_path):
     assert ran["dflash"]["block_size"] == 3 and plain["message"]["content"]
     assert plain["dflash"]["block_size"] == 1 and plain["dflash"]["draft_cycles"] == 0
     assert refused.status_code == 400 and "block_size" in refused.json()["error"]["message"]
+    assert edits == edits_alone and all(edits)
+    copied = {k: copies[k] - before[k] for k in ("copy_cycles", "copied_tokens")}
+    assert 0 < copied["copy_cycles"] < copied["copied_tokens"]  # the edits' copies were taken
+    assert copies["prefill_passes"] < copies["prefill_chunks"]  # together: shared passes
 
 
 def post(url: str, body: dict) -> dict:
