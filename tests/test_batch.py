@@ -687,3 +687,37 @@ def test_prompts_that_arrive_together_prefill_in_shared_passes_each_as_alone(tin
     s = engine.stats
     assert s.prefill_chunks == chunks and s.prefill_passes < chunks
     assert max(len(i) for i in ids) > 40  # the cap was binding somewhere
+
+
+def test_a_copying_row_asking_for_logprobs_gets_those_of_the_request_alone(tiny_pair, on_thread):
+    """Log-probabilities (top 3) of a row that copies its source, beside a penalised row and a
+    drafting one: the entries of each request alone."""
+
+    def run():
+        tok = tiny_pair.tokenizer
+        ids = [tok.encode(REPEATS * 3 + REPEATS[:24]), tok.encode(PROMPTS[1])]
+        ids += [tok.encode(PROMPTS[2])]
+        kws = [{}, {"penalties": penalties(PEN)}, {}]
+        jobs = [
+            (i, config(24, block=BlockChoice(4), logprobs=3, copy=True, **kw))
+            for i, kw in zip(ids, kws)
+        ]
+        refs = [
+            [lp for e in speculative_stream(tiny_pair, i, cfg) for lp in e.logprobs or []]
+            for i, cfg in jobs
+        ]
+        got = [[] for _ in jobs]
+        engine = BatchEngine(tiny_pair, 3, 4, auto=False)
+        for k, (i, cfg) in enumerate(jobs):
+            emit = lambda e, k=k: got[k].extend(e.logprobs or [])  # noqa: E731
+            engine.add(BatchRequest(i, cfg, DecodeState(tiny_pair), emit))
+        engine.run()
+        return refs, got, engine
+
+    refs, got, engine = on_thread(run)
+    assert engine.stats.copy_cycles > 0
+    for a, b in zip(got, refs):
+        assert len(a) == len(b) == 24
+        assert [x.token for x in a] == [x.token for x in b]
+        assert [x.logprob for x in a] == pytest.approx([x.logprob for x in b], abs=1e-5)
+        assert [[t for t, _ in x.top] for x in a] == [[t for t, _ in x.top] for x in b]

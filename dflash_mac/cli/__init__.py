@@ -123,6 +123,10 @@ class LazyGroup(TyperGroup):
         return typer.main.get_command(sub)
 
     def invoke(self, ctx: Any) -> object:
+        if needs_blas(sys.argv[1:]):  # a command that runs MLX: its native module is loaded
+            # while Ctrl-C still exits at once (entry.py): a KeyboardInterrupt raised inside
+            # its init ("Critical nanobind error") aborts the process with a traceback
+            importlib.import_module("mlx.core")
         # From here Ctrl-C raises KeyboardInterrupt (commands may clean up), reported below.
         signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
