@@ -252,6 +252,7 @@ def supervise(ranks: list[Rank], ready: Path, timeout: float) -> tuple[int, str 
     started = time.monotonic()
     failed: Rank | None = None
     failed_at = 0.0
+    stopped: set[int] = set()  # ranks still running when the launcher stopped them
     while True:
         codes = [r.proc.poll() for r in ranks]
         if all(c is not None for c in codes):
@@ -260,6 +261,7 @@ def supervise(ranks: list[Rank], ready: Path, timeout: float) -> tuple[int, str 
         if bad and failed is None:
             failed, failed_at = bad[0], time.monotonic()
         if failed is not None and time.monotonic() - failed_at > GRACE_S:
+            stopped = {r.rank for r in ranks if r.proc.poll() is None}
             stop(ranks)
             break
         waiting = [r.rank for r in ranks if not (ready / str(r.rank)).exists()]
@@ -277,8 +279,8 @@ def supervise(ranks: list[Rank], ready: Path, timeout: float) -> tuple[int, str 
     if not bad:
         return 0, None
     # a rank killed by a signal is the cause the others followed (they noticed it at once, so
-    # the poll above may have seen them end in the same instant)
-    killed = [r for r in bad if (r.proc.returncode or 0) < 0]
+    # the poll above may have seen them end in the same instant); not one the launcher stopped
+    killed = [r for r in bad if (r.proc.returncode or 0) < 0 and r.rank not in stopped]
     first = killed[0] if killed else failed or bad[0]
     code = ranks[0].proc.returncode if ranks[0].proc.returncode not in (0, None) else 1
     return (code if code > 0 else 1), f"{describe(first)}."
