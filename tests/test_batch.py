@@ -533,6 +533,29 @@ def test_a_batched_verify_that_forgets_the_block_drafts_is_detected(
     assert chi_square_p(samples, joint) < 1e-6
 
 
+def logprobs_alone_and_batched(pair, jobs, bs: int) -> tuple[list, list, BatchEngine]:
+    """Each job's log-probabilities served alone, then batched (fixed block `bs`)."""
+    refs = [
+        [lp for e in speculative_stream(pair, ids, cfg) for lp in e.logprobs or []]
+        for ids, cfg in jobs
+    ]
+    got = [[] for _ in jobs]
+    engine = BatchEngine(pair, len(jobs), bs, auto=False)
+    for k, (ids, cfg) in enumerate(jobs):
+        emit = lambda e, k=k: got[k].extend(e.logprobs or [])  # noqa: E731
+        engine.add(BatchRequest(ids, cfg, DecodeState(pair), emit))
+    engine.run()
+    return refs, got, engine
+
+
+def assert_same_logprobs(got: list, refs: list, n: int) -> None:
+    for a, b in zip(got, refs):
+        assert len(a) == len(b) == n
+        assert [x.token for x in a] == [x.token for x in b]
+        assert [x.logprob for x in a] == pytest.approx([x.logprob for x in b], abs=1e-5)
+        assert [[t for t, _ in x.top] for x in a] == [[t for t, _ in x.top] for x in b]
+
+
 def test_rows_asking_for_logprobs_get_those_of_the_request_alone(tiny_pair, on_thread):
     """Log-probabilities (top 3) through the batch, with penalties on one row and block sizes
     1, 3 and 5: the same entries as each request alone, first token included."""
@@ -543,28 +566,11 @@ def test_rows_asking_for_logprobs_get_those_of_the_request_alone(tiny_pair, on_t
             (tiny_pair.tokenizer.encode(p), config(16, block=b, penalties=pen, logprobs=3))
             for p, b, pen in zip(PROMPTS, blocks, pens)
         ]
-        refs = [
-            [lp for e in speculative_stream(tiny_pair, ids, cfg) for lp in e.logprobs or []]
-            for ids, cfg in jobs
-        ]
-        got = [[] for _ in jobs]
-        engine = BatchEngine(tiny_pair, 3, 5, auto=False)
-        for k, (ids, cfg) in enumerate(jobs):
-            engine.add(
-                BatchRequest(
-                    ids, cfg, DecodeState(tiny_pair), lambda e, k=k: got[k].extend(e.logprobs or [])
-                )
-            )
-        engine.run()
-        return refs, got, engine
+        return logprobs_alone_and_batched(tiny_pair, jobs, 5)
 
     refs, got, engine = on_thread(run)
     assert engine.stats.rows / engine.stats.cycles > 2
-    for a, b in zip(got, refs):
-        assert len(a) == len(b) == 16
-        assert [x.token for x in a] == [x.token for x in b]
-        assert [x.logprob for x in a] == pytest.approx([x.logprob for x in b], abs=1e-5)
-        assert [[t for t, _ in x.top] for x in a] == [[t for t, _ in x.top] for x in b]
+    assert_same_logprobs(got, refs, 16)
 
 
 def test_packed_rows_of_different_lengths_equal_each_row_alone(tiny_pair, on_thread):
@@ -702,22 +708,8 @@ def test_a_copying_row_asking_for_logprobs_gets_those_of_the_request_alone(tiny_
             (i, config(24, block=BlockChoice(4), logprobs=3, copy=True, **kw))
             for i, kw in zip(ids, kws)
         ]
-        refs = [
-            [lp for e in speculative_stream(tiny_pair, i, cfg) for lp in e.logprobs or []]
-            for i, cfg in jobs
-        ]
-        got = [[] for _ in jobs]
-        engine = BatchEngine(tiny_pair, 3, 4, auto=False)
-        for k, (i, cfg) in enumerate(jobs):
-            emit = lambda e, k=k: got[k].extend(e.logprobs or [])  # noqa: E731
-            engine.add(BatchRequest(i, cfg, DecodeState(tiny_pair), emit))
-        engine.run()
-        return refs, got, engine
+        return logprobs_alone_and_batched(tiny_pair, jobs, 4)
 
     refs, got, engine = on_thread(run)
     assert engine.stats.copy_cycles > 0
-    for a, b in zip(got, refs):
-        assert len(a) == len(b) == 24
-        assert [x.token for x in a] == [x.token for x in b]
-        assert [x.logprob for x in a] == pytest.approx([x.logprob for x in b], abs=1e-5)
-        assert [[t for t, _ in x.top] for x in a] == [[t for t, _ in x.top] for x in b]
+    assert_same_logprobs(got, refs, 24)
