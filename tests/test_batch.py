@@ -444,6 +444,9 @@ def test_bench_concurrency_runs_three_ways_and_checks_greedy_identity(tiny_pair,
     doc |= {"rows": rows, "header": {"target": "t", "draft": "d", "cpu": "c"}}
     assert "| 2 |" in concurrency_markdown(doc)
     assert "Batched cycles by block size" in concurrency_markdown(doc)
+    assert all(set(r["batch_copies"]) == {"cycles", "tokens"} for r in rows)
+    copied = doc | {"rows": [rows[0] | {"batch_copies": {"cycles": 3, "tokens": 9}}]}
+    assert "copied tokens taken: N 1: 3 cycles, 9 tokens" in concurrency_markdown(copied)
     assert validate(doc | {"kind": "concurrency"}) == []
     broken = {
         "kind": "concurrency",

@@ -150,6 +150,7 @@ def measure_concurrency(
             one_at_a_time(pair, prompts[:1], warm[:1], tuning)
             plain_batched(pair, prompts, sp, WARMUP_TOKENS)
             before = dict(engine.stats.blocks)
+            copies_before = engine.stats.copy_cycles, engine.stats.copied
             ways = [
                 batched(engine, prompts, cfgs),
                 one_at_a_time(pair, prompts, cfgs, tuning),
@@ -162,6 +163,10 @@ def measure_concurrency(
                 str(b): c - before.get(b, 0)
                 for b, c in sorted(engine.stats.blocks.items())
                 if c > before.get(b, 0)
+            }
+            row["batch_copies"] = {  # the measured batched run's copy cycles, copied tokens
+                "cycles": engine.stats.copy_cycles - copies_before[0],
+                "tokens": engine.stats.copied - copies_before[1],
             }
             row["batched_vs_alone"] = round(agg[0] / agg[1], 3) if agg[1] else None
             row["batched_vs_plain"] = round(agg[0] / agg[2], 3) if agg[2] else None
@@ -214,6 +219,13 @@ def concurrency_markdown(doc: dict) -> str:
         ]
         if mix:
             lines += ["", "Batched cycles by block size (size×cycles): " + "; ".join(mix) + "."]
+        copies = [
+            f"N {r['concurrency']}: {c['cycles']} cycles, {c['tokens']} tokens"
+            for r in doc["rows"]
+            if r["setting"] == label and (c := r.get("batch_copies")) and c["cycles"]
+        ]
+        if copies:
+            lines += ["", "Batched cycles with copies, copied tokens taken: " + "; ".join(copies)]
     return "\n".join(lines) + "\n"
 
 
