@@ -717,8 +717,8 @@ class AutoTuning:
                 controller.memory = json.dumps([bs_max, list(setting), band > 0])
                 memory = self.remembered.get(controller.memory)
                 controller.start_from(memory, lower=band > 0)
-                if isinstance(memory, dict) and "copy" in memory:  # what copies got then
-                    controller.copy_rates = CopyRates.read(memory["copy"])
+                if isinstance(memory, dict):  # what copies got then (none: the defaults)
+                    controller.copy_rates = CopyRates.read(memory.get("copy"))
             self.controllers[key] = controller
         return controller
 

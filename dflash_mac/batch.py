@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from contextlib import ExitStack
 from dataclasses import dataclass
+from itertools import accumulate
 
 import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
@@ -147,17 +148,20 @@ def forward_rows(
     lengths = None
     if isinstance(tokens, list):
         lengths = [int(t.shape[0]) for t in tokens]
-        tokens = mx.stack(tokens) if len(set(lengths)) == 1 else mx.concatenate(tokens)[None]
-        lengths = None if tokens.shape[0] == len(lengths) else lengths
+        if len(set(lengths)) == 1:  # one length: stacked, as an array of rows
+            tokens, lengths = mx.stack(tokens), None
+        else:
+            tokens = mx.concatenate(tokens)[None]
     layers = zip(*(s.target_cache for s in states))
     logits = pair.target(tokens, cache=[RowCaches(list(layer), lengths) for layer in layers])
     return logits if lengths is None else split_rows(logits, lengths)
 
 
 def split_rows(x: mx.array, lengths: list[int]) -> list[mx.array]:
-    """A packed `[1, sum L, ...]` back into rows `[L_i, ...]`."""
-    ends = [sum(lengths[: i + 1]) for i in range(len(lengths) - 1)]
-    return mx.split(x[0], ends) if ends else [x[0]]
+    """Rows `[L_i, ...]` of `x`: stacked `[B, L, ...]`, or packed `[1, sum L, ...]`."""
+    if x.shape[0] == len(lengths):
+        return [x[i] for i in range(len(lengths))]
+    return mx.split(x[0], list(accumulate(lengths[:-1])))
 
 
 @dataclass

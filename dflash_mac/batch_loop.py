@@ -125,7 +125,7 @@ class Step:
     sizes: list[int]  # the positions each row judges (its block size, or its copy + 1)
     outcome: mx.array
     lp_rows: list[mx.array | None]
-    feats: mx.array | list[mx.array]  # row i's captured target features [width_i, n*H]
+    feats: list[mx.array]  # row i's captured target features [width_i, n*H]
     t0: float  # when it was built
     reason: str  # why the rule chose its size
     widths: list[int]  # the positions each row ran (bs, or its copy + 1 in a packed pass)
@@ -206,7 +206,6 @@ class BatchEngine:
         r.out = TextStream(self.pair.tokenizer, cfg.stop, self.pair.eos_ids if ends else set())
         r.ctx = DraftContext(self.pair.drafter, r.state.draft_cache)
         r.con = cfg.grammar.start(self.pair) if cfg.grammar is not None else None
-        r.policy = CopyPolicy()
         r.rng = random.Random(cfg.seed)
         # the chunks `decode.prefill` runs (same boundaries: the same numbers as alone)
         new = ids[len(r.state.ids) :]
@@ -230,20 +229,10 @@ class BatchEngine:
         chunks = [r.chunks.popleft() for r in batch]
         self.stats.prefill_passes += 1
         self.stats.prefill_chunks += len(chunks)
-        if len(batch) == 1:  # its own cache: the pass it runs alone
-            r = batch[0]
-            logits = [self.pair.target(mx.array(chunks[0])[None], cache=r.state.target_cache)[0]]
-            feats = [cap.features()[0]]
-        else:
-            lengths = [len(c) for c in chunks]
-            states = [r.state for r in batch]
-            logits = forward_rows(self.pair, [mx.array(c) for c in chunks], states)
-            feats = cap.features()  # [B, L, n*H], or packed [1, sum L, n*H]
-            rows = range(len(batch))
-            feats = (
-                split_rows(feats, lengths) if len(set(lengths)) > 1 else [feats[i] for i in rows]
-            )
-            logits = [logits[i] for i in rows]
+        lengths = [len(c) for c in chunks]
+        logits = forward_rows(self.pair, [mx.array(c) for c in chunks], [r.state for r in batch])
+        logits = split_rows(logits, lengths) if not isinstance(logits, list) else logits
+        feats = split_rows(cap.features(), lengths)  # row i [L_i, n*H]
         for r, f in zip(batch, feats):
             self.pair.drafter.extend_context(f[None], r.state.draft_cache)
         last = [lg[-1] for r, lg in zip(batch, logits) if not r.chunks]  # only those are read
@@ -415,9 +404,7 @@ class BatchEngine:
             mx.concatenate([first[i], d.drafts.astype(mx.int32)]) for i, d in enumerate(drafts)
         ]
         logits = forward_rows(self.pair, rows_tokens, [r.state for r in rows])  # row i [w_i, V]
-        feats = cap.features()  # [B, bs, n*H], or packed [1, sum w, n*H]
-        if len(set(widths)) > 1:
-            feats = split_rows(feats, widths)
+        feats = split_rows(cap.features(), widths)  # row i [w_i, n*H]
         for i, cp in enumerate(copies):
             if cp and not sps[i].greedy:  # a copied token is a draft with all of q's mass on it
                 vocab = mx.arange(logits[i].shape[-1])[None]
