@@ -152,3 +152,22 @@ def test_models_table_and_json(cli):
     data = json.loads(Cli(cli.command, env)("models", "--json").stdout)
     smol = next(p for p in data["pairs"] if p["name"] == "smollm2-135m")
     assert data["default"] == "smollm2-135m" and smol["default"] and not smol["local"]
+
+
+def test_bench_concurrency_reports_three_ways_and_the_batch_copies(cli, tmp_path):
+    """`bench --concurrency` as a user runs it: the table per N, greedy answers batched equal
+    to one at a time, and the document with the batched run's block mix and copies."""
+    out = tmp_path / "cc.jsonl"
+    r = cli(
+        "bench", "--concurrency", "2", "--suite", "edit", "-n", "24", "--temp", "0",
+        "--no-live", "--out", str(out),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "| 2 |" in r.stdout and "vs plain batched" in r.stdout
+    (doc,) = [json.loads(line) for line in out.read_text().splitlines()]
+    (row,) = doc["rows"]
+    assert doc["kind"] == "concurrency" and row["identical"] == "2/2"
+    assert [w["way"] for w in row["ways"]][0] == "dflash-batched"
+    copies = row["batch_copies"]
+    assert copies["cycles"] > 0 and copies["tokens"] > 0  # the edits copied their source
+    assert f"N 2: {copies['cycles']} cycles, {copies['tokens']} tokens" in r.stdout
