@@ -168,6 +168,6 @@ def test_bench_concurrency_reports_three_ways_and_the_batch_copies(cli, tmp_path
     (row,) = doc["rows"]
     assert doc["kind"] == "concurrency" and row["identical"] == "2/2"
     assert [w["way"] for w in row["ways"]][0] == "dflash-batched"
-    copies = row["batch_copies"]
-    assert copies["cycles"] > 0 and copies["tokens"] > 0  # the edits copied their source
+    copies = row["batch_copies"]  # how many depends on the sizes the rule timed: the line
+    assert copies["cycles"] > 0  # the edits copied their source (taken or not)
     assert f"N 2: {copies['cycles']} cycles, {copies['tokens']} tokens" in r.stdout
