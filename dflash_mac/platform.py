@@ -111,6 +111,16 @@ def device_name() -> str:
     return "gpu" if dev == mx.gpu else "cpu"
 
 
+def machine_key() -> str:
+    """What a cost curve was measured on: the device, the CPU and, on the CPU, the BLAS. The
+    reference BLAS times a block-8 verify at ~9 plain steps where OpenBLAS takes ~1.7, so a curve
+    from one priced every draft and copy out under the other (a first run before
+    libopenblas0-pthread was installed)."""
+    device = device_name()
+    key = f"{device}-{cpu_name()}"
+    return key if device == "gpu" else f"{key}-{blas_in_use()}"
+
+
 def machine_summary() -> dict:
     import mlx.core as mx
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from .autoblock import AutoTuning, CostCurve
 from .errors import PromptError
 from .pair import Pair
-from .platform import cpu_name, data_dir, device_name, write_atomic
+from .platform import data_dir, machine_key, write_atomic
 from .registry import PairEntry, pair_for
 
 QUANTIZED_MAX_BLOCK = 5  # for quantized pairs the registry does not list
@@ -122,8 +122,8 @@ def pair_file(pair: Pair) -> str:
 
 def cost_curve_path(pair: Pair, machine: str | None = None) -> Path:
     """Where `bench --cost-curve` saves the pair's curve for this machine (and `auto` reads it):
-    <data dir>/cost-curves/<machine>/<target>--<drafter>.json."""
-    machine = machine or f"{device_name()}-{cpu_name()}"
+    <data dir>/cost-curves/<machine>/<target>--<drafter>.json (`machine_key`)."""
+    machine = machine or machine_key()
     return data_dir() / "cost-curves" / slug(machine) / pair_file(pair)
 
 

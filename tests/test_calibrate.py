@@ -123,3 +123,21 @@ def test_a_curve_that_cannot_be_saved_is_one_sentence_and_generation_goes_on(pai
     )
     monkeypatch.setenv("DFLASH_MAC_HOME", "/proc/self/no-such-home")  # cannot be made
     assert not calibrate.missing(pair, 3)  # nowhere to keep a curve: auto keeps the guess
+
+
+def test_a_curve_measured_under_another_blas_is_not_taken(pair, monkeypatch):
+    """A first run before OpenBLAS was installed timed a block-8 verify at ~9 plain steps with
+    the reference BLAS; under OpenBLAS that curve priced every draft and copy out for good."""
+    import dflash_mac.platform as machine
+
+    monkeypatch.setattr(machine, "device_name", lambda: "cpu")
+    monkeypatch.setattr(machine, "blas_in_use", lambda: "reference BLAS (MLX wheel)")
+    calibrate.calibrate(pair, 3)
+    assert not calibrate.missing(pair, 3)
+    monkeypatch.setattr(machine, "blas_in_use", lambda: "OpenBLAS")
+    assert calibrate.missing(pair, 3)  # measured again under this BLAS
+    assert not load_tuning(pair).controller(3).cost.prior.measured
+    monkeypatch.setattr(machine, "device_name", lambda: "gpu")
+    gpu = cost_curve_path(pair)
+    monkeypatch.setattr(machine, "blas_in_use", lambda: "reference BLAS (MLX wheel)")
+    assert cost_curve_path(pair) == gpu  # the GPU's matmuls do not run on the BLAS
