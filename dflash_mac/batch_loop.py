@@ -354,13 +354,16 @@ class BatchEngine:
         """Whether the row's next cycle may copy (then its anchor is needed on the host)."""
         return r.index is not None and r.policy.paused == 0 and r.index.may_match()
 
-    def _copy(self, r: BatchRequest) -> list[int]:
+    def _copy(self, r: BatchRequest, queued: bool) -> list[int]:
         """The row's copy for this cycle: what followed its last tokens earlier, as long as
-        its policy allows and its budget has room for ([]: none), as alone."""
-        room = r.cfg.max_tokens - r.out.count
-        if r.index is None or room <= 1:
+        its policy allows and its budget has room for ([]: none), as alone. A step `queued`
+        ahead cannot copy (its anchors are lazy) but counts down a pause, as alone."""
+        if r.index is None:
             return []
-        return r.index.propose(r.anchor, min(r.policy.length(), room - 1))
+        most, room = r.policy.length(), r.cfg.max_tokens - r.out.count
+        if queued or room <= 1 or most == 0:
+            return []
+        return r.index.propose(r.anchor, min(most, room - 1))
 
     def _build(
         self, rows: list[BatchRequest], bs: int, cap: FeatureCapture, first: mx.array | None = None
@@ -377,7 +380,7 @@ class BatchEngine:
             p.bind(r.state.ids[-p.context_size :] + [r.anchor]) if (p := r.cfg.penalties) else None
             for r in rows
         ]
-        copies = [self._copy(r) for r in rows] if first is None else [[] for _ in rows]
+        copies = [self._copy(r, queued=first is not None) for r in rows]
         if first is None:
             first = mx.array([[r.anchor] for r in rows], mx.int32)  # [B, 1]
         drafts: list[RowDraft | None] = [None] * len(rows)

@@ -428,8 +428,11 @@ class CyclePipeline:
         penalty = (
             self.pen.bind(self.state.ids[-self.pen.context_size :] + [anchor]) if self.pen else None
         )
-        can_copy = isinstance(anchor, int) and room > 1 and self.index is not None
-        copy = self.index.propose(anchor, min(self.policy.length(), room - 1)) if can_copy else []
+        # every cycle counts down a pause, a plain step queued ahead too (it cannot copy: its
+        # anchor is lazy), else a pause begun among such steps would never end
+        most = self.policy.length() if self.index is not None else 0
+        can_copy = isinstance(anchor, int) and room > 1 and most > 0
+        copy = self.index.propose(anchor, min(most, room - 1)) if can_copy else []
         if copy and self.copy_len is not None:  # as long as the costs say it pays
             n = self.copy_len(len(copy), self.policy)
             if n == 0 and (k := self.policy.probe(len(copy))):  # priced at a fresh start's

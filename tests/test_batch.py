@@ -638,6 +638,36 @@ def test_rows_that_copy_share_a_batch_with_drafting_rows_each_as_alone(tiny_pair
     assert engine.stats.as_dict()["copied_tokens"] == engine.stats.copied
 
 
+@pytest.mark.parametrize("pause", [8, 10**6])
+def test_a_rows_pause_ends_among_plain_steps_queued_ahead(tiny_pair, on_thread, pause):
+    """Batched plain steps queued ahead cannot copy (their anchors are lazy) but each counts
+    down a row's pause, as alone: the copying rows resume copies. Control: a pause longer than
+    the answers keeps every copy out."""
+
+    def run():
+        tok = tiny_pair.tokenizer
+        ids = [tok.encode(REPEATS * 3 + REPEATS[:24]), tok.encode(REPEATS * 2 + REPEATS[:30])]
+        jobs = [(i, config(40, block=BlockChoice(1), copy=True)) for i in ids]
+        refs = [alone(tiny_pair, i, replace(cfg, copy=False)) for i, cfg in jobs]
+        engine, got = BatchEngine(tiny_pair, 2, 1, False), [[], []]
+        for k, (i, cfg) in enumerate(jobs):
+            req = BatchRequest(
+                i, cfg, DecodeState(tiny_pair), lambda ev, k=k: got[k].extend(ev.tokens)
+            )
+            req.policy.paused = pause
+            engine.add(req)
+        while engine.busy:
+            engine.step()
+        return refs, got, engine
+
+    refs, got, engine = on_thread(run)
+    assert got == refs
+    if pause > 40:
+        assert engine.stats.copy_cycles == 0
+    else:
+        assert engine.stats.copy_cycles > 0 and engine.stats.copied > engine.stats.copy_cycles
+
+
 def copy_batch_samples(pair, sp: SamplingParams, n: int, blocks) -> tuple[list[tuple], int]:
     """n seeded 3-token requests after a periodic prompt, 8 at a time, copies on."""
     engine = BatchEngine(pair, 8, max(b.size for b in blocks), auto=False)

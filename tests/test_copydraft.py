@@ -222,3 +222,26 @@ def test_text_that_repeats_is_copied_after_poor_copies_elsewhere(tiny_pair, monk
     monkeypatch.setattr(BlockController, "copy_length", costs)
     monkeypatch.setattr(CopyPolicy, "probe", lambda self, longest: 0)
     assert run().copy_cycles == 0
+
+
+@pytest.mark.parametrize("pause", [8, 10**6])
+def test_a_pause_ends_among_plain_steps_queued_ahead(tiny_pair, monkeypatch, pause):
+    """Plain steps are queued ahead on a lazy anchor and cannot copy, but each is a cycle of
+    the pause: a pause begun among them ends, and copies resume (a looping answer of the
+    default pair ran 100 plain steps with no copy: the pause only counted cycles that could
+    copy). Control: a pause longer than the answer keeps every copy out."""
+    import functools
+
+    import dflash_mac.cycle as cycle
+
+    tok = tiny_pair.tokenizer
+    src = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
+    ids = tok.encode(src * 3 + "# again\n" + src[:20])
+    monkeypatch.setattr(cycle, "CopyPolicy", functools.partial(CopyPolicy, paused=pause))
+    plain = generate(tiny_pair, ids, max_tokens=48, use_eos=False, block_size=1, copy=False)
+    out = generate(tiny_pair, ids, max_tokens=48, use_eos=False, block_size=1, copy=True)
+    assert out.tokens == plain.tokens
+    if pause > 48:
+        assert out.stats.copy_cycles == 0
+    else:
+        assert out.stats.copy_cycles > 0 and out.stats.copy_tokens > out.stats.copy_cycles
