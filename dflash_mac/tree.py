@@ -24,6 +24,7 @@ chains (a recurrent state cannot take a tree mask)."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -188,14 +189,22 @@ def rope_by_token(obj: nn.Module, call: Callable, x: mx.array, offset: Any = 0) 
     return call(x, offset=offset)
 
 
+_ROPES: dict[int, tuple[weakref.ref, list[nn.Module]]] = {}  # id(model): (model, its RoPEs)
+
+
 def ropes(model: nn.Module) -> list[nn.Module]:
-    """The RoPE modules of a target's attention layers."""
+    """The RoPE modules of a target's attention layers, found once per model: walking every
+    module costs a few ms per request (3 walks a request, more than a tiny model's cycles)."""
+    key = id(model)
+    if (hit := _ROPES.get(key)) is not None and hit[0]() is model:
+        return hit[1]
     found: dict[int, nn.Module] = {}
     for _, m in model.named_modules():
         rope = m.get("rope") if isinstance(m, dict) else getattr(m, "rope", None)
         if isinstance(rope, nn.Module):
             found[id(rope)] = rope
-    return list(found.values())
+    _ROPES[key] = (weakref.ref(model, lambda _: _ROPES.pop(key, None)), list(found.values()))
+    return _ROPES[key][1]
 
 
 def supports(model: nn.Module, cache: list) -> bool:

@@ -124,9 +124,16 @@ def limit_per_suite(prompts: list[BenchPrompt], limit: int | None) -> list[Bench
 
 
 def cost_curve_command(
-    model: str | None, draft: str | None, draft_bits, err, shape=None, shape_dtype="bf16"
+    model: str | None,
+    draft: str | None,
+    draft_bits,
+    err,
+    shape=None,
+    shape_dtype="bf16",
+    reps: int | None = None,
 ) -> None:
-    """`bench --cost-curve`: measure, print, save where `auto` finds it."""
+    """`bench --cost-curve`: measure (`reps` timings per block size, default the full
+    curve's), print, save where `auto` finds it."""
     from dflash_mac.calibrate import FULL_REPS, all_rounds, measure_both, save
     from dflash_mac.cli.terminal import load_pair, progress_bar
     from dflash_mac.policy import cost_curve_path
@@ -140,8 +147,9 @@ def cost_curve_command(
     else:
         pair = load_pair(model, draft, draft_bits=draft_bits).pair
     title = "Timing cycles at block size 1..16, greedy and at T 0.7, batched, long contexts"
-    with progress_bar(title, all_rounds(pair, FULL_REPS)) as step:
-        curve = measure_both(pair, progress=step, batched=True, contexts=True)
+    reps = reps or FULL_REPS
+    with progress_bar(title, all_rounds(pair, reps)) as step:
+        curve = measure_both(pair, reps=reps, progress=step, batched=True, contexts=True)
     curve |= {"header": header(pair) | {"load_avg": [load_average()]}}
     typer.echo(render(curve), nl=False)
     path = save(curve, cost_curve_path(pair))
@@ -168,7 +176,13 @@ def bench_command(
     limit: int | None = typer.Option(
         None, "--limit", help="Use the first K prompts of each suite."
     ),
-    trials: int = typer.Option(2, "--trials", "-t", help="Measured passes over the prompts."),
+    trials: int | None = typer.Option(
+        None,
+        "--trials",
+        "-t",
+        help="Measured passes over the prompts (default 2); with --cost-curve, timings per "
+        "block size (default 12: fewer is quicker and noisier).",
+    ),
     max_tokens: int = typer.Option(
         128, "--max-tokens", "-n", help="Tokens per generation at most."
     ),
@@ -260,8 +274,11 @@ def bench_command(
     err = Console(stderr=True)
     if shape and not cost_curve:
         raise BenchError("--shape works with --cost-curve only.")
+    if trials is not None and trials < 1:
+        raise BenchError(f"--trials must be at least 1 (got {trials}).")
     if cost_curve:
-        return cost_curve_command(model, draft, draft_bits, err, shape, shape_dtype)
+        return cost_curve_command(model, draft, draft_bits, err, shape, shape_dtype, trials)
+    trials = trials or 2
     if concurrency is not None:
         levels = parse_levels(concurrency)
         return concurrency_command(

@@ -240,6 +240,8 @@ def stop(ranks: list[Rank]) -> None:
     steps = ((ranks[:1], signal.SIGTERM, 5.0), (ranks, signal.SIGTERM, 2.0))
     for group, sig, wait in (*steps, (ranks, signal.SIGKILL, 2.0)):
         alive = [r for r in group if r.proc.poll() is None]
+        if not alive:  # a rank 0 already gone releases no one: go straight to the next step
+            continue
         for r in alive:
             r.signal(sig)
         deadline = time.monotonic() + wait

@@ -70,8 +70,9 @@ def test_bench_tiny_run(cli):
 
 def test_bench_cost_curve_saves_a_greedy_and_a_sampled_table(cli):
     """`bench --cost-curve` as a user runs it: the table shows both curves and the file `auto`
-    reads holds both (the sampled one is the prior of requests with a temperature)."""
-    r = cli("bench", "--cost-curve")
+    reads holds both (the sampled one is the prior of requests with a temperature); `--trials`
+    sets the timings per size (the full 12 take minutes on a loaded two-core CI machine)."""
+    r = cli("bench", "--cost-curve", "--trials", "3", timeout=300)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert all(w in lines[0] for w in ("draft ms", "verify ms", "× plain step", "T 0.7: ms"))
@@ -80,6 +81,7 @@ def test_bench_cost_curve_saves_a_greedy_and_a_sampled_table(cli):
     saved = list(Path(cli.env["DFLASH_MAC_HOME"]).rglob("cost-curves/*/*.json"))
     assert len(saved) == 1, saved
     curve = json.loads(saved[0].read_text())
+    assert curve["reps"] == curve["sampled"]["reps"] == 3
     assert curve["ratios"]["1"] == curve["sampled"]["ratios"]["1"] == 1.0
     assert curve["sampled"]["temperature"] == 0.7 and len(curve["sampled"]["ratios"]) == 16
     # batched cycles (serve --max-batch's prior): 2, 4 and 8 rows at the rule's block sizes
@@ -156,11 +158,14 @@ def test_models_table_and_json(cli):
 
 def test_bench_concurrency_reports_three_ways_and_the_batch_copies(cli, tmp_path):
     """`bench --concurrency` as a user runs it: the table per N, greedy answers batched equal
-    to one at a time, and the document with the batched run's block mix and copies."""
+    to one at a time, and the document with the batched run's block mix and copies. Plain steps
+    (`-b 1`) try a copy at every position: with `auto` where copies are tried depends on the
+    block sizes the rule timed, and the tiny pair's answers repeat their prompt only here and
+    there."""
     out = tmp_path / "cc.jsonl"
     r = cli(
         "bench", "--concurrency", "2", "--suite", "edit", "-n", "24", "--temp", "0",
-        "--no-live", "--out", str(out),
+        "--no-live", "--out", str(out), "-b", "1",
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "| 2 |" in r.stdout and "vs plain batched" in r.stdout
@@ -168,6 +173,7 @@ def test_bench_concurrency_reports_three_ways_and_the_batch_copies(cli, tmp_path
     (row,) = doc["rows"]
     assert doc["kind"] == "concurrency" and row["identical"] == "2/2"
     assert [w["way"] for w in row["ways"]][0] == "dflash-batched"
-    copies = row["batch_copies"]  # how many depends on the sizes the rule timed: the line
+    assert row["batch_blocks"] == {"1": sum(row["batch_blocks"].values())}
+    copies = row["batch_copies"]
     assert copies["cycles"] > 0  # the edits copied their source (taken or not)
     assert f"N 2: {copies['cycles']} cycles, {copies['tokens']} tokens" in r.stdout
