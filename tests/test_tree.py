@@ -434,3 +434,28 @@ def test_probes_after_a_fallback_are_chains_not_trees():
     probes = [s for s in after if s[0] > 1]
     assert probes and all(tree == 0 for _, tree in probes), probes
     assert len(probes) < 0.06 * len(after)  # plain steps, a probe now and then
+
+
+def test_rope_modules_are_each_models_own_and_found_once():
+    """The RoPE modules a tree verify hooks, cached per model: a second model (same shape)
+    gets its own, and one that replaced a dead model at the same address is walked afresh."""
+    import gc
+
+    from mlx_lm.models import qwen3
+
+    from dflash_mac.random_pair import target_config
+    from dflash_mac.tree import ropes
+
+    def model():
+        return qwen3.Model(qwen3.ModelArgs.from_dict(target_config(vocab=8, hidden=16, layers=2)))
+
+    def own(m) -> set[int]:
+        return {id(layer.self_attn.rope) for layer in m.model.layers}
+
+    a, b = model(), model()
+    assert {id(r) for r in ropes(a)} == own(a) and ropes(a) is ropes(a)  # no second walk
+    assert {id(r) for r in ropes(b)} == own(b) != own(a)
+    del a
+    gc.collect()
+    c = model()
+    assert {id(r) for r in ropes(c)} == own(c)
