@@ -37,13 +37,32 @@ def installed_command() -> str:
     return found
 
 
-def user_env(home: Path) -> dict[str, str]:
+_CURVES: list[Path] = []  # the tiny pair's cost curves, measured once per test process
+
+
+def user_env(home: Path, measured: bool = True) -> dict[str, str]:
     """The environment of a user: no dflash-mac settings but the data directory, offline, on
-    the tiny pair (the real default pair is pulled and run in test_default_pair.py)."""
+    the tiny pair (the real default pair is pulled and run in test_default_pair.py). With
+    `measured`, the data directory is one where `auto` already measured its cost curve (a
+    user's second run; `measured_curves`): the first `auto` run of every fresh home would time
+    the block sizes again, 10-25 s each on a loaded two-core machine. First use has its tests."""
     env = {k: v for k, v in os.environ.items() if not k.lstrip("_").startswith("DFLASH_MAC_")}
     env.update(DFLASH_MAC_HOME=str(home), HF_HUB_OFFLINE="1", NO_COLOR="1", COLUMNS="200")
     env.update(DFLASH_MAC_PAIR="tiny-code")
+    if measured and _CURVES and not (home / "cost-curves").exists():
+        shutil.copytree(_CURVES[0], home / "cost-curves")
     return env
+
+
+@pytest.fixture(scope="session", autouse=True)
+def measured_curves(tmp_path_factory) -> None:
+    """Measure the tiny pair's quick cost curve once, as a user's first `auto` run does, for
+    `user_env` to hand to fresh homes."""
+    home = tmp_path_factory.mktemp("measured-home")
+    r = Cli(installed_command(), user_env(home, measured=False))("generate", "hi", "-n", "1")
+    assert r.returncode == 0, r.stderr
+    assert list(home.glob("cost-curves/*/*.json")), r.stderr  # auto measured at first use
+    _CURVES[:] = [home / "cost-curves"]
 
 
 @dataclass

@@ -101,7 +101,9 @@ def test_auto_measures_the_cost_curve_once_at_first_use(tmp_path):
     """A user who never ran `bench --cost-curve`: the first `auto` run times the block sizes
     (a progress bar, one line saying where the curve went) and saves a greedy and a sampled
     table; later runs reuse it; a fixed block size or DFLASH_MAC_CALIBRATE=0 measures nothing."""
-    env = {k: v for k, v in user_env(tmp_path).items() if k != "OPENBLAS_NUM_THREADS"}
+    env = {
+        k: v for k, v in user_env(tmp_path, measured=False).items() if k != "OPENBLAS_NUM_THREADS"
+    }
     cli = Cli(installed_command(), env)
     curves = lambda: list(tmp_path.rglob("cost-curves/*/*.json"))  # noqa: E731
     r = cli("generate", "hi", "-n", str(N), "--block-size", "4", "--json")

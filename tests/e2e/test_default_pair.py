@@ -12,7 +12,7 @@ from .conftest import Cli, installed_command, user_env
 
 
 def first_use_env(home, **extra: str) -> dict[str, str]:
-    env = user_env(home)
+    env = user_env(home, measured=False)
     env.pop("DFLASH_MAC_PAIR")  # what a user has: the registry's default
     return env | extra
 
@@ -36,7 +36,8 @@ def test_offline_first_use_falls_back_to_the_tiny_pair_in_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_first_use_pulls_the_real_model_and_answers_in_english(tmp_path):
-    env = first_use_env(tmp_path / "home")
+    # no quick cost curve of the real pair (~95 s here; first use's curve has its own test)
+    env = first_use_env(tmp_path / "home", DFLASH_MAC_CALIBRATE="0")
     cli = Cli(installed_command(), env)
     r = cli("generate", "What is the capital of France?", "-n", "24", "--json", timeout=600)
     if r.returncode != 0 and "could not download" in r.stderr:
