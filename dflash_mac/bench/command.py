@@ -290,7 +290,7 @@ def bench_command(
             model, draft, prompts_file, limit, max_tokens, block_size, draft_bits, fmt, out, err
         )
     sampling = dict(top_p=top_p or 1.0, top_k=top_k or 0, min_p=min_p)
-    sizes, temps = check_options(fmt, block_size, trials, cooldown, temp, max_tokens, sampling)
+    sizes, temps = check_options(fmt, block_size, cooldown, temp, max_tokens, sampling)
     prompts = read_prompts(prompts_file) if prompts_file else suite_prompts(suite, warn_line)
     prompts = limit_per_suite(prompts, limit)
     prepared = load_pair(model, draft, draft_bits=draft_bits, reasoning=reasoning)
@@ -414,16 +414,12 @@ def agent_command(model, draft, transcripts, limit, max_tokens, block_size, bits
         raise typer.Exit(1)
 
 
-def check_options(
-    fmt: str, block_size, trials: int, cooldown: float, temp, max_tokens: int, sampling: dict
-):
+def check_options(fmt: str, block_size, cooldown: float, temp, max_tokens: int, sampling: dict):
     """Every option checked before the slow load: (block sizes, temperatures)."""
     from dflash_mac.api import make_config
 
     check_format(fmt)
     sizes = parse_block_sizes(block_size)
-    if trials < 1:
-        raise BenchError(f"--trials must be at least 1 (got {trials}).")
     if cooldown < 0:
         raise BenchError(f"--cooldown must be >= 0 (got {cooldown}).")
     temps = parse_temps(temp)
