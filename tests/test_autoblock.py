@@ -528,8 +528,9 @@ def test_cost_curve_times_plain_steps_as_a_pipelined_run(tiny_pair, monkeypatch)
             if nxt[0] != 1:
                 runs.append(run)
                 run = []
-    burst = calibrate.PLAIN_BURST
-    assert len(runs) == rounds and all(len(r) >= burst + 1 for r in runs)
+    warm, burst = calibrate.WARMUP_ROUNDS, calibrate.PLAIN_BURST
+    assert len(runs) == rounds and all(len(r) >= burst + 1 for r in runs[warm:])
+    assert all(len(r) == calibrate.WARMUP_PLAIN for r in runs[:warm])  # the short warm-up
     for r in runs:  # one after another, each on the previous step's lazy token
         assert [o for o, _ in r] == list(range(r[0][0], r[0][0] + len(r)))
         assert all(lazy for _, lazy in r[1:])
