@@ -15,11 +15,11 @@ both are saved where `auto` reads its prior (`policy.cost_curve_path`).
 
 `dflash-mac bench --cost-curve` measures the full curve (`reps` 12) and, where the pair batches,
 greedy batched cycles of 2, 4 and 8 rows (`measure_batches`: the prior of `BatchBlockRule`).
-Front ends that run
-`auto` call `needed` / `calibrate` once their inputs are checked: a pair without a saved curve
-on this machine gets a quick one (`QUICK_REPS`, sizes up to auto's largest) measured once and
-saved, because sizes `auto` does not run keep the prior's cost, and the generic guess can be
-far from a machine's curve (a GPU's wide verify costs little more than one token).
+Front ends that run `auto` call `needed` / `calibrate` once their inputs are checked: a pair
+without a saved curve on this machine gets a quick one (`QUICK_REPS` rounds over `quick_sizes`
+up to auto's largest, the sizes between interpolated) measured once and saved, because sizes
+`auto` does not run keep the prior's cost, and the generic guess can be far from a machine's
+curve (a GPU's wide verify costs little more than one token).
 `DFLASH_MAC_CALIBRATE=0` turns that off."""
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ SAMPLED_TEMP = 0.7  # the sampled curve's temperature (the chat default of most 
 FULL_REPS = 12  # `bench --cost-curve`
 LONG_CONTEXTS = (1024, 2048, 4096)  # where `bench --cost-curve` times how costs grow
 CONTEXT_REPS = 3  # measured rounds at each of them
-QUICK_REPS = 4  # the curve measured at first use of `auto`
+QUICK_REPS = 3  # the curve measured at first use of `auto` (at `quick_sizes`)
 WARMUP_ROUNDS = 1  # a short one (`script(..., warmup=True)`)
 WARMUP_PLAIN = 3  # plain steps in it: the first ones after a drafting cycle are not steady
 CALIBRATE_ENV = "DFLASH_MAC_CALIBRATE"  # "0": no quick curve at first use
@@ -152,6 +152,24 @@ def timed_rounds(
             progress()
 
 
+def quick_sizes(max_bs: int) -> list[int]:
+    """The block sizes the quick curve times: 1..4, then every other size and `max_bs` (a
+    verify's cost grows smoothly with its width past a few tokens: the rest are interpolated)."""
+    return sorted({*range(1, min(4, max_bs) + 1), *range(6, max_bs, 2), max_bs})
+
+
+def interpolate(values: dict[int, float], max_bs: int) -> dict[int, float]:
+    """`values` at every size 1..max_bs: a missing size on the line between its neighbours."""
+    known = sorted(values)
+    out = {}
+    for bs in range(1, max_bs + 1):
+        lo = max(k for k in known if k <= bs)
+        hi = min(k for k in known if k >= bs)
+        w = 0.0 if hi == lo else (bs - lo) / (hi - lo)
+        out[bs] = values[lo] + w * (values[hi] - values[lo])
+    return out
+
+
 def measure(
     pair: Pair,
     max_bs: int = 16,
@@ -159,15 +177,17 @@ def measure(
     reps: int = FULL_REPS,
     temperature: float = 0.0,
     progress: Progress | None = None,
+    sizes: list[int] | None = None,
 ) -> dict:
     """Median seconds per cycle for bs = 1..max_bs and the ratios to bs = 1, greedy or (with
     `temperature`) sampled: drafts drawn, verified by rejection, plain steps drawn too; where
     the target takes trees, also tree cycles of `auto`'s budgets at depth max_bs - 1 (`trees`,
     by budget). The drafter pass is also timed alone (`draft_seconds`, bs >= 2): the rest of a
-    cycle is its verify and the host sync."""
+    cycle is its verify and the host sync. Given `sizes` (1 and max_bs among them), only those
+    are timed and the others interpolated (listed under `interpolated`)."""
     ids = prompt_ids(pair.drafter.config.vocab_size, context)
     sp = SamplingParams(temperature)
-    sizes = list(range(1, max_bs + 1))
+    sizes = sorted(sizes) if sizes else list(range(1, max_bs + 1))
     state = DecodeState(pair)
     budgets = (
         TREES if max_bs > 1 and trees_allowed(pair, state.target_cache, None, None, None) else ()
@@ -185,10 +205,11 @@ def measure(
                 t = time.perf_counter()
                 mx.eval(propose(pair, block, now.draft_cache, sp, key)[0])
                 drafting[bs].append(time.perf_counter() - t)
-    seconds = {bs: statistics.median(times[(bs, 0)]) for bs in sizes}
+    seconds = interpolate({bs: statistics.median(times[(bs, 0)]) for bs in sizes}, max_bs)
     ratios = non_decreasing([seconds[bs] / seconds[1] for bs in range(2, max_bs + 1)])
     draft = {bs: statistics.median(ts) for bs, ts in drafting.items()}
     timed = [b for b in budgets if times[(max_bs, b)]]
+    gaps = len(sizes) < max_bs
     trees = {b: statistics.median(times[(max_bs, b)]) / seconds[1] for b in timed}
     return {
         "seconds": {str(b): s for b, s in seconds.items()},
@@ -198,7 +219,7 @@ def measure(
         "tree_depth": max_bs - 1,
         "context": context,
         "reps": reps,
-    }
+    } | ({"interpolated": [b for b in range(1, max_bs + 1) if b not in sizes]} if gaps else {})
 
 
 def contexts_for(pair: Pair, bs: int, contexts: tuple[int, ...] = LONG_CONTEXTS) -> list[int]:
@@ -315,14 +336,15 @@ def measure_both(
     progress: Progress | None = None,
     batched: bool = False,
     contexts: bool = False,
+    sizes: list[int] | None = None,
 ) -> dict:
     """The greedy curve, with the curve at SAMPLED_TEMP under "sampled" (what `auto` uses as
     its prior for requests with a temperature); `batched`, where the pair decodes in batches
     (serve --max-batch), also the batched cycles up to the pair's block size
     (`measure_batches`); `contexts`, also how a cycle at the pair's block size grows with the
-    context (`measure_contexts`)."""
-    curve = measure(pair, max_bs, context, reps, progress=progress)
-    sampled = measure(pair, max_bs, context, reps, SAMPLED_TEMP, progress)
+    context (`measure_contexts`). `sizes`: as `measure`'s."""
+    curve = measure(pair, max_bs, context, reps, progress=progress, sizes=sizes)
+    sampled = measure(pair, max_bs, context, reps, SAMPLED_TEMP, progress, sizes)
     curve |= {"sampled": {"temperature": SAMPLED_TEMP} | sampled}
     if batched and batch_reason(pair) is None:
         plain = curve["seconds"]["1"]
@@ -390,7 +412,9 @@ def prior_name(pair: Pair) -> str:
     if not data or not sizes(data):
         return "the generic guess (no cost curve saved on this machine)"
     kind = "quick curve (first use)" if data.get("quick") else "curve (bench --cost-curve)"
-    return f"{kind}, bs 1..{max(sizes(data))}, {data.get('reps', '?')} timings per size"
+    between = data.get("interpolated") or []
+    gaps = f" ({', '.join(map(str, between))} interpolated)" if between else ""
+    return f"{kind}, bs 1..{max(sizes(data))}{gaps}, {data.get('reps', '?')} timings per size"
 
 
 def needed(pair: Pair, block: BlockChoice) -> bool:
@@ -412,7 +436,9 @@ def steps() -> int:
 def calibrate(pair: Pair, bs_max: int, progress: Progress | None = None) -> Path | str:
     """Measure the quick curve up to `bs_max`, greedy and sampled, and save it for `auto`:
     its path, or why it could not be saved (a sentence; generation goes on regardless)."""
-    curve = measure_both(pair, bs_max, reps=QUICK_REPS, progress=progress)
+    curve = measure_both(
+        pair, bs_max, reps=QUICK_REPS, progress=progress, sizes=quick_sizes(bs_max)
+    )
     path = cost_curve_path(pair)
     try:
         return save(curve | {"quick": True}, path)

@@ -32,6 +32,30 @@ def test_non_decreasing_pools_the_dips():
     assert calibrate.non_decreasing(rising) == rising
 
 
+def test_the_quick_curve_times_fewer_sizes_and_fills_the_rest_between_its_neighbours(
+    pair, monkeypatch
+):
+    assert calibrate.quick_sizes(8) == [1, 2, 3, 4, 6, 8]
+    assert calibrate.quick_sizes(16) == [1, 2, 3, 4, 6, 8, 10, 12, 14, 16]
+    assert calibrate.quick_sizes(5) == [1, 2, 3, 4, 5] and calibrate.quick_sizes(2) == [1, 2]
+    filled = calibrate.interpolate({1: 1.0, 4: 2.5, 6: 3.0}, 6)
+    assert filled == pytest.approx({1: 1.0, 2: 1.5, 3: 2.0, 4: 2.5, 5: 2.75, 6: 3.0})
+    timed = set()
+    real = calibrate.script
+
+    def spy(arms, rng, warmup=False):
+        timed.update(bs for bs, tree in arms if not tree)
+        return real(arms, rng, warmup)
+
+    monkeypatch.setattr(calibrate, "script", spy)
+    curve = calibrate.measure(pair, max_bs=6, context=16, reps=1, sizes=calibrate.quick_sizes(6))
+    assert timed == {1, 2, 3, 4, 6} and curve["interpolated"] == [5]
+    secs = {int(b): s for b, s in curve["seconds"].items()}
+    assert secs[5] == pytest.approx((secs[4] + secs[6]) / 2)
+    assert set(curve["ratios"]) == {str(b) for b in range(1, 7)}
+    assert "interpolated" not in calibrate.measure(pair, max_bs=2, context=16, reps=1)
+
+
 def test_measured_ratios_never_fall_with_the_block_size(pair):
     curve = calibrate.measure(pair, max_bs=6, context=16, reps=1)
     ratios = [curve["ratios"][str(b)] for b in range(1, 7)]
