@@ -67,6 +67,7 @@ class Header:
 
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q"}
 _SCALARS[12] = "d"
+_U64 = struct.Struct("<Q")
 
 
 class _Reader:
@@ -107,9 +108,15 @@ class _Reader:
             self.pos += count * struct.calcsize("<" + _SCALARS[inner])
             if self.pos > len(self.buf):
                 raise ValueError("an array runs past the end of the file")
-        elif inner == 8:
+        elif inner == 8:  # one tight loop: a vocabulary's strings are ~100k of them
+            buf, pos, end, length = self.buf, self.pos, len(self.buf), _U64.unpack_from
             for _ in range(count):
-                self.string(keep=False)
+                if pos + 8 > end:
+                    raise ValueError("the header runs past the end of the file")
+                pos += 8 + length(buf, pos)[0]
+            if pos > end:
+                raise ValueError("a string runs past the end of the file")
+            self.pos = pos
         else:
             raise ValueError(f"unknown array type {inner}")
         return count

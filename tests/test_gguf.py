@@ -214,3 +214,24 @@ def test_a_broken_file_is_one_sentence(tmp_path, how):
         gguf.load(bad, mx.float32)
     text = str(e.value)
     assert str(bad) in text and "\n" not in text and text.endswith(".")
+
+
+@pytest.mark.parametrize("cut", [0, 3, 9, 13])
+def test_a_string_array_cut_short_is_refused(cut):
+    """The vocabulary's strings are stepped over in one tight loop: an array whose strings run
+    past the end of the file is refused wherever it is cut, and a whole one is stepped over."""
+    import mmap
+    import struct
+
+    strings = [b"ab", b"", b"xyz"]
+    body = struct.pack("<IQ", 8, len(strings)) + b"".join(
+        struct.pack("<Q", len(s)) + s for s in strings
+    )
+    buf = mmap.mmap(-1, len(body))
+    buf.write(body)
+    reader = gguf._Reader(buf)
+    assert reader.skip_array() == 3 and reader.pos == len(body)
+    short = mmap.mmap(-1, len(body) - 1 - cut)
+    short.write(body[: len(body) - 1 - cut])
+    with pytest.raises(ValueError, match="past the end of the file"):
+        gguf._Reader(short).skip_array()
