@@ -49,7 +49,7 @@ lint: install-test
 # half-minute version (tests/e2e/test_soak.py).
 SOAK_MINUTES ?= 3
 SOAK_OUT ?= build/soak
-soak: install
+soak: install-test
 	$(BIN)/python scripts/soak.py --minutes $(SOAK_MINUTES) --out $(SOAK_OUT)
 
 # Rebuilds the bundled pair from scratch (models/bundled/MODEL_CARD.md): stdlib corpus ->
