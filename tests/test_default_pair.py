@@ -44,14 +44,16 @@ def test_dflash_equals_the_targets_greedy_decoding(target_file):
 
     def both(ids: list[int], n: int, tree: int) -> tuple[list[int], list[int], int]:
         ref = [t for t, _ in generate_step(mx.array(ids), pair.target, max_tokens=n)]
-        cfg = GenerationConfig(max_tokens=n, block=BlockChoice(8), use_eos=False, tree=tree)
+        # block 4, trees of 4 nodes: the reference BLAS the test needs for exactness prices a
+        # verify at its width (a block-8 cycle ~9 plain steps), and the code is the same
+        cfg = GenerationConfig(max_tokens=n, block=BlockChoice(4), use_eos=False, tree=tree)
         events = list(speculative_stream(pair, ids, cfg))
         drafted = sum(e.accepted - 1 for e in events[1:])  # beyond each cycle's bonus token
         return ref, [t for e in events for t in e.tokens], drafted
 
     total = 0
     with ThreadPoolExecutor(1) as worker:  # engine paths off the loading thread, as in serve
-        for prompt, tree in zip(PROMPTS, (0, 8)):  # a chain, then trees of 8 nodes (tree.py)
+        for prompt, tree in zip(PROMPTS, (0, 4)):  # a chain, then trees of 4 nodes (tree.py)
             ids = prompt_ids(pair.tokenizer, [{"role": "user", "content": prompt}])
             ref, got, drafted = worker.submit(both, ids, 24, tree).result()
             assert got == ref, (prompt, pair.tokenizer.decode(ref), pair.tokenizer.decode(got))
