@@ -72,7 +72,7 @@ def test_bench_cost_curve_saves_a_greedy_and_a_sampled_table(cli):
     """`bench --cost-curve` as a user runs it: the table shows both curves and the file `auto`
     reads holds both (the sampled one is the prior of requests with a temperature); `--trials`
     sets the timings per size (the full 12 take minutes on a loaded two-core CI machine)."""
-    r = cli("bench", "--cost-curve", "--trials", "3", timeout=300)
+    r = cli("bench", "--cost-curve", "--trials", "2", timeout=300)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert all(w in lines[0] for w in ("draft ms", "verify ms", "× plain step", "T 0.7: ms"))
@@ -81,7 +81,7 @@ def test_bench_cost_curve_saves_a_greedy_and_a_sampled_table(cli):
     saved = list(Path(cli.env["DFLASH_MAC_HOME"]).rglob("cost-curves/*/*.json"))
     assert len(saved) == 1, saved
     curve = json.loads(saved[0].read_text())
-    assert curve["reps"] == curve["sampled"]["reps"] == 3
+    assert curve["reps"] == curve["sampled"]["reps"] == 2
     assert curve["ratios"]["1"] == curve["sampled"]["ratios"]["1"] == 1.0
     assert curve["sampled"]["temperature"] == 0.7 and len(curve["sampled"]["ratios"]) == 16
     # batched cycles (serve --max-batch's prior): 2, 4 and 8 rows at the rule's block sizes
