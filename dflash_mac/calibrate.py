@@ -209,7 +209,7 @@ def measure(
     ratios = non_decreasing([seconds[bs] / seconds[1] for bs in range(2, max_bs + 1)])
     draft = {bs: statistics.median(ts) for bs, ts in drafting.items()}
     timed = [b for b in budgets if times[(max_bs, b)]]
-    gaps = len(sizes) < max_bs
+    between = [b for b in range(1, max_bs + 1) if b not in sizes]  # interpolated
     trees = {b: statistics.median(times[(max_bs, b)]) / seconds[1] for b in timed}
     return {
         "seconds": {str(b): s for b, s in seconds.items()},
@@ -219,7 +219,7 @@ def measure(
         "tree_depth": max_bs - 1,
         "context": context,
         "reps": reps,
-    } | ({"interpolated": [b for b in range(1, max_bs + 1) if b not in sizes]} if gaps else {})
+    } | ({"interpolated": between} if between else {})
 
 
 def contexts_for(pair: Pair, bs: int, contexts: tuple[int, ...] = LONG_CONTEXTS) -> list[int]:
