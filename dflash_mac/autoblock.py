@@ -7,9 +7,11 @@ It maximises expected tokens per second, E[tokens | bs] / cost(bs), where
   the first cycle at each size, which compiles its graphs, is not used);
 - E[tokens | bs] = 1 + sum_j prod_{k<=j} alpha_k comes from the running acceptance curve:
   per-position conditional acceptance alpha_k with exponentially decayed counts; a position not
-  yet observed inherits the estimate of the one before it. The starting guess weighs as much
-  as several drafting cycles (greedy), fading as their counts do, so one rejected block at a
-  fresh start neither turns drafting off nor shrinks the block.
+  yet observed inherits the estimate of the one before it. The starting guess is a
+  well-trained drafter's (0.7 per position) weighing as much as several drafting cycles
+  (greedy), fading as their counts do, so one rejected block at a fresh start neither turns
+  drafting off nor shrinks the block; where the registry gives the drafter's own measured
+  acceptance (`acceptance_guess`), that is the start, weighing one cycle.
 
 Block size 1 is plain target decoding (no drafter pass). When drafting does not pay the
 controller falls back to it and probes one drafting cycle now and then, a chain (the cheapest
@@ -366,6 +368,7 @@ class BlockController:
     NEIGHBOUR_BAND = 0.05  # a size next to the chosen one, this close in rate, gets timed
     NEIGHBOUR_TIMINGS = 3  # timed cycles a size gets that way (its first is never timed)
     NEIGHBOUR_EVERY = 16  # drafting cycles between two of them
+    GUESS = 0.7  # the generic guess of each position's acceptance (a well-trained drafter's)
     GUESS_WEIGHT = 8.0  # drafting cycles the generic guess is worth at first (fading as theirs)
     GAIN_ALPHA = 0.1  # the realised rate's average: a lucky block alone moves it little
 
@@ -380,6 +383,7 @@ class BlockController:
         timed: bool = True,
         plain_first: bool = False,
         guess_weight: float = GUESS_WEIGHT,
+        guess: float = GUESS,
         trees: tuple[int, ...] = (),
         chains: bool = True,
     ):
@@ -398,7 +402,7 @@ class BlockController:
         self.acc = acceptance or (
             Acceptance(bs_max, prior=0.25)
             if plain_first
-            else Acceptance(bs_max, prior=0.7, boost=max(guess_weight - 1.0, 0.0))
+            else Acceptance(bs_max, prior=guess, boost=max(guess_weight - 1.0, 0.0))
         )
         self.hysteresis, self.probe_base, self.probe_max = hysteresis, probe_every, probe_max
         self.current = bs_max  # the drafting size in use
@@ -641,13 +645,16 @@ class AutoTuning:
     less, do not spoil short ones. The bands keep apart cost models too: at a long context a
     plain step costs more and a wide verify more of them than the curve (measured at a short
     one) says, so there the prior is the curve guessed at the band's middle
-    (`CostCurve.at_context`) and the one-token step is timed afresh."""
+    (`CostCurve.at_context`) and the one-token step is timed afresh. `guess`: the acceptance
+    per position a new controller starts from (the registry's `acceptance_guess`: what the
+    drafter accepts on average, measured; None: the generic, optimistic guess)."""
 
     greedy_curve: CostCurve | None = None
     sampled_curve: CostCurve | None = None
     remembered: dict = field(default_factory=dict)  # Acceptance.state() by controller memory
     long_from: int = 1024  # context tokens from which a request counts as long
     loses_from: int | None = None  # context tokens from which the drafter is known to lose
+    guess: float | None = None  # the drafter's measured acceptance (None: the generic guess)
     cost_models: dict[tuple[bool, int], CostModel] = field(default_factory=dict)  # (sampled, band)
     controllers: dict[tuple, BlockController] = field(default_factory=dict)
 
@@ -701,14 +708,16 @@ class AutoTuning:
         else:
             model = CostModel(prior)
         # sampled requests keep a light guess: they mostly meet poorer acceptance, where a heavy
-        # one only delays the fallback (the guess is what saves greedy starts)
-        guess = 1.0 if sampled else BlockController.GUESS_WEIGHT
+        # one only delays the fallback (the guess is what saves greedy starts); a drafter's own
+        # measured acceptance is light too: it is what the average prompt gives, not a hope
+        heavy = not sampled and self.guess is None
         controller = BlockController(
             bs_max,
             model,
             timed=timed,
             plain_first=loses,
-            guess_weight=guess,
+            guess_weight=BlockController.GUESS_WEIGHT if heavy else 1.0,
+            guess=BlockController.GUESS if self.guess is None else self.guess,
             trees=trees,
             chains=chains,
         )

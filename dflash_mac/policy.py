@@ -145,7 +145,8 @@ def read_acceptance(pair: Pair) -> dict:
 def load_tuning(pair: Pair) -> AutoTuning:
     """What `auto` starts from for `pair` on this machine: its saved cost curves (greedy and
     sampled), the acceptance earlier processes remembered per setting, and the registry's
-    context bands. Front ends call it once at start-up, after any calibration."""
+    context bands and acceptance guess. Front ends call it once at start-up, after any
+    calibration."""
     try:
         path = cost_curve_path(pair)
         greedy, sampled = CostCurve.load(path), CostCurve.load(path, sampled=True)
@@ -159,6 +160,7 @@ def load_tuning(pair: Pair) -> AutoTuning:
         remembered=read_acceptance(pair),
         long_from=min(limit or LONG_CONTEXT, LONG_CONTEXT),
         loses_from=limit,
+        guess=entry.acceptance_guess if entry else None,
     )
 
 

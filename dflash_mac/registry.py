@@ -56,6 +56,7 @@ _OPTIONAL: dict[str, tuple[type, ...]] = {
     "local": (bool,),
     "notes": (str,),
     "long_context_tokens": (int,),
+    "acceptance_guess": (int, float),
     "names": (list,),
     "target_file": (str,),
     "draft_local": (bool,),
@@ -129,6 +130,7 @@ class PairEntry:
     local: bool = False
     notes: str = ""
     long_context_tokens: int | None = None  # from here on the drafter is known to lose
+    acceptance_guess: float | None = None  # the drafter's measured acceptance per position
     names: tuple[str, ...] = ()  # other names of the pair (`bundled` for `tiny-code`)
     target_file: str | None = None  # a [[source]]: the target file the pair name loads
     draft_local: bool = False  # the drafter is a package folder (trained here)
@@ -277,6 +279,8 @@ def _check_entry(raw: Any, where: str) -> PairEntry:
     for key in ("target_gb", "draft_gb", "kv_kib_per_token", "mlx_4bit_gb"):
         if key in raw and raw[key] <= 0:
             raise RegistryError(f"{where} (pair '{name}'): '{key}' must be positive.")
+    if "acceptance_guess" in raw and not 0 < raw["acceptance_guess"] < 1:
+        raise RegistryError(f"{where} (pair '{name}'): 'acceptance_guess' must lie in (0, 1).")
     if ("mlx_4bit" in raw) != ("mlx_4bit_gb" in raw):
         raise RegistryError(f"{where} (pair '{name}'): give mlx_4bit and mlx_4bit_gb together.")
     if not raw.get("local"):

@@ -97,6 +97,24 @@ def test_one_rejected_block_at_a_fresh_start_does_not_turn_drafting_off():
     assert poor.index(1) <= 10 and poor[-20:].count(1) >= 18
 
 
+def test_a_drafter_with_a_measured_acceptance_starts_from_it():
+    """Where the registry gives the drafter's measured acceptance, a fresh process starts from
+    it as one cycle's evidence: a weak drafter on the text it was measured on decodes plain with
+    probes from the first cycle, where the generic guess first drafts at a loss; on text it
+    predicts well, the probes bring drafting back."""
+
+    def fresh(guess: float | None, alpha: float, cycles: int) -> list[int]:
+        ctl = AutoTuning(greedy_curve=CURVE, guess=guess).controller(BS)
+        return drive(ctl, geometric(alpha, random.Random(2)), cycles)
+
+    measured, generic = fresh(0.4, 0.35, 40), fresh(None, 0.35, 40)
+    assert measured[1:9] == [1] * 8  # (its first cycle at block 3: at break-even)
+    assert measured.count(1) >= 34
+    assert generic[:10].count(1) == 0 and generic.count(1) <= 28  # the control
+    good = fresh(0.4, 0.9, 150)
+    assert 1 not in good[-50:] and max(good[-50:]) >= 6
+
+
 def test_picks_the_size_with_the_best_expected_rate():
     ctl = controller()
     drive(ctl, geometric(0.6, random.Random(1)), 300)

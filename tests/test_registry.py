@@ -134,6 +134,8 @@ def test_shipped_registry_has_the_known_pairs():
         ({"target": "not an id"}, "not Hub ids"),
         ({"colour": "red"}, "unknown fields"),
         ({"mlx_4bit_gb": None}, "together"),
+        ({"acceptance_guess": 1.2}, "acceptance_guess"),
+        ({"acceptance_guess": "0.4"}, "wrong type"),
     ],
 )
 def test_invalid_entries_are_rejected(change, match):
