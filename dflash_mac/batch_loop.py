@@ -15,6 +15,11 @@ what followed there instead (copydraft.py), with its own `CopyPolicy`, in the sa
 others' blocks: rows of different lengths are packed into one sequence (`forward_rows`), so a
 long copy costs its own tokens, not a padding of every row to its length.
 
+A request alone in the engine (nothing else decoding, prefilling or waiting) runs its cycles
+through the one-request loop instead (`Solo`, given the session's `AutoTuning`): its `auto`
+controller with trees, probes and drafts under a grammar, as `generate` runs it. When another
+request arrives, the lone one is handed back to the batch at its next cycle boundary.
+
 Each request's events are `decode.GenerationEvent`s, as `speculative_stream` yields them, given
 to its `emit` callback. Rows keep their own block size, sampling settings, penalties,
 log-probabilities, stop rules and budgets. A row under a grammar (structured output) takes
@@ -23,6 +28,7 @@ plain steps with the grammar's mask: its drafts would need a host round trip per
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections import deque
@@ -32,6 +38,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
+from .autoblock import AutoTuning
 from .batch import (
     RowDraft,
     accept_rows,
@@ -45,7 +52,7 @@ from .capture import FeatureCapture, queues_layers
 from .constraints import Constraint
 from .copydraft import CopyIndex, CopyPolicy
 from .cycle import DraftContext, TokenLogprob, first_token, read_logprobs
-from .decode import DecodeState, GenerationConfig, GenerationEvent
+from .decode import DecodeState, GenerationConfig, GenerationEvent, Resume, speculative_stream
 from .pair import Pair
 from .stats import StatsRecorder
 from .textstream import TextStream
@@ -96,6 +103,8 @@ class BatchStats:
     copied: int = 0  # copied tokens accepted
     prefill_passes: int = 0
     prefill_chunks: int = 0  # chunks over those passes (several requests' share a pass)
+    solo_cycles: int = 0  # cycles of a lone request, run by the one-request loop (`Solo`)
+    handed_back: int = 0  # lone requests handed back to the batch when another arrived
 
     def as_dict(self) -> dict:
         mean = self.rows / self.cycles if self.cycles else 0.0
@@ -112,6 +121,8 @@ class BatchStats:
             "copied_tokens": self.copied,
             "prefill_passes": self.prefill_passes,
             "prefill_chunks": self.prefill_chunks,
+            "solo_cycles": self.solo_cycles,
+            "handed_back": self.handed_back,
         }
 
 
@@ -136,6 +147,34 @@ class Step:
         return [x for x in self.lp_rows if x is not None]
 
 
+class Solo:
+    """A lone request's cycles, run by the one-request loop (`decode.speculative_stream`) on
+    its own state, text and statistics: one cycle per `step`, until it ends or, once
+    `handing_back` is set, until the cycle boundary where the batch takes it back."""
+
+    def __init__(self, pair: Pair, r: BatchRequest, tuning: AutoTuning):
+        r.ctx.flush()  # features the batch left waiting go in before the loop's own
+        self.r, self.handing_back = r, False
+        self.cycles = 0  # cycles run alone
+        cfg = r.cfg
+        if cfg.seed is not None:  # seeded: keys of its own, never the batch's again
+            cfg = dataclasses.replace(cfg, seed=r.rng.getrandbits(32))
+        self.events = speculative_stream(
+            pair, r.ids, cfg, r.state, r.should_stop, tuning,
+            resume=Resume(r.out, r.rec, r.con), hand_back=lambda: self.handing_back,
+        )  # fmt: skip
+
+    def step(self) -> bool:
+        """One cycle, its event given to the request; False once the loop has ended (the
+        request finished or was cancelled, or it is handed back)."""
+        for ev in self.events:
+            self.cycles += ev.accepted > 0  # a cycle's event, not a cancellation's
+            self.r.emit(ev)
+            if ev.finish_reason is None:
+                return True
+        return False
+
+
 class BatchEngine:
     """Continuous batching of DFlash requests on one pair (module docstring)."""
 
@@ -148,9 +187,12 @@ class BatchEngine:
         prefill_chunk: int = 512,
         prior: dict[tuple[int, int], float] | None = None,
         rule: BatchBlockRule | None = None,
+        solo: AutoTuning | None = None,
     ):
         """`prior`: the saved cost curve's batched cycles ((B, bs) -> one-row plain steps);
-        `rule`: a block rule of the caller's (the cost-curve measurement's)."""
+        `rule`: a block rule of the caller's (the cost-curve measurement's); `solo`: what
+        `auto` learnt alone (the session's), with which a lone request runs alone (`Solo`;
+        None: it stays a batch of one)."""
         self.pair = pair
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
@@ -163,6 +205,8 @@ class BatchEngine:
         self.stats = BatchStats(max_batch)
         self.queued: Step | None = None  # the next plain step, queued ahead of the last sync
         self.t_sync = 0.0  # the last cycle's host sync
+        self.tuning = solo
+        self.solo: Solo | None = None  # the lone request's loop, while it runs alone
 
     # -- the caller's side -------------------------------------------------------------------
     def add(self, req: BatchRequest) -> None:
@@ -185,6 +229,13 @@ class BatchEngine:
 
     def step(self) -> None:
         """One scheduler iteration (module docstring)."""
+        if (solo := self.solo) is not None:
+            solo.handing_back, before = bool(self.waiting), solo.cycles
+            going = solo.step()
+            self.stats.solo_cycles += solo.cycles - before
+            if going:
+                return self._count()
+            self._solo_ended()
         cap = FeatureCapture(self.pair.target, self.pair.layer_ids, queue=queues_layers())
         with ragged_hooks(self.pair), cap, mx.stream(generation_stream):
             self._drop_stopped()
@@ -192,9 +243,28 @@ class BatchEngine:
                 self._admit(self.waiting.popleft())
             if self.prefilling:
                 self._prefill(cap)
-            if self.decoding:
+            if self.decoding and not (self._alone() and self.queued is None):
                 self._cycle(cap)
+        if self._alone() and self.queued is None:
+            self.solo = Solo(self.pair, self.decoding[0], self.tuning)
         self._count()
+
+    def _alone(self) -> bool:
+        """Whether one request is decoding and nothing else is in the engine (with `solo`)."""
+        lone = len(self.decoding) == 1 and not (self.prefilling or self.waiting)
+        return lone and self.tuning is not None and not self.decoding[0].finished
+
+    def _solo_ended(self) -> None:
+        """The lone request's loop ended: the request with it, or it goes on in the batch
+        (its caches hold prompt + committed tokens but the last, its anchor)."""
+        r, self.solo = self.solo.r, None
+        if r.out.finish_reason is not None:  # its last event is out (a cancelled one too)
+            self.decoding.remove(r)
+            return self._end(r)
+        self.stats.handed_back += 1
+        r.anchor = r.out.tokens[-1]
+        if r.index is not None:
+            r.index = CopyIndex(r.state.ids)
 
     # -- admission and prefill ---------------------------------------------------------------
     def _admit(self, r: BatchRequest) -> None:
@@ -338,7 +408,7 @@ class BatchEngine:
         rule picks a plain step again and no row's penalties, grammar or copy needs its token
         on the host first. Rows that leave after the sync have that position trimmed (`_end`)."""
         rows = self.decoding
-        if c.bs != 1 or any(c.copied) or not rows:
+        if c.bs != 1 or any(c.copied) or not rows or self._alone():  # alone: `Solo` is next
             return
         if any(r.cfg.penalties or r.con is not None or self._may_copy(r) for r in rows):
             return

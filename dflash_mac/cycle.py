@@ -343,6 +343,15 @@ class CyclePipeline:
         self.t_sync = time.perf_counter()
         return token
 
+    def resume(self, ids: list[int], con: Constraint | None) -> None:
+        """Go on from the cached `ids` (prompt + committed tokens but the anchor) with the
+        grammar's state `con`: a request that got its first tokens elsewhere."""
+        if self.con is not None:
+            self.con = con
+        if self.copies:
+            self.index = CopyIndex(ids)
+        self.t_sync = time.perf_counter()
+
     # -- the cycle ---------------------------------------------------------------------------
     def cycle(self, anchor: int, room: int) -> Cycle:
         """The next cycle: the one queued ahead, else one queued now. Draft → verify queued."""

@@ -13,7 +13,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from .autoblock import AutoTuning, BlockController, tree_arms
 from .capture import FeatureCapture, queues_layers
-from .constraints import Grammar
+from .constraints import Constraint, Grammar
 from .copydraft import CopyPolicy
 from .cycle import CyclePipeline, TokenLogprob, trees_allowed
 from .kvwindow import bound_context, target_cache
@@ -57,6 +57,16 @@ class GenerationEvent:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token in `tokens`, when asked
     stop: str | None = None  # the stop string that ended the text (finish_reason "stop")
+
+
+@dataclass
+class Resume:
+    """A request that has its first tokens already (a batch engine's row going on alone): its
+    caches hold prompt + every committed token but the last, the next cycle's anchor."""
+
+    out: TextStream  # the committed tokens and text so far, going on
+    rec: StatsRecorder  # its statistics, going on
+    con: Constraint | None = None  # the grammar's state after the last committed token
 
 
 class DecodeState:
@@ -129,12 +139,17 @@ def speculative_stream(
     should_stop: Callable[[], bool] | None = None,
     tuning: AutoTuning | None = None,
     controller: BlockController | None = None,
+    resume: Resume | None = None,
+    hand_back: Callable[[], bool] | None = None,
 ) -> Iterator[GenerationEvent]:
     """Generate with DFlash: draft a block, verify it in one target pass, accept the longest
     agreeing prefix, commit it, roll the rest back, yield what was committed.
 
     `cfg.block` fixes each cycle's size, or with `auto` caps what the controller picks each
-    cycle (`controller`, else one of `tuning`: what `auto` learnt, continued across requests)."""
+    cycle (`controller`, else one of `tuning`: what `auto` learnt, continued across requests).
+    With `resume` the request goes on from its committed tokens (no prefill); once `hand_back()`
+    says so, the loop ends after a cycle without a last event, the caches holding prompt + every
+    committed token but the last (the batch engine takes the request back)."""
     state = state or DecodeState(pair)
     block = cfg.block or block_size_for(pair, None)
     sp, mirror = cfg.sampling, pair.mirror
@@ -163,11 +178,15 @@ def speculative_stream(
         return plan.copy_length(longest, policy.rate)
 
     ends = cfg.use_eos or cfg.grammar is not None  # a grammar's end is the answer's end
-    out = TextStream(pair.tokenizer, cfg.stop, pair.eos_ids if ends else set())
     facts = mirror.facts() if mirror is not None else {}
-    rec = StatsRecorder(
-        block.size, len(prompt_ids), len(state.ids), block.auto, facts, mx.get_peak_memory
-    )
+    if resume is None:
+        out = TextStream(pair.tokenizer, cfg.stop, pair.eos_ids if ends else set())
+        rec = StatsRecorder(
+            block.size, len(prompt_ids), len(state.ids), block.auto, facts, mx.get_peak_memory
+        )
+    else:
+        out, rec = resume.out, resume.rec
+    handed = hand_back or (lambda: False)
     gathered = mirror.features if mirror is not None else None  # pipeline stages gather
     capture = FeatureCapture(pair.target, pair.layer_ids, queue=queues_layers(), features=gathered)
     with capture as cap, state.rollback.hooks(), mx.stream(generation_stream), request_end(mirror):
@@ -177,16 +196,20 @@ def speculative_stream(
             graft=graft if plan else None, copy_len=copy_len if plan else None,
             copy_rates=plan.copy_rates if plan else None,
         )  # fmt: skip
-        logits = prefill(pair, state, prompt_ids, cap, cfg.prefill_step_size)
-        anchor = pipe.first_token(logits, prompt_ids)
-        rec.prefilled()
-        text = out.push([anchor], cfg.max_tokens)
-        lps = pipe.first_logprobs and pipe.first_logprobs[: out.count]
-        yield GenerationEvent(
-            text, out.tokens[:], 0, rec.snapshot(1), out.finish_reason, lps, out.stopped_by
-        )
+        if resume is None:
+            logits = prefill(pair, state, prompt_ids, cap, cfg.prefill_step_size)
+            anchor = pipe.first_token(logits, prompt_ids)
+            rec.prefilled()
+            text = out.push([anchor], cfg.max_tokens)
+            lps = pipe.first_logprobs and pipe.first_logprobs[: out.count]
+            yield GenerationEvent(
+                text, out.tokens[:], 0, rec.snapshot(1), out.finish_reason, lps, out.stopped_by
+            )
+        else:
+            pipe.resume(state.ids, resume.con)
+            anchor = out.tokens[-1]  # committed, not yet cached
 
-        while out.finish_reason is None and not (should_stop and should_stop()):
+        while out.finish_reason is None and not (should_stop and should_stop()) and not handed():
             room = cfg.max_tokens - out.count
             c = pipe.cycle(anchor, room)  # draft, and the verify queued behind it
             r = pipe.finish(c, anchor, room)  # accept: the one host sync; commit, roll back
@@ -208,7 +231,7 @@ def speculative_stream(
             )  # fmt: skip
 
         pipe.close()
-        if out.finish_reason is None:
+        if out.finish_reason is None and not handed():
             out.finish_reason = "cancelled"
             yield GenerationEvent(out.flush(), [], 0, rec.snapshot(out.count), "cancelled")
     # Caches hold exactly a prefix of prompt + kept output (the last token may be pending).

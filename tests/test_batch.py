@@ -438,12 +438,17 @@ def test_bench_concurrency_runs_three_ways_and_checks_greedy_identity(tiny_pair,
         assert [w["tokens"] == 12 * r["concurrency"] for w in r["ways"]][:2] == [True, True]
         assert r["ways"][2]["tokens"] > 0  # mlx-lm stops at EOS
         assert r["batched_vs_alone"] > 0 and r["batched_vs_plain"] > 0
-        # the measured batched run's cycles by block size; each commits a token or more
-        assert 0 < sum(r["batch_blocks"].values()) <= 12 * r["concurrency"]
+        # the measured batched run's cycles by block size, and a lone request's (run as
+        # alone, as the server runs it); each commits a token or more
+        cycles = sum(r["batch_blocks"].values()) + r["solo_cycles"]
+        assert 0 < cycles <= 12 * r["concurrency"]
+    assert rows[0]["solo_cycles"] > 0 and not rows[0]["batch_blocks"]  # one stream: alone
+    assert sum(rows[1]["batch_blocks"].values()) > 0
     doc = {"config": {"prompts": 2, "suite": "code", "max_tokens": 12, "block": "auto ≤4"}}
     doc |= {"rows": rows, "header": {"target": "t", "draft": "d", "cpu": "c"}}
     assert "| 2 |" in concurrency_markdown(doc)
     assert "Batched cycles by block size" in concurrency_markdown(doc)
+    assert "Cycles of a request left alone, run as alone: N 1:" in concurrency_markdown(doc)
     assert all(set(r["batch_copies"]) == {"cycles", "tokens"} for r in rows)
     copied = doc | {"rows": [rows[0] | {"batch_copies": {"cycles": 3, "tokens": 9}}]}
     assert "copied tokens taken: N 1: 3 cycles, 9 tokens" in concurrency_markdown(copied)

@@ -53,6 +53,16 @@ def test_concurrent_clients_decode_together_and_answer_as_alone(tiny_pair, solo)
     assert stats["totals"]["requests"] == 6 and not stats["busy"]
 
 
+def test_one_client_at_a_time_runs_alone_in_a_batching_server(tiny_pair, solo):
+    """A lone request runs the one-request loop (its controller, trees, drafts under a
+    grammar): the same answers, no batched cycle, and the stats say so."""
+    with running(create_app(tiny_pair, max_tokens=64, max_batch=4)) as root:
+        got = answers(root, 3, concurrent=False)
+        batch = httpx.get(root + "/v1/dflash/stats", timeout=10).json()["batch"]
+    assert got == solo[:3]
+    assert batch["cycles"] == 0 and batch["solo_cycles"] >= 3 and batch["handed_back"] == 0
+
+
 def test_structured_output_joins_the_batch_and_answers_as_alone(tiny_pair, solo):
     app = create_app(tiny_pair, max_tokens=64)
     kw = {"max_tokens": 24, "temperature": 0, "response_format": {"type": "json_object"}}

@@ -139,7 +139,8 @@ def measure_concurrency(
     progress: Callable[[str], None] = lambda line: None,
 ) -> list[dict]:
     """One row per (setting, N): the three ways' summaries and the ratios."""
-    engine = BatchEngine(pair, max(levels), block.size, block.auto, prior=tuning.batch_prior)
+    prior = tuning.batch_prior  # a lone request runs alone, as in the server (`Solo`)
+    engine = BatchEngine(pair, max(levels), block.size, block.auto, prior=prior, solo=tuning)
     rows = []
     for label, sp in settings:
         for n in levels:
@@ -151,6 +152,7 @@ def measure_concurrency(
             plain_batched(pair, prompts, sp, WARMUP_TOKENS)
             before = dict(engine.stats.blocks)
             copies_before = engine.stats.copy_cycles, engine.stats.copied
+            solo_before = engine.stats.solo_cycles
             ways = [
                 batched(engine, prompts, cfgs),
                 one_at_a_time(pair, prompts, cfgs, tuning),
@@ -168,6 +170,7 @@ def measure_concurrency(
                 "cycles": engine.stats.copy_cycles - copies_before[0],
                 "tokens": engine.stats.copied - copies_before[1],
             }
+            row["solo_cycles"] = engine.stats.solo_cycles - solo_before  # a lone request's
             row["batched_vs_alone"] = round(agg[0] / agg[1], 3) if agg[1] else None
             row["batched_vs_plain"] = round(agg[0] / agg[2], 3) if agg[2] else None
             if sp.greedy:
@@ -226,6 +229,13 @@ def concurrency_markdown(doc: dict) -> str:
         ]
         if copies:
             lines += ["", "Batched cycles with copies, copied tokens taken: " + "; ".join(copies)]
+        solo = [
+            f"N {r['concurrency']}: {r['solo_cycles']}"
+            for r in doc["rows"]
+            if r["setting"] == label and r.get("solo_cycles")
+        ]
+        if solo:
+            lines += ["", "Cycles of a request left alone, run as alone: " + "; ".join(solo) + "."]
     return "\n".join(lines) + "\n"
 
 

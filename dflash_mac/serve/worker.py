@@ -132,8 +132,8 @@ class Worker:
             return None
         block = self.block.size if self.block else pair.block_size
         auto = self.block is None or self.block.auto
-        prior = self.session.tuning.batch_prior
-        return BatchEngine(pair, max_batch, block, auto=auto, prior=prior)
+        tuning = self.session.tuning  # a lone request runs alone with it (`batch_loop.Solo`)
+        return BatchEngine(pair, max_batch, block, auto=auto, prior=tuning.batch_prior, solo=tuning)
 
     def batch_stats(self) -> dict | None:
         """The batch's occupancy for /v1/dflash/stats (None: no batching)."""
@@ -232,7 +232,11 @@ class Worker:
             ids = self._prepare(req)
             budget = fit_max_tokens(self.context_of(req), len(ids), req.max_tokens).max_tokens
             cfg = make_config(
-                max_tokens=budget, block_size=self.block_of(req), copy=self.copy, **req.sampling
+                max_tokens=budget,
+                block_size=self.block_of(req),
+                copy=self.copy,
+                tree=self.tree,
+                **req.sampling,
             )
         except (APIError, PromptError) as e:
             self.metrics.count("invalid")
@@ -258,6 +262,7 @@ class Worker:
                 self.metrics.count("cancelled")
                 job.emit("error", self.cut_short("cancelled before it started."))
             else:
+                save_acceptance(pair, self.session.tuning)  # what a lone request's loop learnt
                 self._finish(job, last[0])
             job.emit("end")
 
@@ -283,6 +288,7 @@ class Worker:
                 engine.rule.bs_max,
                 not engine.rule.fixed,
                 prior=engine.rule.prior,
+                solo=engine.tuning,
             )
 
     def _should_stop(self, job: Job) -> bool:
