@@ -152,9 +152,9 @@ class Solo:
     its own state, text and statistics: one cycle per `step`, until it ends or, once
     `handing_back` is set, until the cycle boundary where the batch takes it back."""
 
-    def __init__(self, pair: Pair, r: BatchRequest, tuning: AutoTuning):
+    def __init__(self, pair: Pair, r: BatchRequest, tuning: AutoTuning, rule: BatchBlockRule):
         r.ctx.flush()  # features the batch left waiting go in before the loop's own
-        self.r, self.handing_back = r, False
+        self.r, self.rule, self.handing_back = r, rule, False
         self.cycles = 0  # cycles run alone
         cfg = r.cfg
         if cfg.seed is not None:  # seeded: keys of its own, never the batch's again
@@ -168,11 +168,20 @@ class Solo:
         """One cycle, its event given to the request; False once the loop has ended (the
         request finished or was cancelled, or it is handed back)."""
         for ev in self.events:
-            self.cycles += ev.accepted > 0  # a cycle's event, not a cancellation's
+            if ev.accepted > 0:  # a cycle's event, not a cancellation's
+                self.cycles += 1
+                self.learn(self.r.rec)
             self.r.emit(ev)
             if ev.finish_reason is None:
                 return True
         return False
+
+    def learn(self, rec: StatsRecorder) -> None:
+        """The batch's acceptance learns from the cycle's chain of drafts (not a copy's or a
+        tree's), as from a batch's rows: the next batch starts from what this drafter does."""
+        bs, tree, copied = rec.sizes[-1], rec.trees[-1], rec.copied[-1]
+        if bs > 1 and not tree and not copied:
+            self.rule.learn(bs, [rec.lengths[-1] - 1])
 
 
 class BatchEngine:
@@ -246,7 +255,7 @@ class BatchEngine:
             if self.decoding and not (self._alone() and self.queued is None):
                 self._cycle(cap)
         if self._alone() and self.queued is None:
-            self.solo = Solo(self.pair, self.decoding[0], self.tuning)
+            self.solo = Solo(self.pair, self.decoding[0], self.tuning, self.rule)
         self._count()
 
     def _alone(self) -> bool:

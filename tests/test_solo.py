@@ -44,6 +44,26 @@ def test_a_lone_request_runs_alone_then_shares_the_batch_and_stays_exact(tiny_pa
     assert lone.state.target_cache[0].offset == len(lone.state.ids)
 
 
+def test_the_batch_learns_the_drafters_acceptance_from_a_lone_request(tiny_pair, on_thread):  # noqa: F811
+    """Chains drafted alone teach the batch's rule (prior 0.5 per position): an oracle that
+    is always right raises it, a random drafter lowers it, with no batched cycle at all."""
+
+    def run():
+        ids = tiny_pair.tokenizer.encode(PROMPTS[1])
+        ref = alone(tiny_pair, ids, config(30, block=BlockChoice(4)))
+        right = with_drafter(tiny_pair, OracleDrafter(tiny_pair.drafter, ids + ref, V_TINY))
+        alphas = []
+        for pair in (right, tiny_pair):
+            engine = BatchEngine(pair, 4, 4, auto=False, solo=AutoTuning())
+            got = batched(pair, [(ids, config(30, block=BlockChoice(4)))], engine)[0]
+            assert got["tokens"] == ref and engine.stats.cycles == 0
+            alphas.append(engine.rule.alpha)
+        return alphas
+
+    right, random = on_thread(run)
+    assert right > 0.7 and random < 0.2  # from 0.5, each cycle moving it by a tenth
+
+
 def test_a_lone_request_cancelled_ends_once_with_its_caches_trimmed(tiny_pair, on_thread):  # noqa: F811
     def run():
         pair = tiny_pair
