@@ -28,7 +28,6 @@ plain steps with the grammar's mask: its drafts would need a host round trip per
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import time
 from collections import deque
@@ -156,12 +155,9 @@ class Solo:
         r.ctx.flush()  # features the batch left waiting go in before the loop's own
         self.r, self.rule, self.handing_back = r, rule, False
         self.cycles = 0  # cycles run alone
-        cfg = r.cfg
-        if cfg.seed is not None:  # seeded: keys of its own, never the batch's again
-            cfg = dataclasses.replace(cfg, seed=r.rng.getrandbits(32))
-        self.events = speculative_stream(
-            pair, r.ids, cfg, r.state, r.should_stop, tuning,
-            resume=Resume(r.out, r.rec, r.con), hand_back=lambda: self.handing_back,
+        self.events = speculative_stream(  # keys from the row's one sequence, as alone
+            pair, r.ids, r.cfg, r.state, r.should_stop, tuning,
+            resume=Resume(r.out, r.rec, r.rng, r.con), hand_back=lambda: self.handing_back,
         )  # fmt: skip
 
     def step(self) -> bool:

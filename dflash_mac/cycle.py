@@ -343,9 +343,11 @@ class CyclePipeline:
         self.t_sync = time.perf_counter()
         return token
 
-    def resume(self, ids: list[int], con: Constraint | None) -> None:
-        """Go on from the cached `ids` (prompt + committed tokens but the anchor) with the
-        grammar's state `con`: a request that got its first tokens elsewhere."""
+    def resume(self, ids: list[int], rng: random.Random, con: Constraint | None) -> None:
+        """Go on from the cached `ids` (prompt + committed tokens but the anchor), drawing keys
+        from `rng`, with the grammar's state `con`: a request that got its first tokens
+        elsewhere (and its first key from `rng`, as `first_token` here would)."""
+        self.rng = rng
         if self.con is not None:
             self.con = con
         if self.copies:

@@ -3,6 +3,7 @@ runs (queued ahead, timed) is `cycle.CyclePipeline`."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -66,6 +67,7 @@ class Resume:
 
     out: TextStream  # the committed tokens and text so far, going on
     rec: StatsRecorder  # its statistics, going on
+    rng: random.Random  # its keys, going on (a seed's keys are drawn in one sequence)
     con: Constraint | None = None  # the grammar's state after the last committed token
 
 
@@ -206,7 +208,7 @@ def speculative_stream(
                 text, out.tokens[:], 0, rec.snapshot(1), out.finish_reason, lps, out.stopped_by
             )
         else:
-            pipe.resume(state.ids, resume.con)
+            pipe.resume(state.ids, resume.rng, resume.con)
             anchor = out.tokens[-1]  # committed, not yet cached
 
         while out.finish_reason is None and not (should_stop and should_stop()) and not handed():

@@ -64,6 +64,29 @@ def test_the_batch_learns_the_drafters_acceptance_from_a_lone_request(tiny_pair,
     assert right > 0.7 and random < 0.2  # from 0.5, each cycle moving it by a tenth
 
 
+def test_a_seeded_lone_request_samples_the_text_it_samples_alone(tiny_pair, on_thread):  # noqa: F811
+    """Its keys come from one sequence of its seed, the first token's (drawn by the batch)
+    included: the sampled text is the one `speculative_stream` samples with that seed."""
+
+    def run():
+        pair = tiny_pair
+        ids = pair.tokenizer.encode(PROMPTS[3])
+        sp = SamplingParams(temperature=0.9)
+        out = []
+        for block in (BlockChoice(3), BlockChoice(8, auto=True)):
+            cfg = config(40, block=block, sampling=sp, seed=11)
+            ref = alone(pair, ids, cfg)
+            engine = BatchEngine(pair, 4, 8, auto=False, solo=AutoTuning())
+            got = batched(pair, [(ids, cfg)], engine)[0]["tokens"]
+            other = alone(pair, ids, replace(cfg, seed=12))
+            out.append((ref, got, other, engine.stats.solo_cycles))
+        return out
+
+    for ref, got, other, solo in on_thread(run):
+        assert solo > 0 and got == ref
+        assert other != ref  # the seed decides the text
+
+
 def test_a_lone_request_cancelled_ends_once_with_its_caches_trimmed(tiny_pair, on_thread):  # noqa: F811
     def run():
         pair = tiny_pair
