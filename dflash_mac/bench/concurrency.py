@@ -14,6 +14,7 @@ warmed up first (graphs compiled, the block rule timed) with short runs."""
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from collections.abc import Callable
@@ -139,8 +140,10 @@ def measure_concurrency(
     progress: Callable[[str], None] = lambda line: None,
 ) -> list[dict]:
     """One row per (setting, N): the three ways' summaries and the ratios."""
-    prior = tuning.batch_prior  # a lone request runs alone, as in the server (`Solo`)
-    engine = BatchEngine(pair, max(levels), block.size, block.auto, prior=prior, solo=tuning)
+    # a lone request runs alone, as in the server (`Solo`), on a copy of what `auto` knows: the
+    # one-at-a-time way's controllers are not trained by the batched way's lone cycles
+    solo, prior = copy.deepcopy(tuning), tuning.batch_prior
+    engine = BatchEngine(pair, max(levels), block.size, block.auto, prior=prior, solo=solo)
     rows = []
     for label, sp in settings:
         for n in levels:
