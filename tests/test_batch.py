@@ -27,6 +27,7 @@ from dflash_mac.batch_rule import BatchBlockRule
 from dflash_mac.decode import DecodeState, GenerationConfig, speculative_stream
 from dflash_mac.policy import BlockChoice
 from dflash_mac.sampling import SamplingParams
+from dflash_mac.testing.lossy import accepting_every_draft
 from dflash_mac.testing.oracle import OracleDrafter, with_drafter
 
 PROMPTS = ["def add(a, b):", "import os", "class Stack:", "hello world the quick brown fox"]
@@ -407,9 +408,7 @@ def test_a_lossy_batched_rule_is_detected(small_pair, on_thread, monkeypatch):  
     sp = SamplingParams(temperature=1.0)
     joint = exact_joint(small_pair, sp)
     real = batch.accept_sampled
-
-    def accept_all(drafts, q, p, key):
-        return mx.array(drafts.shape[0]), real(drafts, q, p, key)[1]
+    accept_all = accepting_every_draft(real)
 
     monkeypatch.setattr(batch, "accept_sampled", accept_all)
     samples = on_thread(lambda: batch_samples(small_pair, sp, 600))
@@ -700,9 +699,7 @@ def test_a_lossy_batched_copy_rule_is_detected(small_pair, on_thread, monkeypatc
     sp = SamplingParams(temperature=1.0)
     joint = exact_joint(small_pair, sp, prompt=PERIODIC)
     real = batch.accept_sampled
-
-    def accept_all(drafts, q, p, key):
-        return mx.array(drafts.shape[0]), real(drafts, q, p, key)[1]
+    accept_all = accepting_every_draft(real)
 
     monkeypatch.setattr(batch, "accept_sampled", accept_all)
     samples, copies = on_thread(lambda: copy_batch_samples(small_pair, sp, 600, [BlockChoice(1)]))

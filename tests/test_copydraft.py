@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import mlx.core as mx
 import pytest
 from dflash_mac.models.distribution import SamplingParams
 from test_sampling import chi_square_p, exact_joint, small_pair  # noqa: F401  (fixture)
@@ -18,6 +17,7 @@ from dflash_mac.decode import GenerationConfig, speculative_stream
 from dflash_mac.policy import BlockChoice
 from dflash_mac.session import Session
 from dflash_mac.stats import DecodeStats
+from dflash_mac.testing.lossy import accepting_every_draft
 from dflash_mac.testing.oracle import OracleDrafter, with_drafter
 
 # (0, 3, x) occurred for every token x, and the prompt ends with (0, 3): whatever the first
@@ -142,9 +142,7 @@ def test_a_lossy_copy_rule_is_detected(small_pair, monkeypatch):  # noqa: F811
     import dflash_mac.cycle as engine
 
     real = engine.accept_sampled
-
-    def accept_all(drafts, q, p, key):
-        return mx.array(drafts.shape[0]), real(drafts, q, p, key)[1]
+    accept_all = accepting_every_draft(real)
 
     monkeypatch.setattr(engine, "accept_sampled", accept_all)
     sp = SamplingParams(temperature=1.0)

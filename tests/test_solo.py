@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import mlx.core as mx
 import pytest
 from test_batch import CHUNK, PROMPTS, V_TINY, alone, batched, config, on_thread  # noqa: F401
 from test_sampling import PROMPT, chi_square_p, exact_joint, small_pair  # noqa: F401
@@ -16,6 +15,7 @@ from dflash_mac.autoblock import AutoTuning
 from dflash_mac.batch_loop import BatchEngine
 from dflash_mac.policy import BlockChoice
 from dflash_mac.sampling import SamplingParams
+from dflash_mac.testing.lossy import accepting_every_draft
 from dflash_mac.testing.oracle import OracleDrafter, with_drafter
 
 
@@ -156,9 +156,7 @@ def test_a_lossy_rule_alone_is_detected(small_pair, on_thread, monkeypatch):  # 
     sp = SamplingParams(temperature=1.0)
     joint = exact_joint(small_pair, sp)
     real = cycle.accept_sampled
-
-    def accept_all(drafts, q, p, key):
-        return mx.array(drafts.shape[0]), real(drafts, q, p, key)[1]
+    accept_all = accepting_every_draft(real)
 
     monkeypatch.setattr(cycle, "accept_sampled", accept_all)
     samples, _ = on_thread(lambda: staggered_samples(small_pair, sp, 500))
