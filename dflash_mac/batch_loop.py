@@ -248,15 +248,16 @@ class BatchEngine:
                 self._admit(self.waiting.popleft())
             if self.prefilling:
                 self._prefill(cap)
-            if self.decoding and not (self._alone() and self.queued is None):
+            if self.decoding and not self._alone():
                 self._cycle(cap)
-        if self._alone() and self.queued is None:
+        if self._alone():
             self.solo = Solo(self.pair, self.decoding[0], self.tuning, self.rule)
         self._count()
 
     def _alone(self) -> bool:
-        """Whether one request is decoding and nothing else is in the engine (with `solo`)."""
-        lone = len(self.decoding) == 1 and not (self.prefilling or self.waiting)
+        """Whether the next cycle is a lone request's (with `solo`): one request decoding,
+        nothing else in the engine and no batched step queued for it."""
+        lone = len(self.decoding) == 1 and not (self.prefilling or self.waiting or self.queued)
         return lone and self.tuning is not None and not self.decoding[0].finished
 
     def _solo_ended(self) -> None:

@@ -188,7 +188,7 @@ def speculative_stream(
         )
     else:
         out, rec = resume.out, resume.rec
-    handed = hand_back or (lambda: False)
+    stopped, handed = should_stop or (lambda: False), hand_back or (lambda: False)
     gathered = mirror.features if mirror is not None else None  # pipeline stages gather
     capture = FeatureCapture(pair.target, pair.layer_ids, queue=queues_layers(), features=gathered)
     with capture as cap, state.rollback.hooks(), mx.stream(generation_stream), request_end(mirror):
@@ -211,7 +211,7 @@ def speculative_stream(
             pipe.resume(state.ids, resume.rng, resume.con)
             anchor = out.tokens[-1]  # committed, not yet cached
 
-        while out.finish_reason is None and not (should_stop and should_stop()) and not handed():
+        while out.finish_reason is None and not stopped() and not handed():
             room = cfg.max_tokens - out.count
             c = pipe.cycle(anchor, room)  # draft, and the verify queued behind it
             r = pipe.finish(c, anchor, room)  # accept: the one host sync; commit, roll back
