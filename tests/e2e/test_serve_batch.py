@@ -63,7 +63,7 @@ def test_eight_concurrent_clients_get_their_solo_answers(cli, tmp_path):
         with ThreadPoolExecutor(8) as pool:
             together = list(pool.map(lambda i: ask(srv.root, i), range(8)))
         stats = httpx.get(srv.root + "/v1/dflash/stats", timeout=10).json()
-        alone = [ask(srv.root, i) for i in range(8)]  # one at a time: a batch of one
+        alone = [ask(srv.root, i) for i in range(8)]  # one at a time: each runs alone
         # the size a request ran is in the answer; Ollama's options carry it too
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
         ran = post(srv.root + "/v1/chat/completions", body | {"block_size": 3})
@@ -81,6 +81,7 @@ def test_eight_concurrent_clients_get_their_solo_answers(cli, tmp_path):
     assert together == alone
     assert all(together)
     assert stats["batch"]["max_batch"] == 8 and stats["batch"]["mean_occupancy"] > 1.5
+    assert before["solo_cycles"] > stats["batch"]["solo_cycles"]  # the lone loop ran them
     assert ran["dflash"]["block_size"] == 3 and plain["message"]["content"]
     assert plain["dflash"]["block_size"] == 1 and plain["dflash"]["draft_cycles"] == 0
     assert refused.status_code == 400 and "block_size" in refused.json()["error"]["message"]
