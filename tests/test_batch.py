@@ -536,7 +536,7 @@ def test_a_batched_verify_that_forgets_the_block_drafts_is_detected(
     monkeypatch.setattr(PenaltyContext, "apply", apply)
     sp = SamplingParams(temperature=1.0)
     joint = exact_penalised_joint(small_pair, sp, kw)
-    samples = on_thread(lambda: penalised_batch_samples(small_pair, sp, kw, 1200))
+    samples = on_thread(lambda: penalised_batch_samples(small_pair, sp, kw, 800))
     assert chi_square_p(samples, joint) < 1e-6
 
 

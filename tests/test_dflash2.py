@@ -14,14 +14,14 @@ from dflash_mac.models.dflash2 import DFlash2DraftModel, GroupedDynamicCausalCon
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models import qwen3
 from test_greedy_exact import PROMPTS, baseline, run
-from test_sampling import V, chi_square_p, dflash_samples, exact_joint
+from test_sampling import SMALL_TARGET, V, chi_square_p, dflash_samples, exact_joint
 
 from dflash_mac.capture import FeatureCapture
 from dflash_mac.loading import LoadedPair, load_drafter
 from dflash_mac.sampling import SamplingParams
 from dflash_mac.structure import target_head
 from dflash_mac.testing.oracle import with_drafter
-from dflash_mac.testing.tiny import draft_config, target_config
+from dflash_mac.testing.tiny import draft_config
 
 REFERENCE = Path(__file__).parent / "data" / "reference"
 
@@ -290,7 +290,7 @@ def test_sampling_proposal_lives_on_candidates(d2_pair):
 def small_d2_pair(tiny_pair):
     """The sampling test's 5-token target with a random DFlash 2 drafter (3 candidates)."""
     mx.random.seed(3)
-    tcfg = target_config(vocab=V, hidden=32, layers=3)
+    tcfg = SMALL_TARGET
     target = qwen3.Model(qwen3.ModelArgs.from_dict(tcfg))
     target.update({"model": {"embed_tokens": {"weight": mx.random.normal((V, 32)) * 0.12}}})
     cfg = DraftConfig.from_dict(d2_config(tcfg, V - 1, group=8, rank=8, top_k=3))

@@ -258,7 +258,7 @@ def test_a_wrong_penalty_rule_is_detected(small_pairs, monkeypatch, bug, wrong):
             return drafts, q
 
         monkeypatch.setattr(engine, "propose", propose)
-    p = chi_square_p(penalised_samples(pair, sp, kw, 1200 if wrong else 800), joint)
+    p = chi_square_p(penalised_samples(pair, sp, kw, 800), joint)
     assert p < 1e-6 if wrong else p > 0.001
 
 

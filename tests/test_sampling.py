@@ -27,13 +27,16 @@ from dflash_mac.testing.tiny import draft_config, target_config
 V = 5
 N = 1500
 PROMPT = [1, 4, 2, 0, 0]
+# two layers: the drafter reads layer 1, the rollback spans layers; each layer costs thousands
+# of requests' MLX dispatches in every chi-square test that uses these pairs
+SMALL_TARGET = target_config(vocab=V, hidden=32, layers=2)
 
 
 @pytest.fixture(scope="module")
 def small_pair(tiny_pair):
-    """A 6-token-vocabulary target and a random drafter (q far from p)."""
+    """A 5-token-vocabulary target and a random drafter (q far from p)."""
     mx.random.seed(3)
-    tcfg = target_config(vocab=V, hidden=32, layers=3)
+    tcfg = SMALL_TARGET
     target = qwen3.Model(qwen3.ModelArgs.from_dict(tcfg))
     target.update({"model": {"embed_tokens": {"weight": mx.random.normal((V, 32)) * 0.12}}})
     drafter = DFlashDraftModel(DraftConfig.from_dict(draft_config(tcfg, mask_id=V - 1)))
