@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import typer
 
-from dflash_mac.api import REASONING_CHOICES, PromptError
 from dflash_mac.cli import options
+from dflash_mac.errors import PromptError
+from dflash_mac.think import REASONING_CHOICES
 
 
 def chat(
@@ -28,18 +29,19 @@ def chat(
     resume: bool = typer.Option(False, "--resume", "-r", help="Reopen the most recent chat."),
 ) -> None:
     """Chat in the terminal: streamed answers, a live acceptance histogram, saved chats."""
-    from dflash_mac.api import make_config
+    from dflash_mac.settings import check_request
 
+    # bad options fail here, before the slow imports
+    check_request(max_tokens, block_size, temp, top_p, top_k, min_p, seed)
+    if reasoning is not None and reasoning not in REASONING_CHOICES:
+        raise PromptError(f"--reasoning must be one of {', '.join(REASONING_CHOICES)}.")
     from .backend import ChatOptions
     from .chat_app import ChatApp
 
-    make_config(max_tokens, block_size, temp, top_p, top_k, min_p, seed)  # bad options fail here
     check_pair(model, draft)
     from dflash_mac.cli.terminal import follow_if_worker
 
     follow_if_worker(model, draft)  # a distributed job's other ranks: no screen, follow rank 0
-    if reasoning is not None and reasoning not in REASONING_CHOICES:
-        raise PromptError(f"--reasoning must be one of {', '.join(REASONING_CHOICES)}.")
     opts = ChatOptions(
         model,
         draft,

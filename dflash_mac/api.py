@@ -6,15 +6,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .autoblock import MAX_TREE_BUDGET, AutoTuning
+from .autoblock import AutoTuning
 from .constraints import Grammar, json_grammar
-from .cycle import MAX_TOP_LOGPROBS, TokenLogprob
+from .cycle import TokenLogprob
 from .decode import DecodeState, GenerationConfig, GenerationEvent, speculative_stream
 from .errors import PromptError  # noqa: F401  (re-exported)
-from .models.penalties import Penalties
 from .pair import Pair
-from .policy import BlockChoice, block_size_for, load_tuning, parse_block_size
+from .policy import BlockChoice, block_size_for, load_tuning
 from .sampling import SamplingParams
+from .settings import check_request
 from .stats import DecodeStats
 from .think import REASONING_CHOICES
 
@@ -98,25 +98,18 @@ def make_config(
     compiled once with `constraints.json_grammar`); `copy`: copy drafting where the last tokens
     repeat earlier text (`copydraft.py`); `tree`: tree drafting (`tree.py`): None lets `auto`
     weigh trees, 0 drafts chains only, N drafts trees of N nodes."""
-    if max_tokens < 1:
-        raise PromptError(f"--max-tokens must be at least 1 (got {max_tokens}).")
-    if not isinstance(block_size, BlockChoice):
-        parse_block_size(block_size)  # checked before any slow work; resolved with the pair
-    if seed is not None and not 0 <= seed < 2**64:
-        raise PromptError(f"--seed must be between 0 and 2**64 - 1 (got {seed}).")
-    if tree is not None and not 0 <= tree <= MAX_TREE_BUDGET:
-        raise PromptError(f"--tree-budget must be between 0 and {MAX_TREE_BUDGET} (got {tree}).")
-    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
-        raise PromptError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS} (got {logprobs}).")
+    chosen = isinstance(block_size, BlockChoice)  # already resolved against the pair
+    sp, pen = check_request(
+        max_tokens, None if chosen else block_size, temp, top_p, top_k, min_p, seed,
+        presence_penalty, frequency_penalty, repetition_penalty, logit_bias, logprobs, tree,
+    )  # fmt: skip
     try:
-        sp = SamplingParams(temp, top_p, top_k, min_p).validate()
-        pen = Penalties.make(presence_penalty, frequency_penalty, repetition_penalty, logit_bias)
         compiled = json_schema is None or hasattr(json_schema, "start")
         grammar = json_schema if compiled else json_grammar(json_schema)
     except ValueError as e:
         raise PromptError(str(e))
     cfg = GenerationConfig(max_tokens, None, sp, seed, list(stop or []), use_eos)
-    if isinstance(block_size, BlockChoice):
+    if chosen:
         cfg.block = block_size
     cfg.penalties, cfg.logprobs, cfg.grammar, cfg.copy = pen, logprobs, grammar, copy
     cfg.tree = tree

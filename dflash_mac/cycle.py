@@ -107,9 +107,6 @@ def propose_constrained(
     return mx.array(drafts, mx.int32), q, mx.stack(masks)
 
 
-MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
-
-
 @dataclass(frozen=True)
 class TokenLogprob:
     """A committed token's log-probability under the target (after logit bias, penalties and

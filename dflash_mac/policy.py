@@ -22,14 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .autoblock import AutoTuning, CostCurve
-from .errors import PromptError
 from .pair import Pair
 from .platform import data_dir, machine_key, write_atomic
 from .registry import PairEntry, pair_for
+from .settings import AUTO, parse_block_size
 
 QUANTIZED_MAX_BLOCK = 5  # for quantized pairs the registry does not list
 LONG_CONTEXT = 1024  # contexts from here on get their own `auto` controller
-AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -46,19 +45,6 @@ class BlockChoice:
     def label(self) -> str:
         """ "8", or "auto ≤8"."""
         return f"{AUTO} ≤{self.size}" if self.auto else str(self.size)
-
-
-def parse_block_size(value: int | str | None) -> int | None:
-    """A --block-size value: an integer >= 1, or None for `auto` (None or "auto")."""
-    if value is None or value == AUTO:
-        return None
-    try:
-        size = int(value)
-    except (TypeError, ValueError):
-        raise PromptError(f"--block-size must be auto or an integer (got {value!r}).")
-    if size < 1:
-        raise PromptError(f"--block-size must be at least 1 (got {size}).")
-    return size
 
 
 def quantized_default(trained: int, entry: PairEntry | None) -> int:

@@ -142,6 +142,30 @@ def test_help_models_and_pull_import_no_mlx():
     assert out.strip() == "False False"  # `models` and `pull` start without MLX
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["generate", "hi", "--seed", "-1"],
+        ["generate", "hi", "--presence-penalty", "9"],
+        ["chat", "--min-p", "2"],
+        ["chat", "--reasoning", "foo"],
+        ["generate", "hi", "--temp", "0.7"],  # the control: good settings go on to the load
+    ],
+)
+def test_bad_settings_are_refused_before_the_slow_imports(args):
+    """A typo costs the time Python starts, not the 2-3 s mlx-lm and the engine take."""
+    code = (
+        "import sys\nfrom typer.testing import CliRunner\nfrom dflash_mac.cli import app\n"
+        f"res = CliRunner().invoke(app, {args!r} + ['--model', '/no/such/folder'])\n"
+        "print(res.exit_code, 'mlx_lm' in sys.modules, 'dflash_mac.api' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    ).stdout.split()
+    good = "0.7" in args
+    assert out == ["1", str(good), str(good)]  # refused (or the missing model) with exit 1
+
+
 def test_installed_help_is_fast_and_lists_every_command():
     start = time.perf_counter()
     res = run("--help")

@@ -262,8 +262,6 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
 ) -> None:
     """Generate text for PROMPT with DFlash speculative decoding."""
-    from .terminal import calibrate_auto, load_pair
-
     text = read_prompt(prompt)
     template = dict(
         system=system,
@@ -284,7 +282,9 @@ def generate(
         copy=copy,
         tree=tree_budget,
     )
-    check_settings(max_tokens, block_size, settings)  # before the slow load
+    check_settings(max_tokens, block_size, settings)  # before the slow imports and load
+    from .terminal import calibrate_auto, load_pair
+
     prepared = load_pair(
         model,
         draft,
@@ -303,9 +303,10 @@ def generate(
 
 def check_settings(max_tokens: int, block_size: str | None, settings: dict) -> None:
     """Bad sampling, penalty, seed or block-size values get their one sentence now."""
-    from dflash_mac.api import make_config
+    from dflash_mac.settings import check_request
 
-    make_config(max_tokens=max_tokens, block_size=block_size, **settings)
+    checked = {k: v for k, v in settings.items() if k != "copy"}  # a flag: nothing to check
+    check_request(max_tokens=max_tokens, block_size=block_size, **checked)
 
 
 def fit_prompt(pair, text: str, template: dict, max_tokens: int) -> tuple[list[int], int]:

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_mac.constraints import ANY_OBJECT, JsonGrammar, json_grammar
-from dflash_mac.cycle import MAX_TOP_LOGPROBS
 from dflash_mac.models.penalties import LIMITS
+from dflash_mac.settings import MAX_TOP_LOGPROBS
 
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 REASONING_EFFORT = {
