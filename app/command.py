@@ -29,10 +29,12 @@ def chat(
     resume: bool = typer.Option(False, "--resume", "-r", help="Reopen the most recent chat."),
 ) -> None:
     """Chat in the terminal: streamed answers, a live acceptance histogram, saved chats."""
+    from dflash_mac.cli import check_pair_names
     from dflash_mac.settings import check_request
 
     # bad options fail here, before the slow imports
     check_request(max_tokens, block_size, temp, top_p, top_k, min_p, seed)
+    check_pair_names(model, draft)
     if reasoning is not None and reasoning not in REASONING_CHOICES:
         raise PromptError(f"--reasoning must be one of {', '.join(REASONING_CHOICES)}.")
     from .backend import ChatOptions

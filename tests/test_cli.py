@@ -147,23 +147,27 @@ def test_help_models_and_pull_import_no_mlx():
     [
         ["generate", "hi", "--seed", "-1"],
         ["generate", "hi", "--presence-penalty", "9"],
+        ["generate", "hi", "--model", "/no/such/folder"],
         ["chat", "--min-p", "2"],
         ["chat", "--reasoning", "foo"],
-        ["generate", "hi", "--temp", "0.7"],  # the control: good settings go on to the load
+        ["chat", "--model", "./no-such-folder"],
+        # the control: good input goes on to the load (an empty folder, exit 1 after the imports)
+        ["generate", "hi", "--temp", "0.7", "--model", "EMPTY", "--draft", "EMPTY"],
     ],
 )
-def test_bad_settings_are_refused_before_the_slow_imports(args):
+def test_bad_input_is_refused_before_the_slow_imports(args, tmp_path):
     """A typo costs the time Python starts, not the 2-3 s mlx-lm and the engine take."""
+    args = [str(tmp_path) if a == "EMPTY" else a for a in args]
     code = (
         "import sys\nfrom typer.testing import CliRunner\nfrom dflash_mac.cli import app\n"
-        f"res = CliRunner().invoke(app, {args!r} + ['--model', '/no/such/folder'])\n"
+        f"res = CliRunner().invoke(app, {args!r})\n"
         "print(res.exit_code, 'mlx_lm' in sys.modules, 'dflash_mac.api' in sys.modules)"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     ).stdout.split()
-    good = "0.7" in args
-    assert out == ["1", str(good), str(good)]  # refused (or the missing model) with exit 1
+    good = str(tmp_path) in args
+    assert out == ["1", str(good), str(good)]  # refused with exit 1; the control imported both
 
 
 def test_installed_help_is_fast_and_lists_every_command():

@@ -283,6 +283,7 @@ def generate(
         tree=tree_budget,
     )
     check_settings(max_tokens, block_size, settings)  # before the slow imports and load
+    check_pair_names(model, draft)
     from .terminal import calibrate_auto, load_pair
 
     prepared = load_pair(
@@ -307,6 +308,14 @@ def check_settings(max_tokens: int, block_size: str | None, settings: dict) -> N
 
     checked = {k: v for k, v in settings.items() if k != "copy"}  # a flag: nothing to check
     check_request(max_tokens=max_tokens, block_size=block_size, **checked)
+
+
+def check_pair_names(model: str | None, draft: str | None) -> None:
+    """A --model / --draft the registry cannot resolve (a path that does not exist, a target
+    with no known drafter) gets its sentence now, before the slow imports."""
+    from dflash_mac.registry import resolve_pair
+
+    resolve_pair(model, draft)
 
 
 def fit_prompt(pair, text: str, template: dict, max_tokens: int) -> tuple[list[int], int]:
