@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -151,21 +152,29 @@ def test_help_models_and_pull_import_no_mlx():
         ["chat", "--min-p", "2"],
         ["chat", "--reasoning", "foo"],
         ["chat", "--model", "./no-such-folder"],
+        ["serve", "--port", "0"],
+        ["serve", "--port", "TAKEN"],
+        ["serve", "--prompt-cache-size", "0"],
+        ["serve", "--model", "/no/such/folder"],
         # the control: good input goes on to the load (an empty folder, exit 1 after the imports)
         ["generate", "hi", "--temp", "0.7", "--model", "EMPTY", "--draft", "EMPTY"],
     ],
 )
 def test_bad_input_is_refused_before_the_slow_imports(args, tmp_path):
     """A typo costs the time Python starts, not the 2-3 s mlx-lm and the engine take."""
-    args = [str(tmp_path) if a == "EMPTY" else a for a in args]
-    code = (
-        "import sys\nfrom typer.testing import CliRunner\nfrom dflash_mac.cli import app\n"
-        f"res = CliRunner().invoke(app, {args!r})\n"
-        "print(res.exit_code, 'mlx_lm' in sys.modules, 'dflash_mac.api' in sys.modules)"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
-    ).stdout.split()
+    with socket.socket() as taken:  # a port something else listens on
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        named = {"EMPTY": str(tmp_path), "TAKEN": str(taken.getsockname()[1])}
+        args = [named.get(a, a) for a in args]
+        code = (
+            "import sys\nfrom typer.testing import CliRunner\nfrom dflash_mac.cli import app\n"
+            f"res = CliRunner().invoke(app, {args!r})\n"
+            "print(res.exit_code, 'mlx_lm' in sys.modules, 'dflash_mac.api' in sys.modules)"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+        ).stdout.split()
     good = str(tmp_path) in args
     assert out == ["1", str(good), str(good)]  # refused with exit 1; the control imported both
 

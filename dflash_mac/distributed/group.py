@@ -55,6 +55,12 @@ def launched() -> bool:
     return "MLX_RANK" in os.environ
 
 
+def follower() -> bool:
+    """True for a rank other than 0 (it follows rank 0: no server, no report), known from the
+    launcher's environment before the group is joined."""
+    return launched() and os.environ["MLX_RANK"] != "0"
+
+
 def world() -> mx.distributed.Group | None:
     """The job's group when this process is one of several ranks, else None."""
     if not launched():

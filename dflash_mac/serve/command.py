@@ -20,7 +20,8 @@ from typing import TextIO
 import typer
 from rich.console import Console
 
-from dflash_mac.cli import options
+from dflash_mac.cli import check_pair_names, options
+from dflash_mac.distributed.group import follower
 from dflash_mac.errors import UserError
 from dflash_mac.platform import data_dir
 
@@ -307,17 +308,20 @@ def serve(
     ),
 ) -> None:
     """Serve the pair as an OpenAI-compatible API (for Continue, Cline, Aider, Zed, ...)."""
+    # bad options, a taken port or a missing model: one sentence before the slow imports
+    check_options(prompt_cache_size, prompt_cache_bytes, prompt_cache_disk_bytes)
+    origins = parse_origins(cors_origins)
+    if not follower():  # the job's other ranks serve nothing: rank 0 has the port
+        check_free(host, port)
+        check_pair_names(model, draft)
     from dflash_mac.cli.terminal import calibrate_auto, follow_if_worker, load_pair, warn_line
 
     follow_if_worker(model, draft)  # a distributed job's other ranks: no server, no PID file
 
     from .app import create_app
 
-    check_options(prompt_cache_size, prompt_cache_bytes, prompt_cache_disk_bytes)
-    origins = parse_origins(cors_origins)
     home = data_dir()
     log_path = log_file or home / log_name(port)
-    check_free(host, port)
     setup_logging(log_path, log_level)
     url = server_url(host, port)
     if host not in LOOPBACK and not api_key:
