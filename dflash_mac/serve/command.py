@@ -21,7 +21,6 @@ import typer
 from rich.console import Console
 
 from dflash_mac.cli import check_pair_names, options
-from dflash_mac.distributed.group import follower
 from dflash_mac.errors import UserError
 from dflash_mac.platform import data_dir
 
@@ -308,6 +307,8 @@ def serve(
     ),
 ) -> None:
     """Serve the pair as an OpenAI-compatible API (for Continue, Cline, Aider, Zed, ...)."""
+    from dflash_mac.distributed.group import follower  # MLX: not at import (`ps`, `stop`)
+
     # bad options, a taken port or a missing model: one sentence before the slow imports
     check_options(prompt_cache_size, prompt_cache_bytes, prompt_cache_disk_bytes)
     origins = parse_origins(cors_origins)
