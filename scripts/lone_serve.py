@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from dflash_mac.bench.run import suite_prompts
+from dflash_mac.bench.inputs import suite_prompts
 from dflash_mac.platform import data_dir
 
 ORDER = [1, 4, 4, 1]

@@ -419,7 +419,7 @@ def test_bench_concurrency_runs_three_ways_and_checks_greedy_identity(tiny_pair,
     from dflash_mac.autoblock import AutoTuning
     from dflash_mac.bench.command import parse_levels
     from dflash_mac.bench.concurrency import concurrency_markdown, measure_concurrency, validate
-    from dflash_mac.bench.run import BenchError
+    from dflash_mac.bench.inputs import BenchError
 
     ids = [tiny_pair.tokenizer.encode(p) for p in PROMPTS[:2]]
     settings = [("greedy", SamplingParams())]

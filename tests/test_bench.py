@@ -21,9 +21,11 @@ from dflash_mac.api import prompt_ids
 from dflash_mac.bench import agent as agent_bench
 from dflash_mac.bench import command as bench_command
 from dflash_mac.bench import concurrency, summary
+from dflash_mac.bench import inputs as bench_inputs
 from dflash_mac.bench import report as bench_report
 from dflash_mac.bench import run as bench
-from dflash_mac.bench.run import BenchConfig, BenchError, BenchPrompt, Run
+from dflash_mac.bench.inputs import BenchError, BenchPrompt
+from dflash_mac.bench.run import BenchConfig, Run
 from dflash_mac.cli import app
 from dflash_mac.loading import BUNDLED_DRAFT
 from dflash_mac.sampling import SamplingParams
@@ -107,15 +109,15 @@ def test_position_acceptance_counts_only_the_positions_each_cycle_drafted():
     assert stats.as_dict()["draft_cycles"] == 4 and stats.as_dict()["cycles"] == 6
     recs = synthetic_records()
     for r, (lens, bss) in zip(recs, [(lengths, sizes), ([2, 1], [2, 1])] * 2):
-        r["dflash"][bench.AUTO] = Run(
-            list(range(101)), 10, 0.01, 0.5, 1000, "length", bench.AUTO, lens, bss
+        r["dflash"][bench_inputs.AUTO] = Run(
+            list(range(101)), 10, 0.01, 0.5, 1000, "length", bench_inputs.AUTO, lens, bss
         )
-    row = summary.summarize(recs, bench.AUTO, "s", greedy=True)
+    row = summary.summarize(recs, bench_inputs.AUTO, "s", greedy=True)
     assert row["position_acceptance"] == pytest.approx([8 / 10, 4 / 4, 2 / 4, 2 / 2])
     assert row["cycles"] == 16 and row["draft_cycles"] == 10
     assert row["histogram"] == [2, 4, 2, 0, 2]  # 1: the two rejected blocks, not the plain steps
     md = bench_report.render(
-        bench_report.build_report(HEADER, CONFIG, recs, [bench.AUTO], greedy=True), "md"
+        bench_report.build_report(HEADER, CONFIG, recs, [bench_inputs.AUTO], greedy=True), "md"
     )
     assert "### Acceptance, block size auto (16 cycles, 6 of them plain steps, τ" in md
 
@@ -167,17 +169,17 @@ def test_auto_against_each_fixed_size_on_the_same_runs():
         mood = rng.uniform(0.8, 1.2)  # the three runs of a prompt share the machine's mood
         a, b, c = (mood * rng.uniform(0.97, 1.03) for _ in range(3))
         runs = {
-            bench.AUTO: run(101, a * 0.5, bs=bench.AUTO),
+            bench_inputs.AUTO: run(101, a * 0.5, bs=bench_inputs.AUTO),
             5: run(101, b * 0.45, bs=5),
             8: run(101, c * 0.5, bs=8),
         }
         recs.append(record(f"p{i}", 0, run(101, mood), runs))
-    five, eight = summary.auto_vs_fixed(recs, [bench.AUTO, 5, 8])
+    five, eight = summary.auto_vs_fixed(recs, [bench_inputs.AUTO, 5, 8])
     assert five["block_size"] == 5 and 0.85 < five["ci"][0] < five["ratio"] < five["ci"][1] < 0.95
     assert eight["ci"][0] < 1.0 < eight["ci"][1] and eight["ratio"] == pytest.approx(1.0, abs=0.02)
     assert summary.auto_vs_fixed(recs, [5, 8]) == []
-    config = {**CONFIG, "block_sizes": [bench.AUTO, 5, 8]}
-    doc = bench_report.build_report(HEADER, config, recs, [bench.AUTO, 5, 8], greedy=False)
+    config = {**CONFIG, "block_sizes": [bench_inputs.AUTO, 5, 8]}
+    doc = bench_report.build_report(HEADER, config, recs, [bench_inputs.AUTO, 5, 8], greedy=False)
     assert doc["auto_vs_fixed"] == [five, eight] and bench_report.validate(doc) == []
     assert "auto ÷ block 5 on the same runs: **0.9" in bench_report.to_markdown(doc)
 
@@ -372,50 +374,50 @@ def test_lossless_failure_is_reported_in_markdown(doc):
 
 
 def test_parse_block_sizes_and_format():
-    assert bench.parse_block_sizes("5") == [5]
-    assert bench.parse_block_sizes("8,2, 3,2") == [2, 3, 8]
-    assert bench.parse_block_sizes(None) is None
+    assert bench_inputs.parse_block_sizes("5") == [5]
+    assert bench_inputs.parse_block_sizes("8,2, 3,2") == [2, 3, 8]
+    assert bench_inputs.parse_block_sizes(None) is None
     for bad in ("2,x", "0", "3,-1", "2,,3"):
         with pytest.raises(BenchError, match="block-size"):
-            bench.parse_block_sizes(bad)
+            bench_inputs.parse_block_sizes(bad)
     with pytest.raises(BenchError, match="--format must be one of"):
-        bench.check_format("yaml")
+        bench_inputs.check_format("yaml")
 
 
 def test_shipped_suites():
     for name in ("math", "chat"):
-        ps = bench.suite_prompts(name)
+        ps = bench_inputs.suite_prompts(name)
         assert len(ps) >= 16 and len({p.id for p in ps}) == len(ps)
         assert all(p.suite == name and p.prompt[0]["role"] == "user" for p in ps)
 
 
 def test_code_suite_missing_falls_back_clearly(monkeypatch, tmp_path):
-    monkeypatch.setattr(bench, "code_suite_path", lambda: tmp_path / "none.jsonl")
+    monkeypatch.setattr(bench_inputs, "code_suite_path", lambda: tmp_path / "none.jsonl")
     warnings = []
-    ps = bench.suite_prompts("code", warnings.append)
+    ps = bench_inputs.suite_prompts("code", warnings.append)
     assert {p.suite for p in ps} == {"math"}
     assert "code suite" in warnings[0] and "missing" in warnings[0]
-    assert {p.suite for p in bench.suite_prompts("all", warnings.append)} == {"math", "chat"}
+    assert {p.suite for p in bench_inputs.suite_prompts("all", warnings.append)} == {"math", "chat"}
 
 
 def test_read_prompts_errors(tmp_path):
     with pytest.raises(BenchError, match="does not exist"):
-        bench.read_prompts(tmp_path / "missing.jsonl")
+        bench_inputs.read_prompts(tmp_path / "missing.jsonl")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{nope\n')
     with pytest.raises(BenchError, match="line 2 is not valid JSON"):
-        bench.read_prompts(bad)
+        bench_inputs.read_prompts(bad)
     bad.write_text('{"messages": []}\n')
     with pytest.raises(BenchError, match="line 1 needs"):
-        bench.read_prompts(bad)
+        bench_inputs.read_prompts(bad)
     bad.write_text("\n")
     with pytest.raises(BenchError, match="holds no prompts"):
-        bench.read_prompts(bad)
+        bench_inputs.read_prompts(bad)
     good = tmp_path / "mine.jsonl"
     good.write_text(
         '{"prompt": "hi"}\n{"id": "x", "messages": [{"role": "user", "content": "yo"}]}\n'
     )
-    ps = bench.read_prompts(good)
+    ps = bench_inputs.read_prompts(good)
     assert [(p.id, p.suite) for p in ps] == [("mine-1", "mine"), ("x", "mine")]
 
 
@@ -671,7 +673,7 @@ def test_recommended_sampling_reads_the_generation_config(gen, expected):
 
 @pytest.mark.parametrize("text", ["x", "0,-1", "0.7,,1"])
 def test_bad_temperature_lists_are_one_sentence(text):
-    with pytest.raises(bench.BenchError, match="--temp must be"):
+    with pytest.raises(bench_inputs.BenchError, match="--temp must be"):
         bench_command.parse_temps(text)
 
 
@@ -686,9 +688,9 @@ def test_speedup_against_prompt_length():
     recs = []
     for i, n in enumerate([300, 1100, 1150, 1700]):
         base = run(11, 1.0)
-        dfl = run(11, 0.5 if n < 1500 else 2.0, [2, 3, 1], bs=bench.AUTO)
-        recs.append(record(f"p{i}", 0, base, {bench.AUTO: dfl}) | {"prompt_tokens": n})
-    rows = summary.length_rows(recs, [bench.AUTO])
+        dfl = run(11, 0.5 if n < 1500 else 2.0, [2, 3, 1], bs=bench_inputs.AUTO)
+        recs.append(record(f"p{i}", 0, base, {bench_inputs.AUTO: dfl}) | {"prompt_tokens": n})
+    rows = summary.length_rows(recs, [bench_inputs.AUTO])
     assert [(r["min_prompt_tokens"], r["max_prompt_tokens"]) for r in rows] == [
         (300, 300),
         (1100, 1150),
@@ -696,10 +698,10 @@ def test_speedup_against_prompt_length():
     ]
     assert [round(r["speedup"], 2) for r in rows] == [2.0, 2.0, 0.5]
     assert rows[1]["prompts"] == 2 and rows[0]["tau"] == 2.0
-    doc = bench_report.build_report(HEADER, CONFIG, recs, [bench.AUTO], True)
+    doc = bench_report.build_report(HEADER, CONFIG, recs, [bench_inputs.AUTO], True)
     assert bench_report.validate(doc) == [] and len(doc["by_length"]) == 3
     assert "Speedup against prompt length" in bench_report.render(doc, "md")
-    one = bench_report.build_report(HEADER, CONFIG, recs[1:3], [bench.AUTO], True)
+    one = bench_report.build_report(HEADER, CONFIG, recs[1:3], [bench_inputs.AUTO], True)
     assert one["by_length"] == []  # one bucket: nothing to compare
 
 
@@ -708,11 +710,11 @@ def test_long_suite_fills_the_bundled_context():
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     tok = load_tokenizer(BUNDLED_DRAFT.parent / "target")
-    ps = bench.suite_prompts("long")
+    ps = bench_inputs.suite_prompts("long")
     lengths = [len(prompt_ids(tok, p.prompt)) for p in ps]
     assert len(ps) >= 10 and all(1000 <= n <= 1900 for n in lengths)
     assert max(lengths) - min(lengths) >= 700  # spread over the range
-    assert "long" not in {p.suite for p in bench.suite_prompts("all")}
+    assert "long" not in {p.suite for p in bench_inputs.suite_prompts("all")}
 
 
 def test_runs_stop_at_the_end_of_the_context(tiny_pair):
@@ -720,7 +722,9 @@ def test_runs_stop_at_the_end_of_the_context(tiny_pair):
     alike (the one context rule), instead of running past the positions the model has."""
     ids = tiny_pair.tokenizer.encode("def add(a, b):")
     short = replace(tiny_pair, target_config={"max_position_embeddings": len(ids) + 5})
-    cfg = BenchConfig([bench.AUTO, 3], max_tokens=24, trials=1, use_eos=False, warmup_tokens=2)
+    cfg = BenchConfig(
+        [bench_inputs.AUTO, 3], max_tokens=24, trials=1, use_eos=False, warmup_tokens=2
+    )
     (rec,) = bench.run_bench(short, [BenchPrompt("p", "s", "unused")], [ids], cfg)
     assert len(rec["baseline"].tokens) == 5
     assert [len(r.tokens) for r in rec["dflash"].values()] == [5, 5]

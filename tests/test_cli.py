@@ -156,8 +156,14 @@ def test_help_models_and_pull_import_no_mlx():
         ["serve", "--port", "TAKEN"],
         ["serve", "--prompt-cache-size", "0"],
         ["serve", "--model", "/no/such/folder"],
-        # the control: good input goes on to the load (an empty folder, exit 1 after the imports)
+        ["bench", "--seed", "-1"],  # a traceback after the load and warm-up, before
+        ["bench", "--concurrency", "4", "--format", "csv"],
+        ["bench", "--suite", "agent", "--prompts", "/no/such.json"],
+        ["bench", "--cost-curve", "--shape", "nope"],
+        ["bench", "--model", "/no/such/folder"],
+        # the controls: good input goes on to the load (an empty folder, exit 1 after the imports)
         ["generate", "hi", "--temp", "0.7", "--model", "EMPTY", "--draft", "EMPTY"],
+        ["bench", "--limit", "1", "-n", "4", "--model", "EMPTY", "--draft", "EMPTY"],
     ],
 )
 def test_bad_input_is_refused_before_the_slow_imports(args, tmp_path):

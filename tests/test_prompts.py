@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dflash_mac.bench.run import read_prompts as bench_prompts
+from dflash_mac.bench.inputs import read_prompts as bench_prompts
 from dflash_mac.errors import PromptError, UserError
 from dflash_mac.prompts import read_prompt_file
 from dflash_mac.train.data import read_prompts as train_prompts

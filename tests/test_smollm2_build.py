@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 
-from dflash_mac.bench.run import suite_prompts
+from dflash_mac.bench.inputs import suite_prompts
 from dflash_mac.bundle import corpus, smollm2
 
 

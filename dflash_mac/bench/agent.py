@@ -9,7 +9,6 @@ DFlash and with plain steps, the tokens reused, and whether all four answers are
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 import time
@@ -22,10 +21,6 @@ from dflash_mac.autoblock import AutoTuning
 from dflash_mac.pair import Pair
 from dflash_mac.prefix_disk import DiskTier, fingerprint
 from dflash_mac.session import Session
-
-from .run import SUITE_DIR, BenchError
-
-AGENT_SUITE = SUITE_DIR / "agent.json"
 
 
 @dataclass
@@ -52,22 +47,6 @@ class AgentTurn:
     decode_tps_plain: float
     tau: float
     identical: bool  # cold, warm, disk and plain answers token-identical
-
-
-def read_transcripts(path: Path | None = None) -> dict:
-    """The transcripts file (the shipped one by default): system prompt and conversations."""
-    path = path or AGENT_SUITE
-    try:
-        doc = json.loads(Path(path).read_text())
-        assert isinstance(doc["system"], str)
-        assert all(isinstance(t, str) for c in doc["conversations"] for t in c["turns"])
-        assert all(isinstance(c["id"], str) for c in doc["conversations"])
-    except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
-        raise BenchError(
-            f"{path} is not an agent transcripts file "
-            f'({{"system", "conversations": [{{"id", "turns"}}]}}): {e}'
-        )
-    return doc
 
 
 def timed(session: Session, ids: list[int], max_tokens: int, block) -> Run:

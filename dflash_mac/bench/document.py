@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from .run import size_order
+from .inputs import size_order
 from .schema import SCHEMA_ID
 
 DEFINITIONS = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dflash_mac.cli.terminal import bars
 
-from .run import size_label
+from .inputs import size_label
 
 
 def _pm(pair: list[float], trials: int, digits: int = 1, unit: str = "") -> str:

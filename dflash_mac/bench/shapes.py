@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .run import BenchError
+from .inputs import BenchError
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,11 @@ SHAPES = {
 DTYPES = ("bf16", "4bit")
 
 
+def check_shape(name: str) -> None:
+    if name not in SHAPES:
+        raise BenchError(f"--shape must be one of {', '.join(SHAPES)} (got {name!r}).")
+
+
 def random_pair(name: str, dtype: str = "bf16"):
     """A LoadedPair of shape `name` with random weights (bf16, or 4-bit with group 64)."""
     import mlx.core as mx
@@ -42,8 +47,7 @@ def random_pair(name: str, dtype: str = "bf16"):
     from dflash_mac.random_pair import draft_config, target_config
     from dflash_mac.structure import target_head
 
-    if name not in SHAPES:
-        raise BenchError(f"--shape must be one of {', '.join(SHAPES)} (got {name!r}).")
+    check_shape(name)
     if dtype not in DTYPES:
         raise BenchError(f"--shape-dtype must be one of {', '.join(DTYPES)} (got {dtype!r}).")
     s = SHAPES[name]

@@ -13,8 +13,9 @@ from dflash_mac.cli.terminal import bars
 from dflash_mac.policy import AUTO
 from dflash_mac.stats import drafting, histogram
 
+from .inputs import BenchPrompt, size_label, size_order
 from .report import eta_note, plain_note
-from .run import BenchPrompt, Observer, Run, size_label, size_order
+from .run import Observer, Run
 from .summary import trial_tps
 
 

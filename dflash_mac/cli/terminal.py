@@ -9,11 +9,11 @@ from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
-from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
 from dflash_mac.api import GenerationResult, stream_generate
 from dflash_mac.autoblock import AutoTuning
+from dflash_mac.cli.console import err, warn_line
 from dflash_mac.distributed.group import world
 from dflash_mac.loading import load
 from dflash_mac.pair import Pair
@@ -27,13 +27,6 @@ from dflash_mac.prepare import (
     needs_calibration,
     prepare,
 )
-
-err = Console(stderr=True, soft_wrap=True)
-
-
-def warn_line(message: str) -> None:
-    """Print a warning on one line (no wrapping at the terminal width)."""
-    err.print(f"[yellow]warning:[/] {escape(message)}", soft_wrap=True, highlight=False)
 
 
 def load_pair(
