@@ -415,6 +415,21 @@ def test_a_lossy_batched_rule_is_detected(small_pair, on_thread, monkeypatch):  
     assert chi_square_p(samples, joint) < 1e-6
 
 
+def test_one_at_a_time_read_as_waves_times_each_wave_from_its_arrival():
+    from dflash_mac.bench.concurrency import Stream, Way, as_waves, in_waves
+
+    assert in_waves(2, 5) == [range(0, 2), range(2, 4), range(4, 5)]
+    # three requests served in turn, 1 s each, the first token 0.5 s into each turn
+    turns = [Stream([7] * 4, ttft=k + 0.5, end=k + 1.0, start=float(k)) for k in range(3)]
+    alone = Way("dflash-one-at-a-time", 3.0, turns)
+    assert [s.ttft for s in as_waves(alone, 1).streams] == [0.5, 0.5, 0.5]
+    assert [s.ttft for s in as_waves(alone, 2).streams] == [0.5, 1.5, 0.5]  # waits in its wave
+    assert [s.ttft for s in as_waves(alone, 3).streams] == [0.5, 1.5, 2.5]
+    waves = as_waves(alone, 2)
+    assert waves.wall == 3.0 and waves.summary()["ttft_max_s"] == 1.5
+    assert [s.decode_tps for s in waves.streams] == [6.0] * 3  # 3 tokens in 0.5 s
+
+
 def test_bench_concurrency_runs_three_ways_and_checks_greedy_identity(tiny_pair, on_thread):
     from dflash_mac.autoblock import AutoTuning
     from dflash_mac.bench.command import parse_levels
@@ -430,18 +445,19 @@ def test_bench_concurrency_runs_three_ways_and_checks_greedy_identity(tiny_pair,
         )
     )
     assert [r["concurrency"] for r in rows] == [1, 2]
-    assert [r["identical"] for r in rows] == ["1/1", "2/2"]
+    assert [r["waves"] for r in rows] == [2, 1]  # every level serves the same two requests
+    assert [r["identical"] for r in rows] == ["2/2", "2/2"]
     for r in rows:
         names = [w["way"] for w in r["ways"]]
         assert names == ["dflash-batched", "dflash-one-at-a-time", "mlx-lm-batched-plain"]
-        assert [w["tokens"] == 12 * r["concurrency"] for w in r["ways"]][:2] == [True, True]
+        assert [w["tokens"] for w in r["ways"][:2]] == [24, 24]
         assert r["ways"][2]["tokens"] > 0  # mlx-lm stops at EOS
         assert r["batched_vs_alone"] > 0 and r["batched_vs_plain"] > 0
         # the measured batched run's cycles by block size, and a lone request's (run as
         # alone, as the server runs it); each commits a token or more
         cycles = sum(r["batch_blocks"].values()) + r["solo_cycles"]
-        assert 0 < cycles <= 12 * r["concurrency"]
-    assert rows[0]["solo_cycles"] > 0 and not rows[0]["batch_blocks"]  # one stream: alone
+        assert 0 < cycles <= 24
+    assert rows[0]["solo_cycles"] > 0 and not rows[0]["batch_blocks"]  # waves of one: alone
     assert sum(rows[1]["batch_blocks"].values()) > 0
     doc = {"config": {"prompts": 2, "suite": "code", "max_tokens": 12, "block": "auto ≤4"}}
     doc |= {"rows": rows, "header": {"target": "t", "draft": "d", "cpu": "c"}}

@@ -396,6 +396,7 @@ def concurrency_command(
         lambda line: err.print(line, highlight=False),
     )  # fmt: skip
     config = {"suite": "custom" if prompts_file else suite, "prompts": len(ids)}
+    config["requests"] = max(levels)  # the prompts again from the first when fewer
     config |= {"max_tokens": max_tokens, "block": block.label, "levels": levels}
     doc = {"kind": "concurrency", "config": config, "rows": rows}
     doc["header"] = header(pair) | {"load_avg": [start, load_average()]}

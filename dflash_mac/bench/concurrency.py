@@ -1,16 +1,21 @@
 """`bench --concurrency 1,2,4,8`: N streams arriving together, three ways on the same weights.
 
-- batched DFlash: the N requests through the engine `serve --max-batch N` runs
-  (`batch_loop.BatchEngine`, one engine for the whole bench, its block rule learning per N);
-- DFlash one at a time: the same requests served in turn (`speculative_stream`, `auto`), as
-  `--max-batch 1` serves them (a request's first token waits for the ones before it);
-- plain batched decoding: mlx-lm's `batch_generate` (its `BatchGenerator`, what mlx-lm's
-  server batches with), no drafter.
+Every level serves the same P = max(N) requests (the suite's first P prompts), in waves of N
+that arrive together, a wave when the one before it has finished, so the rows compare the same
+work (with one prompt for N = 1 that row measured one answer):
 
-Per N and sampling setting: aggregate tok/s (all tokens over the wall time), mean per-request
-decode tok/s (after its first token), time to first token (median and max from the common
-arrival), and for greedy how many batched answers equal their one-at-a-time ones. Each N is
-warmed up first (graphs compiled, the block rule timed) with short runs."""
+- batched DFlash: each wave through the engine `serve --max-batch N` runs
+  (`batch_loop.BatchEngine`, one engine for the whole bench, its block rule learning per N);
+- DFlash one at a time: the P requests served in turn (`speculative_stream`, `auto`), as
+  `--max-batch 1` serves them; one run per setting, its first-token times read per wave (a
+  request's first token waits for the ones before it in its wave);
+- plain batched decoding: each wave through mlx-lm's `batch_generate` (its `BatchGenerator`,
+  what mlx-lm's server batches with), no drafter.
+
+Per N and sampling setting: aggregate tok/s (all tokens over the summed wall time), mean
+per-request decode tok/s (after its first token), time to first token (median and max from
+its wave's arrival), and for greedy how many batched answers equal their one-at-a-time ones.
+Each N is warmed up first (graphs compiled, the block rule timed) with short runs."""
 
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ class Stream:
     tokens: list[int] = field(default_factory=list)
     ttft: float | None = None
     end: float = 0.0
+    start: float = 0.0  # served one at a time: when its turn came
 
     @property
     def decode_tps(self) -> float:
@@ -68,6 +74,28 @@ class Way:
             "ttft_median_s": round(statistics.median(ttfts), 3) if ttfts else None,
             "ttft_max_s": round(max(ttfts), 3) if ttfts else None,
         }
+
+
+def in_waves(n: int, count: int) -> list[range]:
+    """Requests 0..count-1 in waves of n arriving together (the last one may be smaller)."""
+    return [range(i, min(i + n, count)) for i in range(0, count, n)]
+
+
+def one_after_another(name: str, runs: list[Way]) -> Way:
+    """Waves served one after the other: their walls add up, each keeps its own clock."""
+    return Way(name, sum(w.wall for w in runs), [s for w in runs for s in w.streams])
+
+
+def as_waves(way: Way, n: int) -> Way:
+    """A one-at-a-time run read as waves of n requests that arrive together: each request's
+    times from its wave's first turn (the requests before it in its wave are waited for)."""
+    streams = []
+    for wave in in_waves(n, len(way.streams)):
+        base = way.streams[wave.start].start
+        for s in (way.streams[k] for k in wave):
+            ttft = None if s.ttft is None else s.ttft - base
+            streams.append(Stream(s.tokens, ttft, s.end - base, s.start - base))
+    return Way(way.name, way.wall, streams)
 
 
 def config(sp: SamplingParams, max_tokens: int, seed: int, use_eos: bool) -> GenerationConfig:
@@ -104,6 +132,7 @@ def one_at_a_time(
     streams = [Stream() for _ in prompts]
     t0 = time.perf_counter()
     for ids, cfg, s in zip(prompts, cfgs, streams):
+        s.start = time.perf_counter() - t0
         for ev in speculative_stream(pair, ids, cfg, tuning=tuning):
             if s.ttft is None:
                 s.ttft = time.perf_counter() - t0
@@ -145,25 +174,34 @@ def measure_concurrency(
     solo, prior = copy.deepcopy(tuning), tuning.batch_prior
     engine = BatchEngine(pair, max(levels), block.size, block.auto, prior=prior, solo=solo)
     rows = []
+    count = max(levels)
+    prompts = [ids[k % len(ids)] for k in range(count)]
     for label, sp in settings:
+        cfgs = [config(sp, max_tokens, seed + k, use_eos) for k in range(count)]
+        warm = [config(sp, WARMUP_TOKENS, seed + k, use_eos) for k in range(count)]
+        one_at_a_time(pair, prompts[:1], warm[:1], tuning)
+        alone = one_at_a_time(pair, prompts, cfgs, tuning)
         for n in levels:
-            prompts = [ids[k % len(ids)] for k in range(n)]
-            cfgs = [config(sp, max_tokens, seed + k, use_eos) for k in range(n)]
-            warm = [config(sp, WARMUP_TOKENS, seed + k, use_eos) for k in range(n)]
-            batched(engine, prompts, warm)  # compile and time this batch size's shapes
-            one_at_a_time(pair, prompts[:1], warm[:1], tuning)
-            plain_batched(pair, prompts, sp, WARMUP_TOKENS)
+            waves = in_waves(n, count)
+            batched(engine, prompts[:n], warm[:n])  # compile and time this batch size's shapes
+            plain_batched(pair, prompts[:n], sp, WARMUP_TOKENS)
             before = dict(engine.stats.blocks)
             copies_before = engine.stats.copy_cycles, engine.stats.copied
             solo_before = engine.stats.solo_cycles
             ways = [
-                batched(engine, prompts, cfgs),
-                one_at_a_time(pair, prompts, cfgs, tuning),
-                plain_batched(pair, prompts, sp, max_tokens),
+                one_after_another(
+                    "dflash-batched",
+                    [batched(engine, [prompts[k] for k in w], [cfgs[k] for k in w]) for w in waves],
+                ),
+                as_waves(alone, n),
+                one_after_another(
+                    "mlx-lm-batched-plain",
+                    [plain_batched(pair, [prompts[k] for k in w], sp, max_tokens) for w in waves],
+                ),
             ]
             summ = [w.summary() for w in ways]
             agg = [s["aggregate_tps"] for s in summ]
-            row = {"setting": label, "concurrency": n, "ways": summ}
+            row = {"setting": label, "concurrency": n, "waves": len(waves), "ways": summ}
             row["batch_blocks"] = {  # the measured batched run's cycles by block size
                 str(b): c - before.get(b, 0)
                 for b, c in sorted(engine.stats.blocks.items())
@@ -178,7 +216,7 @@ def measure_concurrency(
             row["batched_vs_plain"] = round(agg[0] / agg[2], 3) if agg[2] else None
             if sp.greedy:
                 same = sum(a.tokens == b.tokens for a, b in zip(ways[0].streams, ways[1].streams))
-                row["identical"] = f"{same}/{n}"
+                row["identical"] = f"{same}/{count}"
             rows.append(row)
             progress(
                 f"{label}, {n} stream(s): batched {agg[0]:.1f} tok/s, one at a time "
@@ -195,9 +233,12 @@ def concurrency_markdown(doc: dict) -> str:
         "",
     ]
     cfg = doc["config"]
+    served = cfg.get("requests", cfg["prompts"])
+    what = f"{served} requests from {cfg['prompts']}" if served != cfg["prompts"] else served
     lines.append(
-        f"{cfg['prompts']} prompts of the `{cfg['suite']}` suite, up to {cfg['max_tokens']} "
-        f"tokens each, block {cfg['block']}; streams arrive together."
+        f"{what} prompts of the `{cfg['suite']}` suite, up to {cfg['max_tokens']} "
+        f"tokens each, block {cfg['block']}; at N streams they arrive in waves of N (a wave "
+        "when the one before it has finished); first-token times from a wave's arrival."
     )
     for label in dict.fromkeys(r["setting"] for r in doc["rows"]):
         lines += ["", f"## {label}", ""]
