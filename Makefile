@@ -68,7 +68,8 @@ bundle: install
 # Trains the smollm2-135m drafters (models/smollm2_135m/MODEL_CARD.md): prompts -> the target's
 # own answers (greedy and T 0.7) -> DFlash 2, then DFlash 1. Every stage resumes from
 # .cache/smollm2 after an interruption; SMOLLM2_MINUTES is each drafter's training budget.
-# SMOLLM2_MORE=--more trains the committed drafters further (a GPU machine, a later session).
+# SMOLLM2_MORE='--more --seed N' trains the committed drafters further (a GPU machine, a later
+# session), N new for each such stage so it does not replay the last one's batches.
 SMOLLM2_MINUTES ?= 30
 SMOLLM2_MORE ?=
 smollm2-drafters: install

@@ -298,3 +298,13 @@ def test_regeneration_is_cached_and_limit_spreads(
         tiny_pair.target, tiny_pair.tokenizer, tiny_dirs[0], prompts_file, tmp_path, **args
     )
     assert path2 == path and [s.ids for s in again] == [s.ids for s in seqs]
+    # greedy answers are the same whatever the seed (another training order reuses them) ...
+    reseeded, path3 = data.load_or_regenerate(
+        tiny_pair.target, tiny_pair.tokenizer, tiny_dirs[0], prompts_file, tmp_path, seed=7, **args
+    )
+    assert path3 == path and [s.ids for s in reseeded] == [s.ids for s in seqs]
+    with pytest.raises(AssertionError, match="regenerated again"):  # ... sampled ones are not
+        data.load_or_regenerate(
+            tiny_pair.target, tiny_pair.tokenizer, tiny_dirs[0], prompts_file, tmp_path,
+            temp=0.7, seed=7, **args,
+        )  # fmt: skip

@@ -220,7 +220,9 @@ def target_spec() -> str:
     return load_registry().get_source(SOURCE).spec
 
 
-def drafter_args(cache: Path, out: Path, arch: str, minutes: float, more: bool = False):
+def drafter_args(
+    cache: Path, out: Path, arch: str, minutes: float, more: bool = False, seed: int = 0
+):
     """The recipe (MODEL_CARD.md): one layer over five target layers, block 8, KL + CE."""
     from dflash_mac.train import TrainingArgs
 
@@ -252,6 +254,7 @@ def drafter_args(cache: Path, out: Path, arch: str, minutes: float, more: bool =
         resume=True,
         save_dtype="float16",
         cache_features=True,  # the target runs once per sequence, not once per epoch
+        seed=seed,  # the batches' order and anchors (a --more stage: others than the last's)
         # --more: go on from the committed drafter (fresh warmup and cosine, its own
         # checkpoints), so training spreads over sessions and machines
         init_from=out / arch if more and (out / arch / "config.json").exists() else None,
@@ -272,11 +275,13 @@ def stage_data(cache: Path, out: Path) -> None:
     feature_store(target, s, data, args, console.log)
 
 
-def stage_drafter(cache: Path, out: Path, arch: str, minutes: float, more: bool = False) -> None:
+def stage_drafter(
+    cache: Path, out: Path, arch: str, minutes: float, more: bool = False, seed: int = 0
+) -> None:
     from dflash_mac.train import train_drafter
     from dflash_mac.train.command import ProgressReporter
 
-    args = drafter_args(cache, out, arch, minutes, more)
+    args = drafter_args(cache, out, arch, minutes, more, seed)
     summary = train_drafter(args, ProgressReporter(console))
     console.log(json.dumps({k: summary[k] for k in ("steps", "epochs", "final_loss")}))
 
@@ -294,6 +299,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--more", action="store_true", help="train the committed drafters further (--init-from)"
     )
+    ap.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="order of the batches and anchors: give each --more stage its own, or it trains "
+        "on the blocks the last one saw, in the same order",
+    )
     args = ap.parse_args(argv)
     args.cache.mkdir(parents=True, exist_ok=True)
     for st in STAGES if args.stage == "all" else (args.stage,):
@@ -303,7 +315,7 @@ def main(argv: list[str] | None = None) -> None:
         elif st == "data":
             stage_data(args.cache, args.out)
         else:
-            stage_drafter(args.cache, args.out, st, args.minutes, args.more)
+            stage_drafter(args.cache, args.out, st, args.minutes, args.more, args.seed)
 
 
 if __name__ == "__main__":

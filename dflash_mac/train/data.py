@@ -143,6 +143,8 @@ def load_or_regenerate(
     progress: Callable[[int, int, int, float], None] | None = None,
 ) -> tuple[list[Sequence], Path]:
     """Cached regenerated sequences (and the cache file's path)."""
+    if temp == 0:  # greedy answers do not depend on the seed: one cache for every seed
+        seed = 0
     settings = {
         "max_tokens": max_tokens,
         "temp": temp,
