@@ -24,7 +24,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from dflash_mac.capture import FeatureCapture
-from dflash_mac.decode import GenerationConfig, propose, speculative_stream
+from dflash_mac.cycle import propose
+from dflash_mac.decode import GenerationConfig, speculative_stream
 from dflash_mac.loading import load
 from dflash_mac.policy import BlockChoice
 from dflash_mac.sampling import SamplingParams
@@ -66,6 +67,8 @@ def tau_run(pair, prompts, bs: int, temp: float, max_tokens: int, refs=None) -> 
             block=BlockChoice(bs),
             seed=i,
             sampling=SamplingParams(temperature=temp),
+            copy=False,  # the drafter's own chains: no copies, no trees
+            tree=0,
         )
         t0 = time.perf_counter()
         events = list(speculative_stream(pair, ids, cfg))
