@@ -87,8 +87,11 @@ def test_bench_cost_curve_saves_a_greedy_and_a_sampled_table(cli):
     # batched cycles (serve --max-batch's prior): 2, 4 and 8 rows at the rule's block sizes
     batches = curve["batches"]
     assert "Batched cycles" in r.stdout and set(batches) == {"2", "4", "8"}
-    widest = str(max(int(b) for b in batches["8"]))
-    assert batches["8"][widest] > batches["2"]["1"] > 0  # 8 rows of a wide block cost more
+    # every batch size timed at the same block sizes, each a positive cost; which costs more is
+    # not asserted: on the tiny pair a cycle is per-op dispatch, and 2 timings a size are noise
+    # (8 rows of the widest block came out cheaper than 2 rows of one in a fresh-clone CI)
+    assert len({tuple(sorted(b, key=int)) for b in batches.values()}) == 1
+    assert all(0 < c < float("inf") for b in batches.values() for c in b.values())
     # how a cycle's cost grows with the context (the long bands' prior), up to what fits
     long = curve["long_context"]
     assert [p["context"] for p in long["points"]] == [128, 1024]  # a 2,048-token target
