@@ -132,7 +132,6 @@ def cost_curve_command(
     model: str | None,
     draft: str | None,
     draft_bits,
-    err,
     shape=None,
     shape_dtype="bf16",
     reps: int | None = None,
@@ -298,16 +297,16 @@ def bench_command(
 
     follow_if_worker(model, draft)  # a distributed job's other ranks follow rank 0
     if cost_curve:
-        return cost_curve_command(model, draft, draft_bits, err, shape, shape_dtype, trials)
+        return cost_curve_command(model, draft, draft_bits, shape, shape_dtype, trials)
     if levels:
         return concurrency_command(
             model, draft, suite, prompts_file, prompts, max_tokens, block_size, temps, seed,
-            no_eos, draft_bits, fmt, out, err, levels,
+            no_eos, draft_bits, fmt, out, levels,
         )  # fmt: skip
     if suite == "agent":
         return agent_command(
             model, draft, transcripts, prompts_file, limit, max_tokens, block_size, draft_bits,
-            fmt, out, err,
+            fmt, out,
         )  # fmt: skip
     from dflash_mac.autoblock import AutoTuning
     from dflash_mac.cli.terminal import calibrate_auto, load_pair
@@ -343,9 +342,9 @@ def bench_command(
         )  # fmt: skip
         if len(settings) > 1:
             err.print(f"[bold]{label}[/]", highlight=False)
-        docs.append(measure_setting(pair, prompts, ids, cfg, tuning, label, common, err, live))
+        docs.append(measure_setting(pair, prompts, ids, cfg, tuning, label, common, live))
     save_acceptance(pair, tuning)  # what `auto` saw: the next process starts from it
-    finish(docs, fmt, out, strict, err)
+    finish(docs, fmt, out, strict)
 
 
 def check_one_run(mode: str, fmt: str, block_size: str | None) -> None:
@@ -370,7 +369,7 @@ def parse_levels(value: str) -> list[int]:
 
 def concurrency_command(
     model, draft, suite, prompts_file, prompts, max_tokens, block_size, temps, seed, no_eos, bits,
-    fmt, out, err, levels,
+    fmt, out, levels,
 ):  # fmt: skip
     """`--concurrency` (bench/concurrency.py), its options checked."""
     from dflash_mac.api import prompt_ids
@@ -406,7 +405,7 @@ def concurrency_command(
 
 
 def agent_command(
-    model, draft, doc, transcripts, limit, max_tokens, block_size, bits, fmt, out, err
+    model, draft, doc, transcripts, limit, max_tokens, block_size, bits, fmt, out
 ):  # fmt: skip
     """`--suite agent` (bench/agent.py): the transcripts (`doc`, read from `transcripts`)
     replayed turn by turn, greedy."""
@@ -473,7 +472,7 @@ def bench_inputs(prepared, sizes, prompts: list[BenchPrompt], reasoning, max_tok
     return list(dict.fromkeys(auto + fixed_sizes)), ids
 
 
-def measure_setting(pair, prompts, ids, cfg: BenchConfig, tuning, label, common, err, live):
+def measure_setting(pair, prompts, ids, cfg: BenchConfig, tuning, label, common, live):
     """One sampling setting's runs behind the live view; its report document."""
     from .run import run_bench
     from .view import BenchView, print_acceptance
@@ -486,7 +485,7 @@ def measure_setting(pair, prompts, ids, cfg: BenchConfig, tuning, label, common,
     return doc
 
 
-def finish(docs: list[dict], fmt: str, out: Path | None, strict: bool, err) -> None:
+def finish(docs: list[dict], fmt: str, out: Path | None, strict: bool) -> None:
     """The report on stdout (and appended to `out`), then the lossless verdict: with
     --strict a greedy mismatch is exit 1."""
     from .report import append_jsonl
