@@ -212,6 +212,43 @@ def test_busy_port_and_lost_rank_sentences(monkeypatch, tmp_path):
     assert lost_peer_message(ValueError("other")) is None
 
 
+def ring_writes(*words) -> list[bytes]:
+    """One ring backend message as MLX writes it to unbuffered std::cerr: word by word."""
+    out = [b"[ring]"]
+    for w in words:
+        out += [b" ", str(w).encode()]
+    return [*out, b"\n"]
+
+
+def relayed(data: bytes, verbose: bool = False) -> bytes:
+    import io
+    import types
+
+    from dflash_mac.cli.launch import relay
+
+    out = types.SimpleNamespace(buffer=io.BytesIO())
+    relay(io.BytesIO(data), out, "", verbose)
+    return out.buffer.getvalue()
+
+
+def test_a_sentence_written_inside_the_ring_backends_chatter_is_shown_whole():
+    """The survivor's sentence lands between any two words of the ring's own socket messages
+    (two socket threads): the user sees the sentence and none of the chatter; a rank's own
+    lines pass untouched; --verbose shows everything."""
+    sentence = b"error: rank 0 lost the connection to rank 1 (it exited or is unreachable).\n"
+    send = ring_writes("Sending to socket", 4, "failed with errno", 32)
+    closed = ring_writes("Socket", 5, "was closed by the peer")
+    for cut in range(len(send) + 1):
+        for other in (closed, []):
+            data = b"".join(send[:cut] + [sentence] + send[cut:] + other + send)
+            assert relayed(data) == sentence, (cut, data)
+            assert relayed(data, verbose=True) == data
+    mixed = b"".join(x for pair in zip(send, closed) for x in pair)  # two threads, word by word
+    assert relayed(mixed + sentence) == sentence
+    own = b"42 tokens\nSocket programming\n-3\n\n[rank 1] ready\n"
+    assert relayed(own) == own  # negative control: nothing of the ring's in them
+
+
 def test_doctor_memory_per_rank():
     from dflash_mac.cli.doctor import memory_need_gb, memory_per_rank_gb
     from dflash_mac.registry import load_registry

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -152,6 +153,34 @@ class Errors:
         return bool(shown or self.leader)
 
 
+# The ring backend's own lines when not verbose (a peer's socket failing). MLX writes each word
+# of one to an unbuffered std::cerr separately, so a rank's sentence written at that moment can
+# land inside one: "[ring]error: rank 0 lost ...", then " Sending to socket 4 failed ...".
+RING_CHATTER = re.compile(
+    rb"(?:\[ring\]|Socket|Sending to socket|Receiving from socket|failed with errno"
+    rb"|made no progress|was closed by the peer"
+    rb"|Too many send/recv errors\. Failing pending tasks\.\.\.|-?\d+| )*"
+)
+
+
+@dataclass
+class RingFilter:
+    """Drops the ring backend's words from a rank's lines; a line it cut short is kept whole."""
+
+    cut: bool = False  # the last line ended in another write: its ring message goes on here
+
+    def __call__(self, line: bytes) -> bytes | None:
+        """`line` less the ring's words at its start (None when nothing else is left)."""
+        body = line.rstrip(b"\n")
+        end = RING_CHATTER.match(body).end()
+        head, rest = body[:end], body[end:]
+        cut, self.cut = self.cut, b"[ring]" in head and bool(rest)
+        if b"[ring]" in head or (cut and not rest):
+            return rest + b"\n" if rest else None
+        # a whole line of ring words is the end of one that another write cut short
+        return None if not rest and head.strip(b" -0123456789") else line
+
+
 def relay(
     stream,
     out,
@@ -164,7 +193,10 @@ def relay(
     """Copy a rank's output line by line; the ring backend's socket chatter only if verbose;
     `skip` first lines dropped (MLX's remote launch script prints its PID file first); a
     remote rank's ready line becomes its ready file in `ready`."""
+    ring = RingFilter()
     for line in iter(stream.readline, b""):
+        if not verbose and (line := ring(line)) is None:
+            continue
         if errors is not None and out is sys.stderr and errors.take(prefix, line):
             continue
         if skip and (line.startswith(b"stty:") or b" " not in line.strip()):
@@ -172,8 +204,6 @@ def relay(
             continue
         if ready is not None and line.startswith(READY_LINE.encode()):
             (ready / line.split()[-1].decode()).touch()
-            continue
-        if not verbose and line.startswith(b"[ring]"):
             continue
         out.buffer.write(prefix.encode() + line if prefix else line)
         out.buffer.flush()
