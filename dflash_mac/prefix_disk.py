@@ -15,7 +15,6 @@ least recently used files without children go first."""
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import queue
@@ -29,18 +28,12 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .pair import Pair
-from .platform import data_dir
 from .policy import pair_file
+from .prefix_files import FORMAT, SUFFIX, cache_root, read_header
 from .prefix_tree import Node, Span
 
 log = logging.getLogger("dflash_mac.prompt_cache")
-FORMAT = "dflash-mac-prefix/1"
-SUFFIX = ".safetensors"
 BLOCK = 256  # files end at every multiple of this many positions: prefixes found on disk
-
-
-def cache_root() -> Path:
-    return data_dir() / "prompt-cache"
 
 
 def fingerprint(pair: Pair) -> str:
@@ -53,24 +46,6 @@ def fingerprint(pair: Pair) -> str:
             sample = a.reshape(-1)[:256].astype(mx.float32) if a.size else a
             h.update(f"{name}{a.shape}{a.dtype}{sample.tolist()}".encode())
     return h.hexdigest()[:16]
-
-
-def read_header(path: Path) -> dict:
-    """A safetensors file's metadata, reading only its header (ValueError if malformed)."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ValueError("truncated")
-        (n,) = struct.unpack("<Q", raw)
-        if n > 1 << 24:
-            raise ValueError("header too large")
-        body = f.read(n)
-    if len(body) != n:
-        raise ValueError("truncated")
-    meta = json.loads(body).get("__metadata__", {})
-    if not isinstance(meta, dict):
-        raise ValueError("no metadata")
-    return meta
 
 
 @dataclass
@@ -290,18 +265,3 @@ def decode(arrays: dict[str, mx.array], meta: dict[str, str]) -> Span:
     if drafter is not None:
         drafter = [r or [] for r in drafter]  # position-only drafter layers keep no rows
     return Span(start, tokens, target, drafter, layers("r", meta["recurrent"]))
-
-
-def summary(folder: Path) -> dict:
-    """What one pair's folder holds (read-only: bad files are left for the server to remove):
-    files, bytes, cached positions and when it was last used."""
-    files = size = tokens = 0
-    used = 0.0
-    for path in folder.glob("*" + SUFFIX):
-        try:
-            meta, stat = read_header(path), path.stat()
-            tokens += int(meta["end"]) - int(meta["start"])
-        except (OSError, ValueError, KeyError):
-            continue
-        files, size, used = files + 1, size + stat.st_size, max(used, stat.st_mtime)
-    return {"files": files, "bytes": size, "tokens": tokens, "used": used}

@@ -143,6 +143,35 @@ def test_help_models_and_pull_import_no_mlx():
     assert out.strip() == "False False"  # `models` and `pull` start without MLX
 
 
+def test_cache_ls_reads_the_disk_tier_without_mlx(tmp_path):
+    """`cache ls` lists a pair folder's files from their headers alone: no MLX, no mlx-lm."""
+    folder = tmp_path / "prompt-cache" / "t--d-0123"
+    folder.mkdir(parents=True)
+    header = json.dumps({"__metadata__": {"start": "0", "end": "256"}}).encode()
+    (folder / "a.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    code = (
+        "import sys\nfrom typer.testing import CliRunner\nfrom dflash_mac.cli import app\n"
+        "res = CliRunner().invoke(app, ['cache', 'ls'])\n"
+        "print(res.exit_code, 'mlx' in sys.modules, 'mlx_lm' in sys.modules)\nprint(res.output)"
+    )
+    env = dict(os.environ, DFLASH_MAC_HOME=str(tmp_path))
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
+    ).stdout
+    assert out.splitlines()[0] == "0 False False"
+    assert re.search(r"t--d-0123\s+1\s+256\s", out), out  # one file, 256 cached positions
+
+
+# the controls: good input goes on to the load (an empty folder, exit 1 after the imports);
+# generate and bench then load the engine too
+LOADS = [
+    ["generate", "hi", "--temp", "0.7", "--model", "EMPTY", "--draft", "EMPTY"],
+    ["bench", "--limit", "1", "-n", "4", "--model", "EMPTY", "--draft", "EMPTY"],
+    ["train", "-m", "EMPTY", "--data", "PROMPTS", "-o", "OUT"],
+    ["convert", "EMPTY", "OUT"],
+]
+
+
 @pytest.mark.parametrize(
     "args",
     [
@@ -161,17 +190,28 @@ def test_help_models_and_pull_import_no_mlx():
         ["bench", "--suite", "agent", "--prompts", "/no/such.json"],
         ["bench", "--cost-curve", "--shape", "nope"],
         ["bench", "--model", "/no/such/folder"],
-        # the controls: good input goes on to the load (an empty folder, exit 1 after the imports)
-        ["generate", "hi", "--temp", "0.7", "--model", "EMPTY", "--draft", "EMPTY"],
-        ["bench", "--limit", "1", "-n", "4", "--model", "EMPTY", "--draft", "EMPTY"],
+        ["train", "-m", "bundled", "--data", "/no/such.jsonl", "-o", "OUT"],
+        ["train", "-m", "bundled", "--data", "PROMPTS", "-o", "OUT", "--loss", "nope"],
+        ["train", "-m", "bundled", "--data", "PROMPTS", "-o", "EMPTY"],  # not empty: --force
+        ["convert", "/no/such/folder", "OUT"],
+        ["convert", "EMPTY", "OUT", "--bits", "3"],
+        ["cache", "nope"],
+        *LOADS,
     ],
 )
 def test_bad_input_is_refused_before_the_slow_imports(args, tmp_path):
     """A typo costs the time Python starts, not the 2-3 s mlx-lm and the engine take."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
     with socket.socket() as taken:  # a port something else listens on
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        named = {"EMPTY": str(tmp_path), "TAKEN": str(taken.getsockname()[1])}
+        named = {
+            "EMPTY": str(tmp_path),
+            "TAKEN": str(taken.getsockname()[1]),
+            "PROMPTS": str(prompts),
+            "OUT": str(tmp_path.parent / f"{tmp_path.name}-out"),
+        }
         args = [named.get(a, a) for a in args]
         code = (
             "import sys\nfrom typer.testing import CliRunner\nfrom dflash_mac.cli import app\n"
@@ -181,8 +221,9 @@ def test_bad_input_is_refused_before_the_slow_imports(args, tmp_path):
         out = subprocess.run(
             [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
         ).stdout.split()
-    good = str(tmp_path) in args
-    assert out == ["1", str(good), str(good)]  # refused with exit 1; the control imported both
+    good = args in [[named.get(a, a) for a in control] for control in LOADS]
+    engine = good and args[0] in ("generate", "bench")
+    assert out == ["1", str(good), str(engine)]  # refused with exit 1; the controls loaded
 
 
 def test_installed_help_is_fast_and_lists_every_command():
@@ -197,7 +238,7 @@ def test_no_openblas_re_exec_for_help_and_commands_without_math():
     assert not cli.needs_blas([])
     assert not cli.needs_blas(["--help"]) and not cli.needs_blas(["generate", "-h"])
     assert not cli.needs_blas(["models"]) and not cli.needs_blas(["pull", "qwen3-4b"])
-    assert not cli.needs_blas(["--version"])
+    assert not cli.needs_blas(["--version"]) and not cli.needs_blas(["cache", "ls"])
     assert cli.needs_blas(["generate", "hi"]) and cli.needs_blas(["doctor"])
 
 

@@ -377,7 +377,7 @@ def report_generation(pair, result, as_json: bool, verbose: bool) -> None:
         err.print(summary_line(result), highlight=False)
 
 
-NO_MATH_COMMANDS = ("models", "pull", "launch", "ps", "stop")
+NO_MATH_COMMANDS = ("models", "pull", "launch", "ps", "stop", "cache")
 
 
 def needs_blas(argv: list[str]) -> bool:

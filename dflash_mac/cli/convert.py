@@ -7,10 +7,10 @@ import shutil
 from pathlib import Path
 
 import typer
-from mlx.utils import tree_flatten
 
-from dflash_mac.loading import LoadError, load_drafter, quantize_drafter, read_json, resolve
+from dflash_mac.errors import LoadError
 from dflash_mac.models.config import DFLASH1, DFLASH2, ConfigError, DraftConfig
+from dflash_mac.sources import missing_folder
 
 BITS_HELP = "Bits per weight: 4 or 8 (MLX affine quantization)."
 GROUP_SIZES = (32, 64, 128)  # what MLX's affine quantization accepts
@@ -55,6 +55,9 @@ def is_drafter(cfg: dict) -> bool:
 def convert_drafter(src: Path, out: Path, bits: int, group_size: int = 64) -> Path:
     """Quantize a drafter folder: linear layers to `bits`, norms and small tensors in float."""
     import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from dflash_mac.loading import load_drafter, quantize_drafter, read_json
 
     try:
         cfg = DraftConfig.from_file(src / "config.json")
@@ -111,6 +114,9 @@ def convert(
             f"'{src}' is a pair name; convert takes one model: its target "
             f"{entry.target_source()} or its drafter {entry.draft_source()}."
         )
+    missing_folder(src)
+    from dflash_mac.loading import read_json, resolve  # mlx-lm: after the checks
+
     path = resolve(src)
     if is_drafter(read_json(path / "config.json")):
         convert_drafter(path, out, bits, group_size)

@@ -17,8 +17,8 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from .args import TrainError
-from .loop import StepReport, TrainingCallback
+from .args import TrainError, TrainingArgs
+from .callback import StepReport, TrainingCallback
 
 
 def train(
@@ -136,10 +136,6 @@ def train(
     ),
 ) -> None:
     """Train a DFlash drafter for TARGET on the target's own answers to --data prompts."""
-
-    from .args import TrainingArgs
-    from .trainer import train_drafter
-
     check_inputs(data, eval_prompts, init_from)
     check_out(out, force)
     args = TrainingArgs(
@@ -178,6 +174,9 @@ def train(
         sliding_window=sliding_window,
         cache_features=cache_features,
     )
+    args.check()
+    from .trainer import train_drafter  # mlx-lm and the training code: after the checks
+
     console = Console()
     train_drafter(args, ProgressReporter(console))  # user errors: one sentence (cli.main)
     console.print(try_it(target, out, block_size))

@@ -27,11 +27,12 @@ from dflash_mac.policy import quantized_default
 
 from .args import TrainError, TrainingArgs, TrainSettings
 from .blocks import decay_gamma
+from .callback import TrainingCallback
 from .checkpoint import SAVE_DTYPES, LoopState, discard, load_init, resume, save_drafter
 from .config import build_drafter, drafter_config, target_text_config, train_settings
 from .data import Sequence, load_or_regenerate
 from .features import FeatureStore
-from .loop import Trainee, TrainingCallback, make_optimizer, train_loop
+from .loop import Trainee, make_optimizer, train_loop
 
 
 @dataclass
