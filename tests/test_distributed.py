@@ -193,6 +193,28 @@ def test_killed_rank_stops_the_others(lost, tmp_path):
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("survivor_exits", [False, True])
+def test_a_survivor_stuck_on_a_lost_neighbour_is_named_by_the_launcher(
+    survivor_exits, tmp_path, monkeypatch
+):
+    """Rank 1 dies; rank 0 either leaves on its own (it said why) or stays stuck past the grace
+    (MLX's ring waiting in a collective): the launcher stops it and says what it lost."""
+    from dflash_mac.cli import launch as launcher
+
+    monkeypatch.setattr(launcher, "GRACE_S", 2.0)
+    stay = f"import time; time.sleep(0.3 if {survivor_exits} else 60); raise SystemExit(1)"
+    die = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    ranks = []
+    for i, code in enumerate((stay, die)):
+        (tmp_path / str(i)).touch()  # both ready
+        proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+        ranks.append(launcher.Rank(i, "127.0.0.1", proc))
+    status, why = launcher.supervise(ranks, tmp_path, timeout=30)
+    lost = "rank 0 lost the connection to rank 1 (it exited or is unreachable)."
+    assert status == 1 and why[-1] == "rank 1 was killed by SIGKILL."
+    assert why[:-1] == ([] if survivor_exits else [lost])
+
+
 def test_busy_port_and_lost_rank_sentences(monkeypatch, tmp_path):
     import socket
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import typer
 
-from dflash_mac.distributed.group import READY_ENV, READY_LINE
+from dflash_mac.distributed.group import READY_ENV, READY_LINE, lost_sentence
 from dflash_mac.errors import UserError
 
 LOCAL = ("127.0.0.1", "localhost", "::1")
@@ -279,8 +279,8 @@ def stop(ranks: list[Rank]) -> None:
             time.sleep(0.05)
 
 
-def supervise(ranks: list[Rank], ready: Path, timeout: float) -> tuple[int, str | None]:
-    """Wait for the job: (exit status, the sentence for a failure or None)."""
+def supervise(ranks: list[Rank], ready: Path, timeout: float) -> tuple[int, list[str]]:
+    """Wait for the job: (exit status, the sentences for a failure; none on success)."""
     started = time.monotonic()
     failed: Rank | None = None
     failed_at = 0.0
@@ -299,23 +299,30 @@ def supervise(ranks: list[Rank], ready: Path, timeout: float) -> tuple[int, str 
         waiting = [r.rank for r in ranks if not (ready / str(r.rank)).exists()]
         if waiting and time.monotonic() - started > timeout:
             stop(ranks)
-            return 1, (
+            return 1, [
                 f"rank {waiting[0]} was not ready within {timeout:g} s "
                 "(raise --timeout for a large model, or check that the hosts reach each other)."
-            )
+            ]
         time.sleep(0.05)
     for r in ranks:
         for t in r.relays:
             t.join(timeout=2)
     bad = [r for r in ranks if r.proc.returncode not in (0,)]
     if not bad:
-        return 0, None
+        return 0, []
     # a rank killed by a signal is the cause the others followed (they noticed it at once, so
     # the poll above may have seen them end in the same instant); not one the launcher stopped
     killed = [r for r in bad if (r.proc.returncode or 0) < 0 and r.rank not in stopped]
     first = killed[0] if killed else failed or bad[0]
     code = ranks[0].proc.returncode if ranks[0].proc.returncode not in (0, None) else 1
-    return (code if code > 0 else 1), f"{describe(first)}."
+    # a neighbour still running when stopped was stuck on the lost rank: MLX's ring can wait
+    # forever in a collective queued behind the one that failed, so it could not say so itself
+    near = {(first.rank + 1) % len(ranks), (first.rank - 1) % len(ranks)} - {first.rank}
+    stuck = sorted(stopped & near)
+    return (code if code > 0 else 1), [
+        *(lost_sentence(r, [first.rank]) for r in stuck),
+        f"{describe(first)}.",
+    ]
 
 
 def forward_term(ranks: list[Rank]) -> None:
@@ -390,6 +397,7 @@ def launch(
             stop(ranks)
     said = errors.flush(sys.stderr)
     killed = any((r.proc.returncode or 0) < 0 for r in ranks)
-    if why and (killed or not said or "not ready" in why):  # else the ranks said why
-        err.print(f"[bold red]error:[/] {why}", highlight=False)
+    if why and (killed or not said or "not ready" in why[-1]):  # else the ranks said why
+        for sentence in why:
+            err.print(f"[bold red]error:[/] {sentence}", highlight=False)
     raise typer.Exit(code)

@@ -163,6 +163,11 @@ def lost_peer_message(e: BaseException) -> str | None:
     if "connection to a peer was lost" not in str(e):
         return None
     rank, size = int(os.environ.get("MLX_RANK", 0)), mx.distributed.init().size()
-    peers = sorted({(rank - 1) % size, (rank + 1) % size} - {rank})
+    return lost_sentence(rank, sorted({(rank - 1) % size, (rank + 1) % size} - {rank}))
+
+
+def lost_sentence(rank: int, peers: list[int]) -> str:
+    """The sentence for a rank whose ring neighbours `peers` went away (said by the rank, or by
+    the launcher for a rank stuck waiting on them)."""
     names = " or ".join(f"rank {p}" for p in peers)
     return f"rank {rank} lost the connection to {names} (it exited or is unreachable)."
