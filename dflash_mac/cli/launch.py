@@ -23,7 +23,12 @@ from pathlib import Path
 
 import typer
 
-from dflash_mac.distributed.group import READY_ENV, READY_LINE, lost_sentence
+from dflash_mac.distributed.group import (
+    READY_ENV,
+    READY_LINE,
+    lost_sentence,
+    ring_neighbours,
+)
 from dflash_mac.errors import UserError
 
 LOCAL = ("127.0.0.1", "localhost", "::1")
@@ -174,11 +179,12 @@ class RingFilter:
         body = line.rstrip(b"\n")
         end = RING_CHATTER.match(body).end()
         head, rest = body[:end], body[end:]
-        cut, self.cut = self.cut, b"[ring]" in head and bool(rest)
-        if b"[ring]" in head or (cut and not rest):
+        ring = b"[ring]" in head
+        cut, self.cut = self.cut, ring and bool(rest)
+        if ring:
             return rest + b"\n" if rest else None
-        # a whole line of ring words is the end of one that another write cut short
-        return None if not rest and head.strip(b" -0123456789") else line
+        # a line of ring words alone is the end of a message another write cut short
+        return None if not rest and (cut or head.strip(b" -0123456789")) else line
 
 
 def relay(
@@ -317,8 +323,7 @@ def supervise(ranks: list[Rank], ready: Path, timeout: float) -> tuple[int, list
     code = ranks[0].proc.returncode if ranks[0].proc.returncode not in (0, None) else 1
     # a neighbour still running when stopped was stuck on the lost rank: MLX's ring can wait
     # forever in a collective queued behind the one that failed, so it could not say so itself
-    near = {(first.rank + 1) % len(ranks), (first.rank - 1) % len(ranks)} - {first.rank}
-    stuck = sorted(stopped & near)
+    stuck = sorted(stopped & set(ring_neighbours(first.rank, len(ranks))))
     return (code if code > 0 else 1), [
         *(lost_sentence(r, [first.rank]) for r in stuck),
         f"{describe(first)}.",

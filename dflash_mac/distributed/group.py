@@ -162,8 +162,13 @@ def lost_peer_message(e: BaseException) -> str | None:
     """One sentence naming the rank this one lost, for the ring backend's error."""
     if "connection to a peer was lost" not in str(e):
         return None
-    rank, size = int(os.environ.get("MLX_RANK", 0)), mx.distributed.init().size()
-    return lost_sentence(rank, sorted({(rank - 1) % size, (rank + 1) % size} - {rank}))
+    rank = int(os.environ.get("MLX_RANK", 0))
+    return lost_sentence(rank, ring_neighbours(rank, mx.distributed.init().size()))
+
+
+def ring_neighbours(rank: int, size: int) -> list[int]:
+    """The ranks `rank` exchanges with in a ring of `size` (one when there are two)."""
+    return sorted({(rank - 1) % size, (rank + 1) % size} - {rank})
 
 
 def lost_sentence(rank: int, peers: list[int]) -> str:
