@@ -195,7 +195,8 @@ def propose_rows(
             for lg, pen, sp, key in zip(lgs, pens, sps, keys)
         ]
     hidden = mx.concatenate([d.hidden(blocks[i : i + 1], caches[i])[:, 1:] for i in range(B)])
-    logits = d.logits(hidden)  # [B, bs-1, V]
+    draft = d.draft_logits(hidden)  # [B, bs-1, K]: the head once for the batch
+    logits = draft if d.get("draft_vocab") is None else d.full_vocab(draft)  # [B, bs-1, V]
     sel = getattr(d, "candidate_selector", None)
     out = []
     for i, (sp, key) in enumerate(zip(sps, keys)):
@@ -213,17 +214,10 @@ def propose_rows(
                 q = probabilities(lg[0], sp)
                 out.append(RowDraft(sample(q, key=key), q))
             continue
-        anchor = blocks[i, :1]  # DFlash 2: the selector walk (as DFlash2DraftModel.propose)
-        if sp.greedy:
-            path, _, _ = sel.walk(h, lg, anchor)
-            out.append(RowDraft(path[0], None))
-            continue
-        keep = None
-        if sp.top_k > 0 or sp.top_p < 1.0 or sp.min_p > 0.0:
-            keep = probabilities(lg, sp) > 0
-        u = mx.random.uniform(shape=(1, h.shape[1]), key=key)
-        path, cand, q = sel.walk(h, lg, anchor, sp.temperature, u, keep)
-        out.append(RowDraft(path[0], scatter_candidates(cand[0], q[0], lg.shape[-1])))
+        # DFlash 2: the selector walk, as DFlash2DraftModel.propose
+        path, cand, q = d.draft_walk(h, blocks[i, :1], sp, key, draft[i : i + 1])
+        q = None if q is None else scatter_candidates(cand[0], q[0], lg.shape[-1])
+        out.append(RowDraft(path[0], q))
     return out
 
 

@@ -56,6 +56,9 @@ class DraftConfig:
     conv_group_size: int = 16
     selector_rank: int = 256
     selector_top_k: int = 16
+    # rows of the target's head the drafter drafts over (a `draft_vocab` tensor of target ids
+    # in the weights, most frequent first); None: the whole vocabulary
+    draft_vocab_size: int | None = None
     quantization: dict | None = None
     raw: dict = field(default_factory=dict, repr=False)
 
@@ -115,6 +118,7 @@ class DraftConfig:
             conv_group_size=int(dcfg.get("conv_group_size", 16)),
             selector_rank=int(dcfg.get("selector_rank", 256)),
             selector_top_k=int(dcfg.get("selector_top_k", 16)),
+            draft_vocab_size=_draft_vocab_size(dcfg, int(top["vocab_size"]), source),
             quantization=cfg.get("quantization"),
             raw=cfg,
             **{k: (int(v) if k != "rms_norm_eps" else float(v)) for k, v in top.items()},
@@ -130,6 +134,19 @@ class DraftConfig:
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}).")
         return cls.from_dict(cfg, source=str(path))
+
+
+def _draft_vocab_size(dcfg: dict, vocab: int, source: str) -> int | None:
+    """`dflash_config.draft_vocab_size`, checked against the vocabulary (None when absent)."""
+    k = dcfg.get("draft_vocab_size")
+    if k is None:
+        return None
+    if not isinstance(k, int) or not 1 <= k <= vocab:
+        raise ConfigError(
+            f"{source} has dflash_config.draft_vocab_size {k!r}; it must be an integer "
+            f"between 1 and the vocabulary size {vocab}."
+        )
+    return k
 
 
 def _attention_layout(cfg: dict, n_layers: int, source: str) -> tuple[list[bool], list[int | None]]:

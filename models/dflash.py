@@ -89,6 +89,31 @@ class DraftLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+def head_rows(lm_head: Callable, ids: mx.array) -> Callable[[mx.array], mx.array]:
+    """`lm_head` restricted to the vocabulary rows `ids`: ``x -> x @ W[ids].T`` (a Linear, an
+    Embedding's `as_linear`, or their quantized forms; the rows are gathered once)."""
+    owner = getattr(lm_head, "__self__", lm_head)  # embed.as_linear -> the embedding
+    if not hasattr(owner, "weight"):
+        raise ValueError("a draft vocabulary needs an LM head with a weight matrix.")
+    w = owner["weight"][ids]
+    bias = owner.get("bias") if isinstance(owner, nn.Module) else None
+    if "scales" in owner:
+        scales, biases = owner["scales"][ids], owner.get("biases")
+        biases = None if biases is None else biases[ids]
+        group, bits, mode = owner.group_size, owner.bits, getattr(owner, "mode", "affine")
+        mx.eval(w, scales, *([] if biases is None else [biases]))
+
+        def quantized(x: mx.array) -> mx.array:
+            return mx.quantized_matmul(
+                x, w, scales, biases, transpose=True, group_size=group, bits=bits, mode=mode
+            )
+
+        return quantized
+    bias = None if bias is None else bias[ids]
+    mx.eval(w, *([] if bias is None else [bias]))
+    return (lambda x: x @ w.T) if bias is None else (lambda x: x @ w.T + bias)
+
+
 class TargetHead:
     """The target's embedding and LM head (not parameters of the drafter)."""
 
@@ -98,12 +123,19 @@ class TargetHead:
 
     def logits(self, hidden: mx.array) -> mx.array:
         """Logits from final-normed hidden states, the logit scale and softcap applied."""
-        out = self.lm_head(hidden)
+        return self.scaled(self.lm_head(hidden))
+
+    def scaled(self, out: mx.array) -> mx.array:
+        """The logit scale and softcap applied to raw head outputs."""
         if self.logit_scale != 1.0:
             out = out * self.logit_scale
         if self.softcap:
             out = mx.tanh(out / self.softcap) * self.softcap
         return out
+
+    def restricted(self, ids: mx.array) -> TargetHead:
+        """The same head over the vocabulary rows `ids` only: logits ``[..., len(ids)]``."""
+        return TargetHead(self.embed, head_rows(self.lm_head, ids), self.logit_scale, self.softcap)
 
 
 class ContextCache:
@@ -222,6 +254,12 @@ class DFlashDraftModel(nn.Module):
         self.layers = [DraftLayer(cfg) for _ in range(cfg.num_hidden_layers)]
         self.norm = nn.RMSNorm(H, eps=cfg.rms_norm_eps)
         self.head: TargetHead | None = None
+        self.draft_head: TargetHead | None = None  # the head over `draft_vocab`'s rows
+        if cfg.draft_vocab_size:
+            # target ids the drafter drafts over (the checkpoint's tensor replaces these);
+            # frozen: a lookup table, not a weight
+            self.draft_vocab = mx.arange(cfg.draft_vocab_size, dtype=mx.int32)
+            self.freeze(keys=["draft_vocab"], recurse=False)
 
     # -- binding and cache ------------------------------------------------------------
     def bind(self, head: TargetHead) -> None:
@@ -232,6 +270,19 @@ class DFlashDraftModel(nn.Module):
                 head.embed, head.lm_head, cfg.output_multiplier, cfg.final_logit_softcapping
             )
         self.head = head
+        vocab = self.get("draft_vocab")
+        self.draft_head = None if vocab is None else head.restricted(vocab)
+
+    def set_draft_vocab(self, ids: mx.array) -> None:
+        """Draft over these target ids (the config's `draft_vocab_size` of them); re-binds the
+        head's rows when a head is bound."""
+        if self.get("draft_vocab") is None or ids.shape != self.draft_vocab.shape:
+            raise ValueError(
+                f"this drafter drafts over {self.config.draft_vocab_size} ids, not {ids.shape}."
+            )
+        self.draft_vocab = ids.astype(mx.int32)
+        if self.head is not None:
+            self.bind(self.head)
 
     # Bound of the context cache when the drafter has full-attention layers (instance
     # attributes override; context_window None = unbounded). Sliding-window drafters keep
@@ -277,8 +328,23 @@ class DFlashDraftModel(nn.Module):
             h = layer(h, ctx_k, ctx_v, start, mask)
         return self.norm(h)
 
+    def draft_logits(self, hidden: mx.array) -> mx.array:
+        """Logits over the draft vocabulary ``[..., K]`` (the whole vocabulary without one)."""
+        return (self.draft_head or self.head).logits(hidden)
+
     def logits(self, hidden: mx.array) -> mx.array:
-        return self.head.logits(hidden)
+        """Logits over the target's vocabulary ``[..., V]``; with a draft vocabulary only its
+        rows are computed and every other id is -inf (q is 0 there: verification's residual
+        keeps the output exact)."""
+        if self.draft_head is None:
+            return self.head.logits(hidden)
+        return self.full_vocab(self.draft_head.logits(hidden))
+
+    def full_vocab(self, sub: mx.array) -> mx.array:
+        """Draft-vocabulary logits ``[..., K]`` laid onto the target's ids ``[..., V]``."""
+        full = mx.full((*sub.shape[:-1], self.config.vocab_size), -mx.inf, dtype=sub.dtype)
+        ids = mx.broadcast_to(self.draft_vocab, sub.shape)
+        return mx.put_along_axis(full, ids, sub, axis=-1)
 
     def __call__(self, block_ids: mx.array, cache: list[ContextCache]) -> mx.array:
         """Logits for block positions 1..bs-1 (the anchor proposes nothing): [B, bs-1, V]."""

@@ -96,11 +96,20 @@ class CandidateSelector(nn.Module):
         self.predecessor_codebook.weight = mx.random.normal((V, R)) * 0.02
         self.successor_codebook.weight = mx.zeros((V, R))
 
-    def candidates(self, logits: mx.array) -> tuple[mx.array, mx.array]:
-        """Top-k ``(unary [..., k], cand [..., k] int32)`` of ``logits [..., V]`` (unordered)."""
+    def candidates(
+        self, logits: mx.array, vocab: mx.array | None = None
+    ) -> tuple[mx.array, mx.array]:
+        """Top-k ``(unary [..., k], cand [..., k] int32)`` of ``logits [..., V]`` (unordered).
+        With `vocab` the logits are over a draft vocabulary ``[..., K]`` and `cand` its target
+        ids."""
+        unary, idx = self.top(logits)
+        return unary, idx if vocab is None else vocab[idx]
+
+    def top(self, logits: mx.array) -> tuple[mx.array, mx.array]:
+        """The top-k of ``logits [..., n]``: ``(values, positions)``, unordered."""
         k = min(self.top_k, logits.shape[-1])
-        cand = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k].astype(mx.int32)
-        return mx.take_along_axis(logits, cand, axis=-1), cand
+        idx = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k].astype(mx.int32)
+        return mx.take_along_axis(logits, idx, axis=-1), idx
 
     def scores(self, unary: mx.array, cand: mx.array, g: mx.array, pred: mx.array) -> mx.array:
         """Teacher-forced scores ``[..., k]`` for given predecessors ``pred [...]``."""
@@ -116,15 +125,18 @@ class CandidateSelector(nn.Module):
         temperature: float | None = None,
         uniforms: mx.array | None = None,
         keep: mx.array | None = None,
+        vocab: mx.array | None = None,
     ) -> tuple[mx.array, mx.array, mx.array | None]:
         """The selector walk over ``hidden [B, P, H]``, ``logits [B, P, V]`` from ``anchor [B]``.
 
         ``keep [B, P, V]`` (optional) marks tokens the request's filters allow; candidates
-        outside it are never chosen. Returns ``(path [B, P], cand [B, P, k], q [B, P, k] | None)``.
-        """
-        unary, cand = self.candidates(logits)
+        outside it are never chosen. With `vocab` (a draft vocabulary's target ids) logits and
+        keep are over its rows ``[B, P, K]``. Returns ``(path [B, P], cand [B, P, k] target
+        ids, q [B, P, k] | None)``."""
+        unary, idx = self.top(logits)
+        cand = idx if vocab is None else vocab[idx]
         if keep is not None:
-            unary = mx.where(mx.take_along_axis(keep, cand, axis=-1), unary, NEG)
+            unary = mx.where(mx.take_along_axis(keep, idx, axis=-1), unary, NEG)
         g = self.hidden_projection(hidden)  # [B, P, R]
         path, _, q = selector_walk(
             unary,
@@ -163,21 +175,34 @@ class DFlash2DraftModel(DFlashDraftModel):
         ``[bs-1, V]`` (lossless for any q since drafts are drawn from it, docs/design.md §7).
         With penalties the walk goes one position at a time on penalised logits."""
         hidden = self.hidden(block[None], cache)[:, 1:]  # [1, P, H]
-        logits = self.logits(hidden)  # [1, P, V]
         anchor = block[:1]
-        sel = self.candidate_selector
-        if penalty is not None:
-            return self.penalised_walk(hidden, logits, anchor, sp, key, penalty)
-        if sp.greedy:
-            path, _, _ = sel.walk(hidden, logits, anchor)
+        if penalty is not None:  # penalties read the whole vocabulary's logits
+            return self.penalised_walk(hidden, self.logits(hidden), anchor, sp, key, penalty)
+        path, cand, q = self.draft_walk(hidden, anchor, sp, key)
+        if q is None:
             return path[0], None
+        return path[0], scatter_candidates(cand[0], q[0], self.config.vocab_size)
+
+    def draft_walk(
+        self,
+        hidden: mx.array,
+        anchor: mx.array,
+        sp: SamplingParams,
+        key: mx.array,
+        logits: mx.array | None = None,
+    ) -> tuple[mx.array, mx.array, mx.array | None]:
+        """The walk on the draft vocabulary's logits ``[1, P, K]`` (`logits`, when the caller
+        has them; the request's filters applied there): ``(path [1, P], cand [1, P, k] target
+        ids, q [1, P, k] | None when greedy)``."""
+        logits = self.draft_logits(hidden) if logits is None else logits
+        sel, vocab = self.candidate_selector, self.get("draft_vocab")
+        if sp.greedy:
+            return sel.walk(hidden, logits, anchor, vocab=vocab)
         keep = None
         if sp.top_k > 0 or sp.top_p < 1.0 or sp.min_p > 0.0:
-            keep = probabilities(logits, sp) > 0
-        P = hidden.shape[1]
-        u = mx.random.uniform(shape=(1, P), key=key)
-        path, cand, q = sel.walk(hidden, logits, anchor, sp.temperature, u, keep)
-        return path[0], scatter_candidates(cand[0], q[0], logits.shape[-1])
+            keep = probabilities(logits, sp) > 0  # ids outside the draft vocabulary have p 0
+        u = mx.random.uniform(shape=(1, hidden.shape[1]), key=key)
+        return sel.walk(hidden, logits, anchor, sp.temperature, u, keep, vocab)
 
     def expansion(self, block_ids: mx.array, cache: list[KVCache], k: int) -> Callable:
         """A draft tree's candidates from one pass: at position t the selector's candidates,
@@ -186,7 +211,7 @@ class DFlash2DraftModel(DFlashDraftModel):
         selector's top k (`k` is DFlash 1's)."""
         hidden = self.hidden(block_ids[None], cache)[:, 1:]  # [1, P, H]
         sel = self.candidate_selector
-        unary, cand = sel.candidates(self.logits(hidden))  # [1, P, k']
+        unary, cand = sel.candidates(self.draft_logits(hidden), self.get("draft_vocab"))
         g = sel.hidden_projection(hidden)  # [1, P, R]
 
         def expand(t: int, parents: mx.array) -> tuple[mx.array, mx.array]:

@@ -63,6 +63,9 @@ class TrainingArgs:
     kl_temperatures: list[float] = field(default_factory=lambda: [1.0])
     kl_weight: float = 0.5  # mix: (1 - w)·CE + w·KL
     top_k_soft: int = 32  # soft labels: top-k of p_T + a tail bucket
+    # draft over the K target ids most frequent in the target's answers (`vocab.py`); None:
+    # the whole vocabulary
+    draft_vocab: int | None = None
 
     def __post_init__(self) -> None:
         self.target = str(self.target)
@@ -89,6 +92,8 @@ class TrainingArgs:
             raise TrainError(f"--kl-weight must be in [0, 1] (got {self.kl_weight}).")
         if self.top_k_soft < 1:
             raise TrainError(f"--top-k-soft must be at least 1 (got {self.top_k_soft}).")
+        if self.draft_vocab is not None and self.draft_vocab < 16:
+            raise TrainError(f"--draft-vocab must be at least 16 (got {self.draft_vocab}).")
         if any(t < 0 for t in self.regen_temps):
             raise TrainError("--temp must be >= 0.")
 
@@ -127,3 +132,4 @@ class TrainSettings:
     intermediate_size: int | None = None
     sliding_window: int | None = None
     loss: dict = field(default_factory=lambda: {"loss": "ce"})  # LossSpec.describe()
+    draft_vocab: int | None = None

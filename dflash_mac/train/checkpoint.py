@@ -45,6 +45,8 @@ def save_checkpoint(ckpt: Path, drafter, opt, meta: dict) -> None:
 def load_checkpoint(ckpt: Path, drafter, opt) -> dict:
     meta = json.loads((ckpt / "meta.json").read_text())
     drafter.load_weights(str(ckpt / "weights.safetensors"))
+    if drafter.head is not None:
+        drafter.bind(drafter.head)  # the head's rows follow the saved draft vocabulary
     opt.state = tree_unflatten(list(mx.load(str(ckpt / "optimizer.safetensors")).items()))
     return meta
 
@@ -86,13 +88,15 @@ def load_init(drafter, folder: Path) -> str:
     from dflash_mac.loading import load_weights
 
     weights = {
-        k: v.astype(mx.float32)
+        k: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v
         for k, v in load_weights(folder).items()
         if "embed_tokens" not in k and not k.startswith("lm_head")
     }
     if hasattr(drafter, "sanitize"):  # checkpoint names -> parameter names (DFlash 2 codebooks)
         weights = drafter.sanitize(weights)
     expected = dict(tree_flatten(drafter.parameters()))
+    if "draft_vocab" in expected and "draft_vocab" not in weights:
+        weights["draft_vocab"] = expected["draft_vocab"]  # a whole-vocabulary drafter: keep ours
     bad = sorted(set(expected) ^ set(weights)) + [
         k for k in weights if k in expected and weights[k].shape != expected[k].shape
     ]
@@ -102,6 +106,8 @@ def load_init(drafter, folder: Path) -> str:
             f"({bad[:3]}); use the same layers and target."
         )
     drafter.load_weights(list(weights.items()))
+    if drafter.head is not None:
+        drafter.bind(drafter.head)  # the head's rows follow the loaded draft vocabulary
     src = folder / "dflash_training.json"
     steps = json.loads(src.read_text()).get("steps") if src.exists() else None
     return f"{folder}" + (f", {steps} steps" if steps else "")

@@ -95,6 +95,13 @@ def train(
     top_k_soft: int = typer.Option(
         32, "--top-k-soft", help="Soft labels: top-k of p_T plus one tail bucket."
     ),
+    draft_vocab: int | None = typer.Option(
+        None,
+        "--draft-vocab",
+        help="Draft over the K token ids the target's answers use most (e.g. 8192): a K-row "
+        "head, several times cheaper to train and to run; verification keeps the whole "
+        "vocabulary, so output is unchanged.",
+    ),
     gen_batch_size: int = typer.Option(
         32, "--gen-batch-size", help="Prompts decoded together while regenerating."
     ),
@@ -161,6 +168,7 @@ def train(
         kl_temperatures=floats(kl_temperature, "--kl-temperature"),
         kl_weight=kl_weight,
         top_k_soft=top_k_soft,
+        draft_vocab=draft_vocab,
         gen_batch_size=gen_batch_size,
         limit=limit,
         eval_prompts=eval_prompts,

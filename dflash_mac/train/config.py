@@ -73,6 +73,7 @@ def train_settings(args: TrainingArgs, tcfg: dict, tokenizer: Any) -> TrainSetti
         intermediate_size=args.intermediate_size,
         sliding_window=args.sliding_window,
         loss=args.loss_spec.describe(),
+        draft_vocab=args.draft_vocab,
     )
 
 
@@ -112,6 +113,8 @@ def drafter_config(tcfg: dict, s: TrainSettings) -> dict:
         cfg["rope_scaling"] = tcfg["rope_scaling"]
     # what the drafter was trained for; loaders ignore it, `models` / `doctor` show it
     cfg["dflash_training"] = dict(s.loss)
+    if s.draft_vocab:
+        cfg["dflash_config"]["draft_vocab_size"] = min(s.draft_vocab, tcfg["vocab_size"])
     if s.sliding_window:  # windowed drafter attention, bidirectional inside the block
         cfg.update(
             layer_types=["sliding_attention"] * s.num_layers,

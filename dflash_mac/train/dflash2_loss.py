@@ -19,7 +19,7 @@ from mlx import nn
 
 from dflash_mac.metal_kernels import reference
 
-from .forward import _attention, dflash_loss, weighted_mean
+from .forward import _attention, dflash_loss, draft_space, weighted_mean
 from .soft import LossSpec, SoftLabels, position_loss, selector_soft_loss
 
 
@@ -87,17 +87,18 @@ def selector_loss(
     valid: mx.array,
     weights: mx.array,
     cand: mx.array | None = None,
+    vocab: mx.array | None = None,
 ) -> tuple[mx.array, mx.array]:
     """Teacher-forced selector CE (`cand`: the candidates, when the caller has them).
 
     hidden ``[B, N, P, H]`` (block positions 1..bs-1), logits ``[B, N, P, V]``, predecessors and
     labels ``[B, N, P]``, valid ``[B, N]``, weights ``[P]``. Positions whose label is not among
-    the top-k candidates are left out. Returns (loss, per-position accuracy of the selector's
-    teacher-forced choice ``[P]``, 0 where the label is not a candidate)."""
+    the top-k candidates are left out. With a draft vocabulary (`vocab`: its target ids) logits,
+    candidates and labels are its rows, predecessors target ids. Returns (loss, per-position
+    accuracy of the selector's teacher-forced choice ``[P]``, 0 where the label is not a
+    candidate)."""
     cand = candidates(selector, logits) if cand is None else cand
-    unary = mx.take_along_axis(logits, cand, axis=-1)  # gradient reaches the backbone
-    g = selector.hidden_projection(hidden)  # [B, N, P, R]
-    s = selector.scores(unary, cand, g, predecessors)  # [B, N, P, k]
+    s = candidate_scores(selector, hidden, logits, predecessors, cand, vocab)  # [B, N, P, k]
     match = cand == labels[..., None]  # [B, N, P, k]
     present = match.any(axis=-1).astype(mx.float32) * valid[..., None]  # [B, N, P]
     target = mx.argmax(match.astype(mx.int32), axis=-1)
@@ -120,6 +121,14 @@ def selector_q(
     return s, cand, mx.softmax(s / temperature, axis=-1)
 
 
+def candidate_scores(selector, hidden, logits, predecessors, cand, vocab=None) -> mx.array:
+    """The walk's teacher-forced scores of candidates `cand` (rows of `logits`; target ids
+    through `vocab` for the codebooks). The unary term's gradient reaches the backbone."""
+    unary = mx.take_along_axis(logits, cand, axis=-1)
+    ids = cand if vocab is None else vocab[cand]
+    return selector.scores(unary, ids, selector.hidden_projection(hidden), predecessors)
+
+
 def candidates(selector, logits: mx.array) -> mx.array:
     """The selector's candidate ids ``[.., k]`` (the backbone's top-k; no gradient)."""
     return selector.candidates(mx.stop_gradient(logits))[1]
@@ -135,12 +144,12 @@ def selector_distill_loss(
     soft: SoftLabels,
     spec: LossSpec,
     cand: mx.array | None = None,
+    vocab: mx.array | None = None,
 ) -> mx.array:
     """The walk's q over its candidates matched to p_T (teacher-forced predecessors), with
-    the position weights; see `soft.selector_soft_loss`."""
+    the position weights; see `soft.selector_soft_loss` (`vocab` as in `selector_loss`)."""
     cand = candidates(selector, logits) if cand is None else cand
-    unary = mx.take_along_axis(logits, cand, axis=-1)
-    s = selector.scores(unary, cand, selector.hidden_projection(hidden), predecessors)
+    s = candidate_scores(selector, hidden, logits, predecessors, cand, vocab)
     per_pos, _ = selector_soft_loss(s, cand, soft, spec)
     return weighted_mean(per_pos, valid, weights)
 
@@ -162,16 +171,18 @@ def dflash2_loss(
     acc = the selector's top-1."""
     spec = spec or LossSpec()
     hidden = train_hidden2(drafter, features, block_ids, anchors, masks)[:, :, 1:]
-    logits = drafter.logits(hidden)  # [B, N, bs-1, V]
-    backbone = weighted_mean(position_loss(logits, labels, soft, spec), valid, weights)
+    logits = drafter.draft_logits(hidden)  # [B, N, bs-1, K]
     preds = mx.concatenate([block_ids[..., :1], labels[..., :-1]], axis=-1)  # true previous
-    selector = drafter.candidate_selector
-    cand = candidates(selector, logits)  # one top-k over the vocabulary for both losses
-    sel_ce, acc = selector_loss(selector, hidden, logits, preds, labels, valid, weights, cand)
+    rows, keep, soft = draft_space(drafter, labels, valid, soft)
+    trained = valid if keep is None else valid[..., None] * keep
+    backbone = weighted_mean(position_loss(logits, rows, soft, spec), trained, weights)
+    selector, vocab = drafter.candidate_selector, drafter.get("draft_vocab")
+    cand = candidates(selector, logits)  # one top-k over the draft vocabulary for both losses
+    sel_ce, acc = selector_loss(selector, hidden, logits, preds, rows, valid, weights, cand, vocab)
     sel = spec.ce_weight * sel_ce
     if spec.kl_part:
         sel = sel + spec.kl_part * selector_distill_loss(
-            selector, hidden, logits, preds, valid, weights, soft, spec, cand
+            selector, hidden, logits, preds, trained, weights, soft, spec, cand, vocab
         )
     return backbone + sel, acc
 

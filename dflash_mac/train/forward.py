@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from .blocks import dense_block_mask
-from .soft import LossSpec, SoftLabels, position_loss
+from .soft import LossSpec, SoftLabels, position_loss, to_draft_space, vocab_index
 
 
 def layer_masks(drafter, anchors: np.ndarray, n_ctx: int, block_size: int) -> list[mx.array]:
@@ -76,15 +76,33 @@ def train_hidden(
 
 
 def weighted_mean(per_pos: mx.array, valid: mx.array, weights: mx.array) -> mx.array:
-    """Mean over real blocks of Σ_k w_k·L_k / Σ_k w_k for per-position losses ``[B, N, P]``."""
-    n = mx.maximum(valid.sum(), 1)
-    return ((per_pos * weights).sum(axis=-1) * valid).sum() / (n * weights.sum())
+    """Σ w_k·L_k / Σ w_k over the trained positions of per-position losses ``[B, N, P]``;
+    `valid`: real blocks ``[B, N]`` or trained positions ``[B, N, P]``."""
+    if valid.ndim < per_pos.ndim:
+        valid = valid[..., None]
+    w = mx.broadcast_to(valid, per_pos.shape) * weights
+    return (per_pos * w).sum() / mx.maximum(w.sum(), 1e-6)
 
 
-def top1_accuracy(logits: mx.array, labels: mx.array, valid: mx.array) -> mx.array:
-    """Per-position top-1 accuracy ``[P]`` over real blocks (a cheap proxy of acceptance)."""
-    hit = (mx.argmax(logits, axis=-1) == labels).astype(mx.float32)
-    return mx.stop_gradient((hit * valid[..., None]).sum(axis=(0, 1)) / mx.maximum(valid.sum(), 1))
+def top1_accuracy(logits: mx.array, labels: mx.array, valid: mx.array, keep=None) -> mx.array:
+    """Per-position top-1 accuracy ``[P]`` over real blocks (a cheap proxy of acceptance);
+    `keep` ``[B, N, P]``: positions a draft can hit (a draft vocabulary's)."""
+    hit = (mx.argmax(logits, axis=-1) == labels).astype(mx.float32) * valid[..., None]
+    hit = hit if keep is None else hit * keep
+    return mx.stop_gradient(hit.sum(axis=(0, 1)) / mx.maximum(valid.sum(), 1))
+
+
+def draft_space(
+    drafter, labels: mx.array, valid: mx.array, soft: SoftLabels | None
+) -> tuple[mx.array, mx.array | None, SoftLabels | None]:
+    """Labels and soft labels as rows of the drafter's logits, and the positions that train
+    ``[B, N, P]`` (None: every position of the real blocks). A drafter over the whole
+    vocabulary takes them as they are."""
+    vocab = drafter.get("draft_vocab")
+    if vocab is None:
+        return labels, None, soft
+    rows, keep, sub = to_draft_space(vocab_index(vocab, drafter.config.vocab_size), labels, soft)
+    return rows, keep, sub
 
 
 def dflash_loss(
@@ -105,9 +123,11 @@ def dflash_loss(
     labels ``[B, N, bs-1]``; valid ``[B, N]`` (0 for padding blocks); weights ``[bs-1]``.
     Returns (loss, per-position top-1 accuracy ``[bs-1]``, a cheap proxy of acceptance)."""
     hidden = train_hidden(drafter, features, block_ids, anchors, masks)
-    logits = drafter.logits(hidden[:, :, 1:])  # [B, N, bs-1, V]
-    loss = weighted_mean(position_loss(logits, labels, soft, spec), valid, weights)
-    return loss, top1_accuracy(logits, labels, valid)
+    logits = drafter.draft_logits(hidden[:, :, 1:])  # [B, N, bs-1, K]
+    rows, keep, soft = draft_space(drafter, labels, valid, soft)
+    trained = valid if keep is None else valid[..., None] * keep
+    loss = weighted_mean(position_loss(logits, rows, soft, spec), trained, weights)
+    return loss, top1_accuracy(logits, rows, valid, keep)
 
 
 # The per-architecture training loss. DFlash 2 adds its selector loss here (docs/design.md §10):

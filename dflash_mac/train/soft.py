@@ -62,6 +62,8 @@ class SoftLabels:
     ids: mx.array  # [B, N, P, k] int32 token ids (the same for every T)
     probs: mx.array  # [nT, B, N, P, k]
     tail: mx.array  # [nT, B, N, P], 1 - Σ probs
+    present: mx.array | None = None  # [B, N, P, k] bool: False for ids given no mass (a
+    # draft vocabulary's outsiders, kept as id 0); None: all present
 
     @property
     def temperatures(self) -> int:
@@ -128,6 +130,7 @@ def topk_kl(
     tail: mx.array,
     t: float,
     lse: mx.array | None = None,
+    present: mx.array | None = None,
 ) -> mx.array:
     """KL(p_T || q_T) over the top-k ids + tail bucket, per position ``[...]``.
 
@@ -138,9 +141,38 @@ def topk_kl(
     z = logits.astype(mx.float32) / t
     lse = mx.logsumexp(z, axis=-1) if lse is None else lse
     lq = mx.take_along_axis(z, ids, axis=-1) - lse[..., None]
-    lq_tail = mx.log(mx.maximum(1.0 - mx.exp(lq).sum(axis=-1), 1e-30))
+    q = mx.exp(lq) if present is None else mx.where(present, mx.exp(lq), 0.0)
+    lq_tail = mx.log(mx.maximum(1.0 - q.sum(axis=-1), 1e-30))
     kl = (_xlogx(p) - p * lq).sum(axis=-1)
     return kl + _xlogx(tail) - mx.where(tail > 0, tail * lq_tail, 0.0)
+
+
+def vocab_index(draft_vocab: mx.array, vocab: int) -> mx.array:
+    """Target id -> its row in the draft vocabulary ``[V]`` (-1 for ids outside it)."""
+    rows = mx.arange(draft_vocab.shape[0], dtype=mx.int32) + 1  # added onto -1
+    return mx.full((vocab,), -1, dtype=mx.int32).at[draft_vocab].add(rows)
+
+
+def to_draft_space(
+    index: mx.array, labels: mx.array, soft: SoftLabels | None
+) -> tuple[mx.array, mx.array, SoftLabels | None]:
+    """Labels and soft labels over a draft vocabulary (`vocab_index`'s map).
+
+    Returns (labels as draft rows, -1 outside; the positions to train, whose data token is in
+    the draft vocabulary (EAGLE-3 drops the others); soft labels as draft rows: p_T
+    renormalised on the draft vocabulary, ids outside it given no mass and id 0, the tail
+    taken to lie inside it)."""
+    rows = index[labels]
+    keep = rows >= 0
+    if soft is None:
+        return rows, keep, None
+    ids = index[soft.ids]
+    inside = ids >= 0
+    probs = soft.probs * inside
+    z = probs.sum(axis=-1) + soft.tail
+    z = mx.where(z > 0, z, 1.0)
+    sub = SoftLabels(mx.maximum(ids, 0), probs / z[..., None], soft.tail / z, inside)
+    return rows, keep, sub
 
 
 def soft_kl(
@@ -150,7 +182,7 @@ def soft_kl(
     (`lses`: the drafter's log-normaliser by temperature, where already computed)."""
     lses = lses or {}
     kls = [
-        topk_kl(logits, labels.ids, labels.probs[i], labels.tail[i], t, lses.get(t))
+        topk_kl(logits, labels.ids, labels.probs[i], labels.tail[i], t, lses.get(t), labels.present)
         for i, t in enumerate(spec.temperatures)
     ]
     return sum(kls) / len(kls)
@@ -168,8 +200,8 @@ def position_loss(
     z = logits.astype(mx.float32)
     lses = {t: mx.logsumexp(z / t if t != 1.0 else z, axis=-1) for t in sorted(temps)}
     out = 0.0
-    if spec.ce_weight:
-        picked = mx.take_along_axis(z, labels[..., None], axis=-1)[..., 0]
+    if spec.ce_weight:  # labels outside a draft vocabulary (-1) are masked by the caller
+        picked = mx.take_along_axis(z, mx.maximum(labels, 0)[..., None], axis=-1)[..., 0]
         out = spec.ce_weight * (lses[1.0] - picked)
     if spec.kl_part:
         if soft is None:

@@ -33,6 +33,7 @@ from .config import build_drafter, drafter_config, target_text_config, train_set
 from .data import Sequence, load_or_regenerate
 from .features import FeatureStore
 from .loop import Trainee, make_optimizer, train_loop
+from .vocab import control_ids, coverage, rank, token_counts
 
 
 @dataclass
@@ -122,13 +123,36 @@ def feature_store(
     return store
 
 
+def draft_vocabulary(
+    k: int, data: TrainingData, tokenizer: Any, store: FeatureStore | None, vocab: int, log
+) -> np.ndarray:
+    """The `k` target ids the target's answers use most (`vocab.py`), with its coverage."""
+    counts = token_counts(data.seqs, vocab, store)
+    ids = rank(counts, control_ids(tokenizer), min(k, vocab))
+    answers = [t for q in data.seqs for t in q.response]
+    log(
+        f"draft vocabulary: {len(ids):,} of {vocab:,} ids, covering "
+        f"{coverage(ids, answers):.1%} of the training answers' tokens"
+    )
+    return ids
+
+
 def prepare_trainee(
-    args: TrainingArgs, s: TrainSettings, config: dict, model: nn.Module, seqs: list[Sequence], log
+    args: TrainingArgs,
+    s: TrainSettings,
+    config: dict,
+    model: nn.Module,
+    seqs: list[Sequence],
+    log,
+    vocab: np.ndarray | None = None,
 ) -> tuple[Trainee, str | None]:
     """A seeded new drafter (or `init_from`'s weights) with AdamW over the run's length
-    (`steps`, else `epochs`); also returns the note on where the weights came from."""
+    (`steps`, else `epochs`); also returns the note on where the weights came from. `vocab`:
+    the draft vocabulary (an `init_from` drafter's own wins)."""
     mx.random.seed(args.seed)
     drafter = build_drafter(config, model)
+    if vocab is not None:
+        drafter.set_draft_vocab(mx.array(vocab))
     init_note = None
     if args.init_from:
         init_note = load_init(drafter, args.init_from)
@@ -215,9 +239,14 @@ def train_drafter(args: TrainingArgs, callback: TrainingCallback | None = None) 
         f"({data.file.name})"
     )
 
-    trainee, init_note = prepare_trainee(args, s, config, model, data.seqs, cb.log)
-    if args.cache_features:
-        trainee.store = feature_store(model, s, data, args, cb.log)
+    store = feature_store(model, s, data, args, cb.log) if args.cache_features else None
+    vocab = None
+    if args.draft_vocab:
+        vocab = draft_vocabulary(
+            args.draft_vocab, data, tokenizer, store, tcfg["vocab_size"], cb.log
+        )
+    trainee, init_note = prepare_trainee(args, s, config, model, data.seqs, cb.log, vocab)
+    trainee.store = store
     n_params = sum(v.size for _, v in tree_flatten(trainee.drafter.parameters()))
     per_epoch = math.ceil(len(data.seqs) / s.batch_size)
     settings_key = dict(asdict(s), data=data.file.name, init_from=init_note)
