@@ -274,13 +274,19 @@ class DFlashDraftModel(nn.Module):
         self.draft_head = None if vocab is None else head.restricted(vocab)
 
     def set_draft_vocab(self, ids: mx.array) -> None:
-        """Draft over these target ids (the config's `draft_vocab_size` of them); re-binds the
-        head's rows when a head is bound."""
-        if self.get("draft_vocab") is None or ids.shape != self.draft_vocab.shape:
-            raise ValueError(
-                f"this drafter drafts over {self.config.draft_vocab_size} ids, not {ids.shape}."
+        """Draft over these target ids from now on (FR-Spec: a trained drafter's head cut to
+        the rows of a frequency-ranked subset); re-binds the head's rows when one is bound."""
+        k = int(ids.shape[0])
+        if ids.ndim != 1 or not 1 <= k <= self.config.vocab_size:
+            raise ValueError(f"a draft vocabulary is 1 to {self.config.vocab_size} ids.")
+        cfg = self.config
+        cfg.draft_vocab_size = k
+        if "dflash_config" in cfg.raw:  # what a saved config.json says
+            cfg.raw = dict(
+                cfg.raw, dflash_config=dict(cfg.raw["dflash_config"], draft_vocab_size=k)
             )
         self.draft_vocab = ids.astype(mx.int32)
+        self.freeze(keys=["draft_vocab"], recurse=False)
         if self.head is not None:
             self.bind(self.head)
 

@@ -4,7 +4,6 @@ outside the subset still comes out (as a correction or the bonus), and the ranki
 
 from __future__ import annotations
 
-import copy
 import json
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,7 +11,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from dflash_mac.models.config import DraftConfig
-from mlx.utils import tree_flatten
 from test_dflash2 import (
     d2_config,
     randomize,
@@ -22,26 +20,20 @@ from test_greedy_exact import PROMPTS, baseline, run
 from test_sampling import V, chi_square_p, dflash_samples, exact_joint, small_pair  # noqa: F401
 
 from dflash_mac.capture import FeatureCapture
-from dflash_mac.loading import build_drafter, load_drafter
+from dflash_mac.loading import load_drafter
 from dflash_mac.policy import BlockChoice
 from dflash_mac.sampling import SamplingParams
 from dflash_mac.structure import target_head
 from dflash_mac.testing.lossy import accepting_every_draft
 from dflash_mac.testing.oracle import with_drafter
+from dflash_mac.testing.subset import subset_copy
 from dflash_mac.train.data import Sequence
 from dflash_mac.train.vocab import coverage, rank, token_counts
 
 
 def subset_drafter(drafter, target, ids: list[int]):
     """The same drafter (same weights) drafting over the target ids `ids` only."""
-    raw = copy.deepcopy(drafter.config.raw)
-    raw["dflash_config"]["draft_vocab_size"] = len(ids)
-    new = build_drafter(DraftConfig.from_dict(raw))
-    weights = [(k, v) for k, v in tree_flatten(drafter.parameters()) if k != "draft_vocab"]
-    new.load_weights(weights + [("draft_vocab", mx.array([int(i) for i in ids], dtype=mx.int32))])
-    new.bind(target_head(target))
-    mx.eval(new.parameters())  # materialised: used on worker threads
-    return new
+    return subset_copy(drafter, target_head(target), ids)
 
 
 def make_d2_pair(tiny_pair):

