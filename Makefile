@@ -73,5 +73,6 @@ bundle: install
 SMOLLM2_MINUTES ?= 30
 SMOLLM2_MORE ?=
 smollm2-drafters: install
+	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/python -m pip install -q -e ".[campaign]"
 	LD_PRELOAD=$(OPENBLAS) $(BIN)/python -m dflash_mac.bundle.smollm2 --stage all \
 		--minutes $(SMOLLM2_MINUTES) $(SMOLLM2_MORE)

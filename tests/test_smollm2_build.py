@@ -29,3 +29,44 @@ def test_code_prompts_come_only_from_training_modules_and_have_every_shape():
 def test_no_seed_topic_is_a_chat_suite_question():
     chat = " ".join(p.prompt[0]["content"].lower() for p in suite_prompts("chat", lambda _: None))
     assert not [t for t in smollm2.TOPICS if t.lower() in chat]
+
+
+def test_committed_data_is_restored_once_and_kept_gzipped(tmp_path):
+    """A fresh machine takes the committed prompts / answers instead of regenerating them; a
+    cache file is copied into the repository once, gzipped, and read back byte for byte."""
+    cache = tmp_path / "cache" / "regen-abc.jsonl"
+    cache.parent.mkdir()
+    cache.write_text('{"prompt": [1, 2], "response": [3, 2]}\n')
+    kept = tmp_path / "repo" / "regen-abc.jsonl.gz"
+    smollm2.keep(cache, kept)
+    assert kept.exists() and kept.read_bytes()[:2] == b"\x1f\x8b"
+    fresh = tmp_path / "fresh" / "regen-abc.jsonl"
+    assert smollm2.restore(kept, fresh) and fresh.read_text() == cache.read_text()
+    assert not smollm2.restore(tmp_path / "missing.gz", tmp_path / "nothing.jsonl")
+    cache.write_text("changed\n")
+    smollm2.keep(cache, kept)  # never overwritten: the committed copy is the record
+    assert smollm2.restore(kept, tmp_path / "again.jsonl")
+    assert (tmp_path / "again.jsonl").read_text() != "changed\n"
+
+
+def test_a_stage_row_carries_the_curve_on(tmp_path):
+    """Cumulative steps and blocks continue the curve's last row; a stage's own summary gives
+    its steps, blocks and seconds per step."""
+    from dflash_mac.bundle import campaign
+
+    curve = tmp_path / "curve.csv"
+    campaign.append_row(curve, {"stage": "5", "steps": 901, "blocks": 166400})
+    draft = tmp_path / "d"
+    draft.mkdir()
+    (draft / "config.json").write_text(
+        json.dumps({"vocab_size": 100, "dflash_config": {"draft_vocab_size": 40}})
+    )
+    summary = {"steps": 10, "blocks": 1500, "train_seconds": 25.0, "response_tokens": 7}
+    (draft / "dflash_training.json").write_text(json.dumps(summary))
+    tau = {"tau_code_greedy": 1.7, "identical": "14/14"}
+    row = campaign.stage_row(draft, curve, "6", tau)
+    assert (row["steps"], row["blocks"], row["s_per_step"]) == (911, 167900, 2.5)
+    assert row["draft_vocab"] == 40 and row["blocks_estimated"] is False
+    campaign.append_row(curve, row)
+    rows = campaign.read_rows(curve)
+    assert [r["stage"] for r in rows] == ["5", "6"] and rows[1]["tau_code_greedy"] == "1.7"

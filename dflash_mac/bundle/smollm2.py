@@ -47,6 +47,7 @@ SOURCE = "smollm2-135m-gguf"  # registry [[source]]: the pinned wheel's GGUF fil
 MASK_ID = 16  # `<empty_output>`: a control token the instruct model never writes
 RECOMMENDED_TEMP = 0.7
 STAGES = ("prompts", "data", "dflash2", "dflash")
+CURVE = OUT / "curve.csv"  # the DFlash 2 drafter's held-out τ after every stage (campaign.py)
 
 # Seed topics for the questions the target writes itself (none is a `chat` suite topic).
 TOPICS = [
@@ -342,6 +343,18 @@ def stage_drafter(
     restore_answers(args.cache_dir)
     summary = train_drafter(args, ProgressReporter(console))
     console.log(json.dumps({k: summary[k] for k in ("steps", "epochs", "final_loss")}))
+    if arch == "dflash2":  # a stage ends with the held-out evaluation on the curve
+        stage_eval(out)
+
+
+def stage_eval(out: Path, note: str = "") -> None:
+    """The committed DFlash 2 drafter's held-out τ, appended to the curve as the next stage."""
+    from dflash_mac.bundle.campaign import evaluate_stage, read_rows
+
+    curve = out / CURVE.name
+    last = [r["stage"] for r in read_rows(curve)]
+    stage = str(int(last[-1]) + 1) if last and last[-1].isdigit() else str(len(last) + 1)
+    evaluate_stage(target_spec(), out / "dflash2", curve, stage, note, console.log)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -350,7 +363,7 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--stage", choices=(*STAGES, "all"), default="all")
+    ap.add_argument("--stage", choices=(*STAGES, "eval", "all"), default="all")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--cache", type=Path, default=CACHE)
     ap.add_argument("--minutes", type=float, default=30.0, help="training budget per drafter")
@@ -377,6 +390,8 @@ def main(argv: list[str] | None = None) -> None:
         console.rule(f"stage {st}")
         if st == "prompts":
             stage_prompts(args.cache)
+        elif st == "eval":
+            stage_eval(args.out)
         elif st == "data":
             stage_data(args.cache, args.out)
         else:

@@ -22,6 +22,7 @@ class LoopState:
     losses: list[float] = field(default_factory=list)  # loss of every step so far
     elapsed: float = 0.0  # training seconds of earlier processes (resumed runs)
     budget_fixed: bool = True  # False until a `minutes` budget has fixed `total`
+    blocks: int = 0  # real (not padding) blocks trained on so far
 
     def meta(self, settings_key: dict, run_seconds: float) -> dict:
         return {
@@ -29,6 +30,7 @@ class LoopState:
             "total_steps": self.total,
             "settings": settings_key,
             "losses": self.losses,
+            "blocks": self.blocks,
             "elapsed": self.elapsed + run_seconds,
         }
 
@@ -65,6 +67,7 @@ def resume(ckpt: Path, drafter, opt, settings_key: dict) -> LoopState | None:
         step=meta["step"],
         total=meta["total_steps"],
         losses=meta["losses"],
+        blocks=meta.get("blocks", 0),
         elapsed=meta["elapsed"],
         budget_fixed=True,
     )

@@ -101,7 +101,8 @@ def dflash_run(
         block=BlockChoice(block_size),
         sampling=SamplingParams(temperature=temperature),
         seed=seed,
-        copy=False,  # the drafter's own acceptance
+        copy=False,  # the drafter's own acceptance: chains, no copies, no trees
+        tree=0,
     )
     out: list[int] = []
     t_first = t_last = None

@@ -126,6 +126,7 @@ def train_loop(
             mx.eval(drafter.parameters(), t.opt.state, loss, acc)
             state.step = step = step + 1
             state.losses.append(round(loss.item(), 5))
+            state.blocks += int(batch.valid.sum().item())
             now = time.perf_counter()
             tok_window = (tok_window + [(now, batch.n_tokens)])[-20:]
             tps = (

@@ -285,6 +285,7 @@ def run_summary(
             "seconds": round(data.seconds, 1),
         },
         "steps": state.total,
+        "blocks": state.blocks,
         "epochs": round(state.total * s.batch_size / len(data.seqs), 3),
         "train_seconds": round(train_s, 1),
         "parameters": n_params,
