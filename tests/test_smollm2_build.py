@@ -70,3 +70,19 @@ def test_a_stage_row_carries_the_curve_on(tmp_path):
     campaign.append_row(curve, row)
     rows = campaign.read_rows(curve)
     assert [r["stage"] for r in rows] == ["5", "6"] and rows[1]["tau_code_greedy"] == "1.7"
+
+
+def test_the_second_prompt_set_is_new_and_keeps_the_suites_out():
+    """prompts2: code asks on functions the first set did not use, from training modules only,
+    and everyday requests on topics that are not `chat` suite questions."""
+    first = {json.dumps(r["messages"]) for r in smollm2.code_prompts()}
+    second = smollm2.prompts2()
+    assert not first & {json.dumps(r["messages"]) for r in second}
+    _, heldout = corpus.split_modules()
+    named = {m for r in second for m in re.findall(r"module `([\w.]+)`", json.dumps(r))}
+    assert named and not named & {m.name for m in heldout}
+    chat = " ".join(p.prompt[0]["content"].lower() for p in suite_prompts("chat", lambda _: None))
+    assert not [t for t in smollm2.TOPICS2 if t.lower() in chat]
+    asks = {r["messages"][0]["content"] for r in second}
+    assert len(asks) == len(second)  # no prompt twice
+    assert not asks & {p.prompt[0]["content"] for p in suite_prompts("chat", lambda _: None)}

@@ -103,3 +103,33 @@ def test_training_with_cached_features_follows_the_live_trajectory(
     )
     assert np.allclose(live, cached, rtol=1e-4, atol=1e-5)
     assert list((tmp_path / "cb" / "data").glob("features-*/features.npy"))
+
+
+def test_a_store_set_reads_several_data_files_as_one(tiny_pair, tmp_path):
+    """New data adds a store of its own: two stores read together give exactly what one store
+    of all the sequences gives (features, soft labels, the soft mass the vocabulary counts)."""
+    from dflash_mac.train.features import StoreSet
+
+    rng = np.random.default_rng(2)
+    target = tiny_pair.target
+    seqs = _seqs(rng, target_head(target).embed.weight.shape[0]) * 2
+    spec = LossSpec("mix", (0.7, 1.0), 0.5, 8)
+    one = FeatureStore.open_or_build(target, [1, 2], seqs, tmp_path / "all.jsonl", 64, spec)
+    parts = StoreSet(
+        [
+            FeatureStore.open_or_build(target, [1, 2], seqs[:2], tmp_path / "a.jsonl", 64, spec),
+            FeatureStore.open_or_build(target, [1, 2], seqs[2:], tmp_path / "b.jsonl", 64, spec),
+        ]
+    )
+    s = TrainSettings(block_size=5, anchors=6, max_length=64, target_layer_ids=[1, 2])
+    idx = [4, 1, 2]
+    batch = make_batch(seqs, idx, 0, s)
+    L = batch.tokens.shape[1]
+    assert np.allclose(np.array(parts.features(idx, L)), np.array(one.features(idx, L)))
+    a, b = parts.soft(idx, batch.anchors, 5), one.soft(idx, batch.anchors, 5)
+    assert np.array_equal(np.array(a.ids), np.array(b.ids))
+    assert np.allclose(np.array(a.probs), np.array(b.probs))
+    assert np.allclose(np.array(a.tail), np.array(b.tail))
+    for i in (0, 3, 5):
+        m1, m2 = parts.soft_mass(i, 6, 15), one.soft_mass(i, 6, 15)
+        assert np.array_equal(m1[0], m2[0]) and np.allclose(m1[1], m2[1])

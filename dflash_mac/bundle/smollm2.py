@@ -46,8 +46,9 @@ COMMITTED = OUT / "data"
 SOURCE = "smollm2-135m-gguf"  # registry [[source]]: the pinned wheel's GGUF file
 MASK_ID = 16  # `<empty_output>`: a control token the instruct model never writes
 RECOMMENDED_TEMP = 0.7
-STAGES = ("prompts", "data", "dflash2", "dflash")
+STAGES = ("prompts", "data", "dflash2", "dflash")  # `all`; `data2` and `eval` on their own
 CURVE = OUT / "curve.csv"  # the DFlash 2 drafter's held-out τ after every stage (campaign.py)
+ANSWERED = COMMITTED / "answered.json"  # second-set shard -> the file of its answers
 
 # Seed topics for the questions the target writes itself (none is a `chat` suite topic).
 TOPICS = [
@@ -132,6 +133,128 @@ FOLLOW_UPS = [
 COUNTS = {"write": 300, "ask": 180, "long": 16, "multi": 80, "topic": len(TOPICS)}
 KEEP = 512  # of the 671 shuffled prompts: what two CPU cores answer in about half an hour
 
+# The second prompt set (stage `prompts2`): more everyday requests (chat answers were 95 of the
+# first 512 prompts), and code asks over stdlib functions the first set did not use.
+TOPICS2 = [
+    "baking sourdough",
+    "learning to swim",
+    "the history of tea",
+    "owning a cat",
+    "birdwatching",
+    "packing for a beach holiday",
+    "cycling to work",
+    "writing a resume",
+    "saving for retirement",
+    "first aid for burns",
+    "growing tomatoes",
+    "the Great Wall of China",
+    "how magnets work",
+    "the life of honeybees",
+    "learning chess",
+    "buying a used car",
+    "making pasta from scratch",
+    "dealing with stress",
+    "the printing press",
+    "ancient Egypt",
+    "how clouds form",
+    "hosting a dinner party",
+    "renting a first apartment",
+    "public libraries",
+    "the human brain",
+    "climate-friendly habits",
+    "camping in the rain",
+    "learning to draw",
+    "the piano's history",
+    "running a bake sale",
+    "smartphone battery life",
+    "backing up photos",
+    "choosing running shoes",
+    "the Olympic Games",
+    "how tides work",
+    "writing a thank-you note",
+    "keeping a plant alive",
+    "learning Spanish",
+    "coffee brewing",
+    "the Industrial Revolution",
+    "how a refrigerator works",
+    "visiting a museum",
+    "planning a road trip",
+    "fixing a flat bicycle tyre",
+    "the speed of light",
+    "introducing yourself at work",
+    "giving constructive feedback",
+    "the history of maps",
+    "healthy breakfasts",
+    "waking up early",
+    "volunteering",
+    "the rainforest",
+    "how vaccines are tested",
+    "deep sea creatures",
+    "writing a short speech",
+    "organising a closet",
+    "the Silk Road",
+    "how bridges stay up",
+    "learning the guitar",
+    "making a budget spreadsheet",
+    "online privacy",
+    "strong passwords",
+    "email etiquette",
+    "sorting a list in Python",
+    "reading a CSV file in Python",
+    "Python dictionaries",
+    "Python virtual environments",
+    "writing docstrings",
+    "list comprehensions",
+    "exceptions in Python",
+    "the difference between a list and a tuple",
+    "binary search",
+    "hash functions",
+    "stacks and queues",
+    "writing clean functions",
+    "code reviews",
+    "naming variables",
+    "logging in Python",
+    "testing with pytest",
+    "Python generators",
+    "async programming",
+    "reading files line by line",
+    "string formatting in Python",
+    "the Python standard library",
+    "debugging with print statements",
+    "recursion limits",
+    "dates and times in Python",
+    "regular expression groups",
+    "command-line arguments",
+    "dataclasses in Python",
+    "type hints",
+    "refactoring long functions",
+    "pair programming",
+    "learning to code as an adult",
+    "open-source contributions",
+    "writing a README",
+    "the history of computers",
+    "how a CPU works",
+    "the difference between RAM and storage",
+    "what an API is",
+    "how search engines work",
+    "spreadsheets for beginners",
+]
+CHAT_ASKS = [
+    "Give me three practical tips about {t}.",
+    "Explain {t} to a beginner in plain language.",
+    "What are common mistakes people make with {t}?",
+    "Write a short, friendly message to a friend about {t}.",
+    "Summarise the most important things to know about {t} in five sentences.",
+    "I'm new to {t}. Where should I start?",
+    "Write a short poem about {t}.",
+    "What are the pros and cons of {t}?",
+    "Answer in a few sentences: why does {t} matter?",
+    "Write a two-sentence story that involves {t}.",
+    "Make a short checklist for {t}.",
+    "What questions should I ask an expert about {t}?",
+]
+COUNTS2 = {"write": 420, "ask": 240, "multi": 120, "long": 24, "chat_per_topic": 3}
+
 
 def fenced(code: str) -> str:
     return f"```python\n{code}\n```"
@@ -141,20 +264,21 @@ def user(text: str) -> dict:
     return {"messages": [{"role": "user", "content": text}]}
 
 
-def code_prompts(seed: int = 0) -> list[dict]:
-    """Coding prompts from the train split of the stdlib (held-out modules stay out)."""
+def code_prompts(seed: int = 0, counts: dict = COUNTS, skip: int = 0) -> list[dict]:
+    """Coding prompts from the train split of the stdlib (held-out modules stay out); `skip`
+    passes over the first examples of the shuffled list (an earlier set's)."""
     rng = random.Random(seed)
     train, _ = corpus.split_modules()
     examples = [ex for m in train for ex in corpus.chat_examples(m)]
     rng.shuffle(examples)
-    rows, it = [], iter(examples)
-    for _ in range(COUNTS["write"]):
+    rows, it = [], iter(examples[skip:])
+    for _ in range(counts["write"]):
         ex = next(it)
         rows.append(user(ex.user.replace("In the Python module", "For the Python module")))
-    for i in range(COUNTS["ask"]):
+    for i in range(counts["ask"]):
         ex = next(it)
         rows.append(user(f"{CODE_ASKS[i % len(CODE_ASKS)]}\n\n{fenced(ex.assistant)}"))
-    for i in range(COUNTS["multi"]):
+    for i in range(counts["multi"]):
         ex = next(it)
         rows.append(
             {
@@ -165,8 +289,83 @@ def code_prompts(seed: int = 0) -> list[dict]:
                 ]
             }
         )
-    rows += corpus.long_context_prompts(train, COUNTS["long"], 2_000, 5_000, seed=seed)
+    rows += corpus.long_context_prompts(train, counts["long"], 2_000, 5_000, seed=seed + skip)
     return rows
+
+
+def used_examples(counts: dict = COUNTS) -> int:
+    """How many of the shuffled examples a code prompt set of `counts` takes."""
+    return counts["write"] + counts["ask"] + counts["multi"]
+
+
+def chat_prompts(topics: list[str], per_topic: int, seed: int = 2) -> list[dict]:
+    """Everyday requests: each topic asked `per_topic` ways (`CHAT_ASKS`, drawn per topic)."""
+    rng = random.Random(seed)
+    return [user(ask.format(t=t)) for t in topics for ask in rng.sample(CHAT_ASKS, per_topic)]
+
+
+def prompts2() -> list[dict]:
+    """The second prompt set, shuffled: code asks on functions the first set left, and
+    everyday requests on new topics (`TOPICS2`)."""
+    rows = code_prompts(seed=0, counts=COUNTS2, skip=used_examples())
+    rows += chat_prompts(TOPICS2, COUNTS2["chat_per_topic"])
+    random.Random(3).shuffle(rows)
+    return rows
+
+
+SHARD = 256  # prompts a shard of the second set: its answers take ~12 min of two cores
+
+
+def stage_prompts2(cache: Path) -> list[Path]:
+    """``cache/prompts2-<i>.jsonl``: the second set in shards, answered and committed one by
+    one (`stage_data2`), so a session's share of the work lasts (committed like the first)."""
+    rows = prompts2()
+    shards = []
+    for i in range(0, len(rows), SHARD):
+        path = cache / f"prompts2-{i // SHARD}.jsonl"
+        if not restore(COMMITTED / path.name, path):
+            corpus.write_jsonl(path, rows[i : i + SHARD])
+        keep(path, COMMITTED / path.name)
+        shards.append(path)
+    return shards
+
+
+def answered_shards(cache: Path) -> list[Path]:
+    """The shards of the second set whose answers are committed (`ANSWERED`), in order (their
+    prompts restored into the cache)."""
+    done = json.loads(ANSWERED.read_text()) if ANSWERED.exists() else {}
+    for name in done:
+        restore(COMMITTED / name, cache / name)
+    return [cache / name for name in sorted(done, key=lambda n: int(n.split("-")[1][:-6]))]
+
+
+def stage_data2(cache: Path, out: Path, minutes: float) -> None:
+    """Answer the second set's shards in order (each resumable), starting new ones while the
+    `minutes` budget lasts; each answered shard is kept in the repository and listed."""
+    from dflash_mac.loading import resolve
+    from dflash_mac.train.trainer import load_target, prepare_data
+
+    shards = stage_prompts2(cache)
+    done = json.loads(ANSWERED.read_text()) if ANSWERED.exists() else {}
+    t0 = time.perf_counter()
+    target = tokenizer = None
+    for shard in shards:
+        if shard.name in done:
+            continue
+        if time.perf_counter() - t0 > minutes * 60:
+            console.log(f"budget spent: {len(done)} of {len(shards)} shards answered")
+            return
+        args = drafter_args(cache, out, "dflash2", 0.0)
+        args.extra_prompts = [shard]
+        restore_answers(args.cache_dir)
+        if target is None:
+            target, tokenizer = load_target(resolve(args.target))
+        data = prepare_data(target, tokenizer, resolve(args.target), args, console.log)
+        file, n = data.parts[-1]
+        keep(file, COMMITTED / f"{file.name}.gz")
+        done[shard.name] = file.name
+        ANSWERED.write_text(json.dumps(done, indent=1, sort_keys=True) + "\n")
+        console.log(f"{shard.name}: {n} answers -> {file.name} ({len(done)}/{len(shards)})")
 
 
 def topic_questions(target, tokenizer, topics: list[str]) -> list[str]:
@@ -292,6 +491,7 @@ def drafter_args(
         epochs=20,  # the wall-clock budget ends the run first on two CPU cores
         minutes=minutes,
         cache_dir=shared_data(cache, f"train-{arch}", source="regen"),
+        extra_prompts=answered_shards(cache),  # the second set's answered shards
         save_every=10,
         resume=True,
         save_dtype="float16",
@@ -363,7 +563,7 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--stage", choices=(*STAGES, "eval", "all"), default="all")
+    ap.add_argument("--stage", choices=(*STAGES, "data2", "eval", "all"), default="all")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--cache", type=Path, default=CACHE)
     ap.add_argument("--minutes", type=float, default=30.0, help="training budget per drafter")
@@ -392,6 +592,8 @@ def main(argv: list[str] | None = None) -> None:
             stage_prompts(args.cache)
         elif st == "eval":
             stage_eval(args.out)
+        elif st == "data2":
+            stage_data2(args.cache, args.out, args.minutes)
         elif st == "data":
             stage_data(args.cache, args.out)
         else:

@@ -66,10 +66,12 @@ class TrainingArgs:
     # draft over the K target ids most frequent in the target's answers (`vocab.py`); None:
     # the whole vocabulary
     draft_vocab: int | None = None
+    extra_prompts: list[Path] = field(default_factory=list)  # more prompts files, answered too
 
     def __post_init__(self) -> None:
         self.target = str(self.target)
         self.prompts, self.out_dir = Path(self.prompts), Path(self.out_dir)
+        self.extra_prompts = [Path(p) for p in self.extra_prompts]
         self.cache_dir = Path(self.cache_dir or ".cache/dflash-train")
         if self.eval_prompts is not None:
             self.eval_prompts = Path(self.eval_prompts)
@@ -96,6 +98,10 @@ class TrainingArgs:
             raise TrainError(f"--draft-vocab must be at least 16 (got {self.draft_vocab}).")
         if any(t < 0 for t in self.regen_temps):
             raise TrainError("--temp must be >= 0.")
+
+    @property
+    def prompt_files(self) -> list[Path]:
+        return [self.prompts, *self.extra_prompts]
 
     @property
     def regen_temps(self) -> list[float]:

@@ -159,3 +159,52 @@ class FeatureStore:
         top = np.stack([self._rows("top_logits", i)[p] for i, p in zip(idx, pos)])
         lse = np.stack([self._rows("lse", i)[p] for i, p in zip(idx, pos)])  # [B, N, P, nT]
         return soft_from_top(mx.array(ids), mx.array(top), mx.array(lse), self.layout.temperatures)
+
+    def soft_mass(self, i: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Top-k ids and their p at T 1 of sequence `i`'s rows ``lo..hi-1`` (None without
+        soft labels at T 1)."""
+        temps = self.layout.temperatures
+        if not self.layout.top_k or 1.0 not in temps:
+            return None
+        t1 = temps.index(1.0)
+        ids, top = self._rows("top_ids", i)[lo:hi], self._rows("top_logits", i)[lo:hi]
+        return ids, np.exp(top - self._rows("lse", i)[lo:hi, t1 : t1 + 1])
+
+
+class StoreSet:
+    """Several stores (one per data file) read as one: sequence `i` of the files' sequences
+    in order. A new data file adds a store; the ones built before are kept."""
+
+    def __init__(self, stores: list[FeatureStore]):
+        self.stores = stores
+        counts = [len(s.layout.lengths) for s in stores]
+        self.starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
+
+    @property
+    def rows(self) -> int:
+        return sum(s.layout.rows for s in self.stores)
+
+    def _where(self, i: int) -> tuple[FeatureStore, int]:
+        k = int(np.searchsorted(self.starts, i, side="right")) - 1
+        return self.stores[k], i - int(self.starts[k])
+
+    def features(self, idx: list[int], length: int) -> mx.array:
+        return mx.concatenate([self._call("features", i, length) for i in idx])
+
+    def soft(self, idx: list[int], anchors: np.ndarray, block_size: int) -> SoftLabels:
+        parts = [self._call("soft", i, anchors[j : j + 1], block_size) for j, i in enumerate(idx)]
+        if len(parts) == 1:
+            return parts[0]
+        return SoftLabels(
+            mx.concatenate([p.ids for p in parts]),
+            mx.concatenate([p.probs for p in parts], axis=1),
+            mx.concatenate([p.tail for p in parts], axis=1),
+        )
+
+    def soft_mass(self, i: int, lo: int, hi: int):
+        store, local = self._where(i)
+        return store.soft_mass(local, lo, hi)
+
+    def _call(self, name: str, i: int, *args):
+        store, local = self._where(i)
+        return getattr(store, name)([local], *args)

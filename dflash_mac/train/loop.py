@@ -24,7 +24,7 @@ from .callback import StepReport, TrainingCallback
 from .checkpoint import LoopState, save_checkpoint
 from .data import Sequence
 from .dflash2_loss import dflash2_loss
-from .features import FeatureStore
+from .features import StoreSet
 from .forward import LOSSES, layer_masks
 from .soft import LossSpec, SoftLabels, target_soft_labels
 
@@ -58,7 +58,7 @@ class Trainee:
     seqs: list[Sequence]
     settings: TrainSettings
     spec: LossSpec = LossSpec()
-    store: FeatureStore | None = None  # the target's side precomputed (`features.py`)
+    store: StoreSet | None = None  # the target's side precomputed (`features.py`)
 
 
 def make_optimizer(s: TrainSettings, total: int) -> tuple[optim.Optimizer, Schedule]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from .callback import TrainingCallback
 from .checkpoint import SAVE_DTYPES, LoopState, discard, load_init, resume, save_drafter
 from .config import build_drafter, drafter_config, target_text_config, train_settings
 from .data import Sequence, load_or_regenerate
-from .features import FeatureStore
+from .features import FeatureStore, StoreSet
 from .loop import Trainee, make_optimizer, train_loop
 from .vocab import control_ids, coverage, rank, token_counts
 
@@ -41,9 +41,10 @@ class TrainingData:
     """The target's own responses to the prompts, kept when long enough to train on."""
 
     seqs: list[Sequence]
-    file: Path  # the regeneration cache they came from
+    file: Path  # the regeneration cache they came from (the first, when several)
     response_tokens: int
     seconds: float  # regeneration time (0 when cached)
+    parts: list[tuple[Path, int]] = field(default_factory=list)  # (cache file, sequences)
 
 
 def load_target(target_dir: Path) -> tuple[nn.Module, Any]:
@@ -70,16 +71,17 @@ def load_target(target_dir: Path) -> tuple[nn.Module, Any]:
 def prepare_data(
     model: nn.Module, tokenizer: Any, target_dir: Path, args: TrainingArgs, log
 ) -> TrainingData:
-    """Regenerate (or reload) the responses, once per regeneration temperature (greedy and
-    sampled answers to the same prompts); keep sequences with at least one full block."""
+    """Regenerate (or reload) the responses to every prompts file, once per regeneration
+    temperature (greedy and sampled answers to the same prompts); keep sequences with at least
+    one full block. Each (file, temperature) is a part of its own (one feature store each)."""
     t0 = time.perf_counter()
-    seqs, files = [], []
-    for temp in args.regen_temps:
+    seqs, parts = [], []
+    for prompts, temp in [(p, t) for p in args.prompt_files for t in args.regen_temps]:
         part, data_file = load_or_regenerate(
             model,
             tokenizer,
             target_dir,
-            args.prompts,
+            prompts,
             args.cache_dir / "data",
             max_tokens=args.max_new_tokens,
             temp=temp,
@@ -92,39 +94,47 @@ def prepare_data(
                 f"regenerated {d}/{n} ({tok:,} tokens, {tok / max(t, 1e-9):,.0f} tok/s)"
             ),
         )
+        part = [
+            q for q in part if min(len(q.ids), args.max_length) - len(q.prompt) >= args.block_size
+        ]
         seqs += part
-        files.append(data_file)
+        parts.append((data_file, len(part)))
     seconds = time.perf_counter() - t0
-    seqs = [q for q in seqs if min(len(q.ids), args.max_length) - len(q.prompt) >= args.block_size]
     if not seqs:
         raise TrainError(f"no regenerated response is at least {args.block_size} tokens long.")
-    file = files[0] if len(files) == 1 else files[0].with_name("+".join(f.stem for f in files))
-    return TrainingData(seqs, file, sum(len(q.response) for q in seqs), seconds)
+    return TrainingData(seqs, parts[0][0], sum(len(q.response) for q in seqs), seconds, parts)
 
 
 def feature_store(
     model: nn.Module, s: TrainSettings, data: TrainingData, args: TrainingArgs, log
-) -> FeatureStore:
-    """The target's features (and soft-label logits) of every sequence, computed once."""
+) -> StoreSet:
+    """The target's features (and soft-label logits) of every sequence, computed once: a
+    store per data file, so new data adds a store and leaves the others as they are."""
     t0 = time.perf_counter()
-    store = FeatureStore.open_or_build(
-        model,
-        s.target_layer_ids,
-        data.seqs,
-        data.file,
-        s.max_length,
-        args.loss_spec,
-        progress=lambda d, n: log(
-            f"target features: {d}/{n} sequences ({time.perf_counter() - t0:.0f} s)"
-        ),
-    )
-    rows = store.layout.rows
-    log(f"target features of {rows:,} tokens in {store.folder}")
+    stores, first = [], 0
+    for file, n in data.parts:
+        stores.append(
+            FeatureStore.open_or_build(
+                model,
+                s.target_layer_ids,
+                data.seqs[first : first + n],
+                file,
+                s.max_length,
+                args.loss_spec,
+                progress=lambda d, n: log(
+                    f"target features: {d}/{n} sequences ({time.perf_counter() - t0:.0f} s)"
+                ),
+            )
+        )
+        first += n
+    store = StoreSet(stores)
+    folders = ", ".join(x.folder.name for x in stores)
+    log(f"target features of {store.rows:,} tokens in {folders}")
     return store
 
 
 def draft_vocabulary(
-    k: int, data: TrainingData, tokenizer: Any, store: FeatureStore | None, vocab: int, log
+    k: int, data: TrainingData, tokenizer: Any, store: StoreSet | None, vocab: int, log
 ) -> np.ndarray:
     """The `k` target ids the target's answers use most (`vocab.py`), with its coverage."""
     counts = token_counts(data.seqs, vocab, store)
@@ -249,7 +259,8 @@ def train_drafter(args: TrainingArgs, callback: TrainingCallback | None = None) 
     trainee.store = store
     n_params = sum(v.size for _, v in tree_flatten(trainee.drafter.parameters()))
     per_epoch = math.ceil(len(data.seqs) / s.batch_size)
-    settings_key = dict(asdict(s), data=data.file.name, init_from=init_note)
+    names = "+".join(f.name for f, _ in data.parts)
+    settings_key = dict(asdict(s), data=names, init_from=init_note)
     state = start_state(args, trainee.sched.total, trainee, settings_key, cb.log)
     cb.log(
         f"drafter {n_params / 1e6:.2f}M parameters; {state.total} steps of {s.batch_size} "

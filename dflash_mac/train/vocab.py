@@ -23,18 +23,14 @@ def token_counts(seqs: list[Sequence], vocab: int, store: Any | None = None) -> 
     counts = np.zeros(vocab, dtype=np.float64)
     for s in seqs:
         np.add.at(counts, np.asarray(s.response, dtype=np.int64) % vocab, 1.0)
-    if store is None or not store.layout.top_k or 1.0 not in store.layout.temperatures:
+    if store is None:
         return counts
-    t1 = store.layout.temperatures.index(1.0)
     for i, s in enumerate(seqs):
-        n = store.layout.lengths[i]
-        lo, hi = len(s.prompt) - 1, n - 1  # rows whose next token is a response token
-        if hi <= lo:
-            continue
-        rows = slice(store.layout.starts[i] + lo, store.layout.starts[i] + hi)
-        ids = store.arrays["top_ids"][rows]
-        p = np.exp(store.arrays["top_logits"][rows] - store.arrays["lse"][rows][:, t1 : t1 + 1])
-        np.add.at(counts, ids.reshape(-1), p.reshape(-1))
+        # rows whose next token is a response token (the store keeps up to its length cap)
+        lo, hi = len(s.prompt) - 1, len(s.ids) - 1
+        mass = store.soft_mass(i, lo, hi) if hi > lo else None
+        if mass is not None:
+            np.add.at(counts, mass[0].reshape(-1), mass[1].reshape(-1))
     return counts
 
 
