@@ -41,6 +41,19 @@ def subset(pair, ids):
     return with_drafter(pair, subset_copy(pair.drafter, target_head(pair.target), ids.tolist()))
 
 
+def context_coverage(vocab, prompts, refs) -> float:
+    """Coverage if each request also drafted over its prompt's ids and its answer so far."""
+    hit = total = 0
+    base = set(vocab.tolist())
+    for ids, ref in zip(prompts, refs):
+        seen = base | set(ids)
+        for t in ref:
+            hit += t in seen
+            total += 1
+            seen.add(t)
+    return hit / max(total, 1)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default=None, help="target (default: the default pair's)")
@@ -48,10 +61,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--data", required=True, type=Path, help="regenerated answers (JSONL)")
     ap.add_argument("--store", type=Path, default=None, help="feature store folder")
     ap.add_argument("--ks", default="4096,8192,16384,24576,0")
-    ap.add_argument("--limits", default="code:8,chat:6")
+    ap.add_argument(
+        "--limits", default="code:8,chat:6", help="name:N (first N prompts) or name:START:END"
+    )
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--temps", default="0,0.7")
     ap.add_argument("--out", type=Path, required=True, help="writes OUT.csv and OUT.json")
+    ap.add_argument("--coverage-only", action="store_true", help="no τ runs (fast)")
     args = ap.parse_args(argv)
     pair = load(args.model, args.draft)
     V = pair.drafter.config.vocab_size
@@ -65,8 +81,9 @@ def main(argv: list[str] | None = None) -> None:
     temps = [float(t) for t in args.temps.split(",")]
     suites = {}
     for part in args.limits.split(","):
-        name, n = part.split(":")
-        prompts = encode_prompts(pair.tokenizer, read_prompts(SUITES[name])[: int(n)], 4096)
+        name, *span = part.split(":")  # name:N (the first N) or name:START:END
+        lo, hi = (0, int(span[0])) if len(span) == 1 else (int(span[0]), int(span[1]))
+        prompts = encode_prompts(pair.tokenizer, read_prompts(SUITES[name])[lo:hi], 4096)
         refs = [baseline_run(pair, ids, args.max_tokens)[0] for ids in prompts]
         suites[name] = (prompts, refs)
         print(f"{name}: {len(prompts)} prompts, {sum(map(len, refs))} answer tokens", flush=True)
@@ -74,18 +91,25 @@ def main(argv: list[str] | None = None) -> None:
     for k in [int(x) for x in args.ks.split(",")]:
         ids = rank(counts, always, k) if k else None
         p = subset(pair, ids) if k else pair
-        tau_run(p, suites["code"][0][:1], 8, 0.0, 16)  # warm-up
-        times = cycle_times(p, suites["code"][0][0], 8, 0.0)
+        if not args.coverage_only:
+            tau_run(p, suites["code"][0][:1], 8, 0.0, 16)  # warm-up
+        times = (
+            {"draft_s": 0.0} if args.coverage_only else cycle_times(p, suites["code"][0][0], 8, 0.0)
+        )
         for name, (prompts, refs) in suites.items():
             cov = coverage(ids, [t for r in refs for t in r]) if k else 1.0
-            for t in temps:
+            ctx = context_coverage(ids, prompts, refs) if k else 1.0
+            for t in temps if not args.coverage_only else [0.0]:
                 t0 = time.perf_counter()
-                run = tau_run(p, prompts, 8, t, args.max_tokens, refs if t == 0 else None)
+                run = {"tau": 0.0}
+                if not args.coverage_only:
+                    run = tau_run(p, prompts, 8, t, args.max_tokens, refs if t == 0 else None)
                 row = {
                     "K": k or V,
                     "suite": name,
                     "temperature": t,
                     "coverage": round(cov, 4),
+                    "coverage_with_context": round(ctx, 4),
                     "tau": round(run["tau"], 4),
                     "identical": run.get("identical", ""),
                     "draft_ms": round(times["draft_s"] * 1e3, 2),
