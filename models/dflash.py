@@ -123,10 +123,7 @@ class TargetHead:
 
     def logits(self, hidden: mx.array) -> mx.array:
         """Logits from final-normed hidden states, the logit scale and softcap applied."""
-        return self.scaled(self.lm_head(hidden))
-
-    def scaled(self, out: mx.array) -> mx.array:
-        """The logit scale and softcap applied to raw head outputs."""
+        out = self.lm_head(hidden)
         if self.logit_scale != 1.0:
             out = out * self.logit_scale
         if self.softcap:

@@ -136,13 +136,22 @@ def cycle_parts() -> None:
             )
         block = mx.array([ids[-1]] + [d.config.mask_token_id] * 7)  # block 8's parts
         hidden = d.hidden(block[None], state.draft_cache)[:, 1:]
-        logits = d.logits(hidden)
+        logits = d.draft_logits(hidden)  # the draft vocabulary's rows, when it has one
         mx.eval(hidden, logits)
-        head = us(lambda: d.logits(hidden), 100)
-        top = us(lambda: d.candidate_selector.candidates(logits), 100)
+        vocab = d.get("draft_vocab")
+        layers = us(lambda: d.hidden(block[None], state.draft_cache), 100)
+        head = us(lambda: d.draft_logits(hidden), 100)
+        sel = d.candidate_selector
+        top = us(lambda: sel.candidates(logits, vocab), 100)
+        walk = us(lambda: sel.walk(hidden, logits, block[:1], vocab=vocab)[0], 100)
+        feats = mx.random.normal((1, 3, len(pair.layer_ids) * d.config.hidden_size))
+        attn = d.layers[0].self_attn
+        ctx = us(lambda: attn.keys_values(d.project_context(feats), 0), 100)
+        rows = logits.shape[-1]
         print(
-            f"    of it at block 8: LM head {head:.0f} µs · "
-            f"top-{d.config.selector_top_k} {top:.0f} µs"
+            f"    of it at block 8: layers {layers:.0f} µs · LM head over {rows:,} rows "
+            f"{head:.0f} µs · top-{d.config.selector_top_k} {top:.0f} µs · the walk with "
+            f"its top-k {walk:.0f} µs; after a cycle, 3 rows of context {ctx:.0f} µs"
         )
 
 

@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--temps", default="0,0.7")
     ap.add_argument("--out", type=Path, required=True, help="writes OUT.csv and OUT.json")
     ap.add_argument("--coverage-only", action="store_true", help="no τ runs (fast)")
+    ap.add_argument("--no-timing", action="store_true", help="no pass timing (a busy host)")
     args = ap.parse_args(argv)
     pair = load(args.model, args.draft)
     V = pair.drafter.config.vocab_size
@@ -94,7 +95,9 @@ def main(argv: list[str] | None = None) -> None:
         if not args.coverage_only:
             tau_run(p, suites["code"][0][:1], 8, 0.0, 16)  # warm-up
         times = (
-            {"draft_s": 0.0} if args.coverage_only else cycle_times(p, suites["code"][0][0], 8, 0.0)
+            {"draft_s": 0.0}
+            if args.coverage_only or args.no_timing
+            else cycle_times(p, suites["code"][0][0], 8, 0.0)
         )
         for name, (prompts, refs) in suites.items():
             cov = coverage(ids, [t for r in refs for t in r]) if k else 1.0

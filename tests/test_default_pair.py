@@ -41,6 +41,8 @@ def test_dflash_equals_the_targets_greedy_decoding(target_file):
     entry = load_registry().get("smollm2-135m")
     pair = load(target_file, entry.draft_path, dtype=mx.float32)
     assert pair.kind == "DFlash 2" and pair.tokenizer.eos_token_ids
+    # the committed drafter drafts over a draft vocabulary: this is its greedy-equality test
+    assert pair.drafter.draft_head is not None
 
     def both(ids: list[int], n: int, tree: int) -> tuple[list[int], list[int], int]:
         ref = [t for t, _ in generate_step(mx.array(ids), pair.target, max_tokens=n)]

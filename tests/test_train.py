@@ -308,3 +308,44 @@ def test_regeneration_is_cached_and_limit_spreads(
             tiny_pair.target, tiny_pair.tokenizer, tiny_dirs[0], prompts_file, tmp_path,
             temp=0.7, seed=7, **args,
         )  # fmt: skip
+
+
+def test_regeneration_resumes_after_a_kill(
+    tiny_pair, tiny_dirs, prompts_file, tmp_path, monkeypatch
+):
+    """A regeneration stopped after its first chunk (and a torn last line) answers only the
+    rest when run again, and ends with what an uninterrupted run gives."""
+    from dflash_mac.train import data
+
+    args = dict(max_tokens=6, chunk=3, log=lambda m: None)
+    whole, _ = data.load_or_regenerate(
+        tiny_pair.target, tiny_pair.tokenizer, tiny_dirs[0], prompts_file, tmp_path / "a", **args
+    )
+
+    class Killed(Exception):
+        pass
+
+    def kill(done, n, tokens, seconds):
+        raise Killed  # the process dies once the first chunk is on disk
+
+    with pytest.raises(Killed):
+        data.load_or_regenerate(
+            tiny_pair.target, tiny_pair.tokenizer, tiny_dirs[0], prompts_file, tmp_path / "b",
+            progress=kill, **args,
+        )  # fmt: skip
+    [partial] = (tmp_path / "b").glob("*.partial")
+    with partial.open("a") as f:
+        f.write('{"prompt": [1, 2')  # torn by the kill
+    asked = []
+    real = data.regenerate
+
+    def counting(target, tokenizer, prompts, *a, **k):
+        asked.extend(prompts)
+        return real(target, tokenizer, prompts, *a, **k)
+
+    monkeypatch.setattr(data, "regenerate", counting)
+    again, path = data.load_or_regenerate(
+        tiny_pair.target, tiny_pair.tokenizer, tiny_dirs[0], prompts_file, tmp_path / "b", **args
+    )
+    assert len(asked) == len(whole) - 3  # only what the first chunk had not answered
+    assert [s.ids for s in again] == [s.ids for s in whole] and path.suffix == ".jsonl"
