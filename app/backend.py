@@ -32,6 +32,7 @@ class ChatOptions:
     seed: int | None = None
     chat_template: str | None = None  # a template that replaces the model's (its text)
     max_kv_size: int | None = None  # the target's rotating window (None: unbounded)
+    draft_vocab: int | None = None  # a K-row drafter head (draft_vocab.py)
 
     def generation_kwargs(self) -> dict:
         return {
@@ -232,6 +233,7 @@ def load_backend(opts: ChatOptions, status: Status | None = None) -> Backend:
         opts.draft,
         block_size=opts.block_size,
         draft_bits=opts.draft_bits,
+        draft_vocab=opts.draft_vocab,
         reasoning=opts.reasoning,
         chat_template=opts.chat_template,
         loader=ranked_loader(),  # under `dflash-mac launch`: rank 0 of a sharded target

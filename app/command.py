@@ -23,6 +23,7 @@ def chat(
         None, "--reasoning", help=f"Thinking mode: {', '.join(REASONING_CHOICES)} (ctrl+t toggles)."
     ),
     draft_bits: int | None = options.DRAFT_BITS,
+    draft_vocab: int | None = options.DRAFT_VOCAB,
     seed: int | None = typer.Option(None, "--seed", help="Random seed (sampling)."),
     chat_template: str | None = options.CHAT_TEMPLATE,  # the file's text
     max_kv_size: int | None = options.MAX_KV_SIZE,
@@ -59,6 +60,7 @@ def chat(
         seed,
         chat_template,
         max_kv_size,
+        draft_vocab,
     )
     app = ChatApp(opts, resume=resume)
     app.run()

@@ -102,8 +102,12 @@ def model_key(name: str) -> str:
 
 
 def pair_file(pair: Pair) -> str:
-    """The pair's file name in the data dir's folders: <target>--<drafter>.json."""
-    return f"{slug(model_key(pair.model_id))}--{slug(model_key(pair.draft_id))}.json"
+    """The pair's file name in the data dir's folders: <target>--<drafter>.json, and
+    ``--vocab<K>`` before the suffix for a drafter over a draft vocabulary of K ids (its pass
+    costs and accepts otherwise)."""
+    k = getattr(getattr(pair.drafter, "config", None), "draft_vocab_size", None)
+    vocab = f"--vocab{k}" if k else ""
+    return f"{slug(model_key(pair.model_id))}--{slug(model_key(pair.draft_id))}{vocab}.json"
 
 
 def cost_curve_path(pair: Pair, machine: str | None = None) -> Path:

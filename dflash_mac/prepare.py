@@ -1,8 +1,9 @@
 """The one set-up path of every front end (generate, chat, serve, bench): load the pair,
-quantize the drafter if asked, resolve the block size once, check the thinking mode, and say
-what the user should know as plain sentences. Front ends style the sentences (the terminal in
-yellow, the chat as toasts, the server in its log), run `calibrate` where `needs_calibration`
-says so (after their own inputs are checked), then `policy.load_tuning`."""
+quantize the drafter and cut its head to a draft vocabulary if asked, resolve the block size
+once, check the thinking mode, and say what the user should know as plain sentences. Front
+ends style the sentences (the terminal in yellow, the chat as toasts, the server in its log),
+run `calibrate` where `needs_calibration` says so (after their own inputs are checked), then
+`policy.load_tuning`."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 
 from . import calibrate as calibration
 from .api import reasoning_args
+from .draft_vocab import apply_draft_vocab
 from .errors import PromptError
 from .loading import load, quantize_drafter
 from .pair import Pair
@@ -36,6 +38,7 @@ def prepare(
     *,
     block_size: int | str | None = None,
     draft_bits: int | None = None,
+    draft_vocab: int | None = None,
     reasoning: str | None = None,
     chat_template: str | None = None,
     loader: Loader = load,
@@ -49,8 +52,10 @@ def prepare(
         use_chat_template(pair.tokenizer, chat_template)
     if draft_bits is not None:
         quantize_drafter(pair.drafter, draft_bits)
+    said = apply_draft_vocab(pair, draft_vocab) if draft_vocab is not None else None
     block = block_size_for(pair, block_size)
     warnings = list(getattr(pair, "warnings", [])) + ([block.warning] if block.warning else [])
+    warnings += [said] if said else []
     if reasoning is not None:
         reasoning_args(pair.tokenizer, reasoning)
     if said := thinking_mismatch(pair, reasoning):

@@ -28,6 +28,17 @@ def parse_block_size(value: int | str | None) -> int | None:
     return size
 
 
+MIN_DRAFT_VOCAB = 16  # below this a drafter's top-k candidates would not fit
+
+
+def check_draft_vocab(k: int | None) -> int | None:
+    """`--draft-vocab K`: at least `MIN_DRAFT_VOCAB` (the upper bound, the vocabulary, is
+    checked once the pair is loaded)."""
+    if k is not None and k < MIN_DRAFT_VOCAB:
+        raise PromptError(f"--draft-vocab must be at least {MIN_DRAFT_VOCAB} (got {k}).")
+    return k
+
+
 def check_request(
     max_tokens: int = 256,
     block_size: int | str | None = None,

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from compare_drafters import cycle_times, tau_run  # noqa: E402
 
 from dflash_mac.bench.inputs import code_suite_path  # noqa: E402
+from dflash_mac.draft_vocab import control_ids, coverage, rank  # noqa: E402
 from dflash_mac.loading import load  # noqa: E402
 from dflash_mac.structure import target_head  # noqa: E402
 from dflash_mac.testing.oracle import with_drafter  # noqa: E402
@@ -31,7 +32,7 @@ from dflash_mac.testing.subset import subset_copy  # noqa: E402
 from dflash_mac.train.data import _read_cache, encode_prompts, read_prompts  # noqa: E402
 from dflash_mac.train.evaluate import baseline_run  # noqa: E402
 from dflash_mac.train.features import FeatureStore, StoreLayout  # noqa: E402
-from dflash_mac.train.vocab import control_ids, coverage, rank, token_counts  # noqa: E402
+from dflash_mac.train.vocab import token_counts  # noqa: E402
 
 SUITES = {"code": code_suite_path(), "chat": Path("dflash_mac/data/suites/chat.jsonl")}
 

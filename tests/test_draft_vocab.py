@@ -20,15 +20,16 @@ from test_greedy_exact import PROMPTS, baseline, run
 from test_sampling import V, chi_square_p, dflash_samples, exact_joint, small_pair  # noqa: F401
 
 from dflash_mac.capture import FeatureCapture
+from dflash_mac.draft_vocab import coverage, rank
 from dflash_mac.loading import load_drafter
 from dflash_mac.policy import BlockChoice
 from dflash_mac.sampling import SamplingParams
 from dflash_mac.structure import target_head
 from dflash_mac.testing.lossy import accepting_every_draft
 from dflash_mac.testing.oracle import with_drafter
-from dflash_mac.testing.subset import subset_copy
+from dflash_mac.testing.subset import copy_drafter, subset_copy
 from dflash_mac.train.data import Sequence
-from dflash_mac.train.vocab import coverage, rank, token_counts
+from dflash_mac.train.vocab import token_counts
 
 
 def subset_drafter(drafter, target, ids: list[int]):
@@ -217,3 +218,45 @@ def test_counts_and_coverage_against_brute_force():
     vocab = rank(counts, [], 10)
     toks = [t for s in seqs for t in s.response]
     assert coverage(vocab, toks) == pytest.approx(np.mean([t in set(vocab) for t in toks]))
+
+
+# -- a published drafter cut to a subset at load (FR-Spec) -------------------------------------
+
+
+def test_a_drafter_without_one_is_cut_to_its_targets_most_used_ids(
+    tiny_pair, tmp_path, monkeypatch
+):
+    """The target answers the starter prompts once; the ranking is saved per target and read
+    back (no second generation); the drafter then drafts over K ids with EOS among them, and
+    greedy output is still the target's."""
+    from dflash_mac import draft_vocab
+
+    monkeypatch.setenv("DFLASH_MAC_HOME", str(tmp_path))
+    pair = with_drafter(tiny_pair, copy_drafter(tiny_pair.drafter, target_head(tiny_pair.target)))
+    said = on_worker(draft_vocab.apply_draft_vocab, pair, 64)
+    assert "counted the target's token frequencies" in said and "saved to" in said
+    vocab = pair.drafter.draft_vocab.tolist()
+    assert len(vocab) == 64 and set(pair.eos_ids) <= set(vocab)
+    assert draft_vocab.ranking_path(pair).exists()
+
+    def boom(*a, **k):
+        raise AssertionError("answered again")
+
+    monkeypatch.setattr(draft_vocab, "regenerate", boom)
+    again = with_drafter(tiny_pair, copy_drafter(tiny_pair.drafter, target_head(tiny_pair.target)))
+    assert "counted" not in draft_vocab.apply_draft_vocab(again, 64)
+    assert again.drafter.draft_vocab.tolist() == vocab
+    prompt = pair.tokenizer.encode("def add(a, b):")
+    tokens, _, _ = on_worker(run, pair, prompt, max_tokens=32, block_size=5, use_eos=False)
+    assert tokens == baseline(pair, prompt, 32)
+
+
+def test_a_drafter_with_one_keeps_its_first_ids(tiny_pair):
+    from dflash_mac.draft_vocab import DraftVocabError, apply_draft_vocab
+
+    pair, _ = subset_pair(tiny_pair, 64)
+    own = pair.drafter.draft_vocab.tolist()
+    with pytest.raises(DraftVocabError, match="more than the 64 ids"):
+        apply_draft_vocab(pair, 100)
+    assert "first 32 of the drafter's own 64" in apply_draft_vocab(pair, 32)
+    assert pair.drafter.draft_vocab.tolist() == own[:32]

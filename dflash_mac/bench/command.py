@@ -83,6 +83,7 @@ def header(pair: Pair) -> dict:
         "drafter_kind": pair.kind,
         "target_quantization": _quant(pair.target_config.get("quantization")),
         "draft_quantization": _quant(pair.drafter.config.quantization),
+        "draft_vocab": getattr(pair.drafter.config, "draft_vocab_size", None),
         "dtype": str(floats[0]).replace("mlx.core.", "") if floats else "?",
         "target_weight_bytes": nbytes(pair.target),
         "drafter_weight_bytes": nbytes(pair.drafter),
@@ -131,7 +132,7 @@ def limit_per_suite(prompts: list[BenchPrompt], limit: int | None) -> list[Bench
 def cost_curve_command(
     model: str | None,
     draft: str | None,
-    draft_bits,
+    loading: dict,
     shape=None,
     shape_dtype="bf16",
     reps: int | None = None,
@@ -149,7 +150,7 @@ def cost_curve_command(
         with err.status(f"Building a random {shape} ({shape_dtype})…", spinner="dots"):
             pair = random_pair(shape, shape_dtype)
     else:
-        pair = load_pair(model, draft, draft_bits=draft_bits).pair
+        pair = load_pair(model, draft, **loading).pair
     title = "Timing cycles at block size 1..16, greedy and at T 0.7, batched, long contexts"
     reps = reps or FULL_REPS
     with progress_bar(title, all_rounds(pair, reps)) as step:
@@ -218,6 +219,7 @@ def bench_command(
         "run instead of continuing as a chat or server does).",
     ),
     draft_bits: int | None = options.DRAFT_BITS,
+    draft_vocab: int | None = options.DRAFT_VOCAB,
     copy: bool = options.COPY,
     tree_budget: str = options.TREE_BUDGET,  # parsed: int | None
     reasoning: str | None = typer.Option(
@@ -296,16 +298,17 @@ def bench_command(
     from dflash_mac.cli.terminal import follow_if_worker
 
     follow_if_worker(model, draft)  # a distributed job's other ranks follow rank 0
+    loading = dict(draft_bits=draft_bits, draft_vocab=draft_vocab)  # how the drafter is set up
     if cost_curve:
-        return cost_curve_command(model, draft, draft_bits, shape, shape_dtype, trials)
+        return cost_curve_command(model, draft, loading, shape, shape_dtype, trials)
     if levels:
         return concurrency_command(
             model, draft, suite, prompts_file, prompts, max_tokens, block_size, temps, seed,
-            no_eos, draft_bits, fmt, out, levels,
+            no_eos, loading, fmt, out, levels,
         )  # fmt: skip
     if suite == "agent":
         return agent_command(
-            model, draft, transcripts, prompts_file, limit, max_tokens, block_size, draft_bits,
+            model, draft, transcripts, prompts_file, limit, max_tokens, block_size, loading,
             fmt, out,
         )  # fmt: skip
     from dflash_mac.autoblock import AutoTuning
@@ -316,7 +319,7 @@ def bench_command(
 
     trials = trials or 2
     prompts = limit_per_suite(prompts, limit)
-    prepared = load_pair(model, draft, draft_bits=draft_bits, reasoning=reasoning)
+    prepared = load_pair(model, draft, reasoning=reasoning, **loading)
     sizes, ids = bench_inputs(prepared, sizes, prompts, reasoning, max_tokens, warn_line)
     tuning = calibrate_auto(prepared) if AUTO in sizes else AutoTuning()
     common = {
@@ -328,6 +331,7 @@ def bench_command(
         "block_sizes": sizes,
         "reasoning": reasoning,
         "draft_bits": draft_bits,
+        "draft_vocab": draft_vocab,
         "copy": copy,
         "tree_budget": "auto" if tree_budget is None else tree_budget,
     }
@@ -368,8 +372,8 @@ def parse_levels(value: str) -> list[int]:
 
 
 def concurrency_command(
-    model, draft, suite, prompts_file, prompts, max_tokens, block_size, temps, seed, no_eos, bits,
-    fmt, out, levels,
+    model, draft, suite, prompts_file, prompts, max_tokens, block_size, temps, seed, no_eos,
+    loading, fmt, out, levels,
 ):  # fmt: skip
     """`--concurrency` (bench/concurrency.py), its options checked."""
     from dflash_mac.api import prompt_ids
@@ -380,7 +384,7 @@ def concurrency_command(
     from .concurrency import concurrency_markdown, measure_concurrency
     from .writers import append_jsonl, to_json
 
-    prepared = load_pair(model, draft, draft_bits=bits)
+    prepared = load_pair(model, draft, **loading)
     pair = prepared.pair
     if why := batch_reason(pair):
         raise BenchError(f"this pair does not decode in batches: {why}.")
@@ -405,7 +409,7 @@ def concurrency_command(
 
 
 def agent_command(
-    model, draft, doc, transcripts, limit, max_tokens, block_size, bits, fmt, out
+    model, draft, doc, transcripts, limit, max_tokens, block_size, loading, fmt, out
 ):  # fmt: skip
     """`--suite agent` (bench/agent.py): the transcripts (`doc`, read from `transcripts`)
     replayed turn by turn, greedy."""
@@ -414,7 +418,7 @@ def agent_command(
     from .agent import agent_markdown, agent_report, run_agent_bench
     from .writers import append_jsonl, to_json
 
-    prepared = load_pair(model, draft, draft_bits=bits)
+    prepared = load_pair(model, draft, **loading)
     tuning = calibrate_auto(prepared)
     block = block_size or "auto"
     start = load_average()

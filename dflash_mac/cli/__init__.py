@@ -256,6 +256,7 @@ def generate(
     chat_template: str | None = options.CHAT_TEMPLATE,  # the file's text
     max_kv_size: int | None = options.MAX_KV_SIZE,
     draft_bits: int | None = options.DRAFT_BITS,
+    draft_vocab: int | None = options.DRAFT_VOCAB,
     copy: bool = options.COPY,
     tree_budget: str = options.TREE_BUDGET,  # parsed: int | None
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print statistics after the text."),
@@ -291,6 +292,7 @@ def generate(
         draft,
         block_size=block_size,
         draft_bits=draft_bits,
+        draft_vocab=draft_vocab,
         reasoning=reasoning,
         chat_template=chat_template,
     )

@@ -28,6 +28,21 @@ MODEL = typer.Option(None, "--model", "-m", help=MODEL_HELP)
 DRAFT = typer.Option(None, "--draft", "-d", help=DRAFT_HELP)
 BLOCK_SIZE = typer.Option(None, "--block-size", "-b", help=BLOCK_HELP)
 DRAFT_BITS = typer.Option(None, "--draft-bits", help="Quantize the drafter to 4 or 8 bits.")
+
+
+def check_draft_vocab(value: int | None) -> int | None:
+    from dflash_mac.settings import check_draft_vocab as check
+
+    return check(value)
+
+
+DRAFT_VOCAB = typer.Option(
+    None,
+    "--draft-vocab",
+    callback=check_draft_vocab,
+    help="Draft over the K token ids the target's answers use most (a K-row drafter head; "
+    "output unchanged). A drafter trained with one keeps its first K.",
+)
 COPY = typer.Option(
     True,
     "--copy/--no-copy",

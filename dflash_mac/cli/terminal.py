@@ -35,6 +35,7 @@ def load_pair(
     *,
     block_size: int | str | None = None,
     draft_bits: int | None = None,
+    draft_vocab: int | None = None,
     reasoning: str | None = None,
     chat_template: str | None = None,
 ) -> Prepared:
@@ -47,6 +48,7 @@ def load_pair(
             draft,
             block_size=block_size,
             draft_bits=draft_bits,
+            draft_vocab=draft_vocab,
             reasoning=reasoning,
             chat_template=chat_template,
             loader=loader,

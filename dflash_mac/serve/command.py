@@ -256,6 +256,7 @@ def serve(
     ),
     block_size: str | None = options.BLOCK_SIZE,
     draft_bits: int | None = options.DRAFT_BITS,
+    draft_vocab: int | None = options.DRAFT_VOCAB,
     temp: float = typer.Option(
         0.0, "--temp", help="Temperature for requests that do not set one (0 = greedy)."
     ),
@@ -336,6 +337,7 @@ def serve(
             draft,
             block_size=block_size,
             draft_bits=draft_bits,
+            draft_vocab=draft_vocab,
             chat_template=chat_template,
         )
         tuning = calibrate_auto(prepared)  # before the first request: once per pair and machine

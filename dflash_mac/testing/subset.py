@@ -1,5 +1,5 @@
-"""A second drafter object with the same weights, drafting over a draft vocabulary: what the
-tests and the sweep script compare against the whole-vocabulary original."""
+"""Second drafter objects with the same weights: a plain copy, or one drafting over a draft
+vocabulary; what the tests and the sweep script compare against the original."""
 
 from __future__ import annotations
 
@@ -10,12 +10,22 @@ from dflash_mac.loading import build_drafter
 from dflash_mac.models.config import DraftConfig
 
 
+def copy_drafter(drafter, head):
+    """A new drafter with `drafter`'s weights (not its draft vocabulary), bound to `head`."""
+    raw = dict(drafter.config.raw)
+    raw["dflash_config"] = {
+        k: v for k, v in raw["dflash_config"].items() if k != "draft_vocab_size"
+    }
+    new = build_drafter(DraftConfig.from_dict(raw))
+    new.load_weights([(k, v) for k, v in tree_flatten(drafter.parameters()) if k != "draft_vocab"])
+    new.bind(head)
+    mx.eval(new.parameters())  # materialised: used on worker threads
+    return new
+
+
 def subset_copy(drafter, head, ids: list[int]):
     """A new drafter with `drafter`'s weights, bound to `head`, drafting over `ids`."""
-    new = build_drafter(DraftConfig.from_dict(drafter.config.raw))
-    weights = [(k, v) for k, v in tree_flatten(drafter.parameters()) if k != "draft_vocab"]
-    new.load_weights(weights, strict=False)  # its own draft vocabulary is set below
-    new.bind(head)
+    new = copy_drafter(drafter, head)
     new.set_draft_vocab(mx.array([int(i) for i in ids], dtype=mx.int32))
-    mx.eval(new.parameters())  # materialised: used on worker threads
+    mx.eval(new.parameters())
     return new

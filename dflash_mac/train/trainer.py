@@ -23,6 +23,7 @@ import numpy as np
 from mlx import nn
 from mlx.utils import tree_flatten
 
+from dflash_mac.draft_vocab import control_ids, coverage, rank
 from dflash_mac.policy import quantized_default
 
 from .args import TrainError, TrainingArgs, TrainSettings
@@ -33,7 +34,7 @@ from .config import build_drafter, drafter_config, target_text_config, train_set
 from .data import Sequence, load_or_regenerate
 from .features import FeatureStore, StoreSet
 from .loop import Trainee, make_optimizer, train_loop
-from .vocab import control_ids, coverage, rank, token_counts
+from .vocab import token_counts
 
 
 @dataclass

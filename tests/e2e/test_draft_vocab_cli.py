@@ -37,3 +37,20 @@ def test_train_with_a_draft_vocabulary_then_generate(cli, tmp_path):
     drafted = cli("generate", prompt, *common, "--draft", str(out), "-b", "4")
     assert plain.returncode == 0 and drafted.returncode == 0, plain.stderr + drafted.stderr
     assert drafted.stdout == plain.stdout
+
+
+def test_generate_cuts_a_published_drafter_to_a_draft_vocabulary(cli):
+    """FR-Spec at load: the tiny pair's drafter has no draft vocabulary; `--draft-vocab 64`
+    counts its target's answers once, says so, and the text is the target's own."""
+    prompt = "class Stack:"
+    common = ("--max-tokens", "24", "--temp", "0", "--no-copy", "--model", "tiny-code")
+    plain = cli("generate", prompt, *common, "-b", "1")
+    cut = cli("generate", prompt, *common, "-b", "4", "--draft-vocab", "64")
+    assert plain.returncode == 0 and cut.returncode == 0, plain.stderr + cut.stderr
+    assert cut.stdout == plain.stdout
+    assert "drafting over the 64 ids" in cut.stderr and "counted" in cut.stderr
+    again = cli("generate", prompt, *common, "-b", "4", "--draft-vocab", "64")
+    assert "counted" not in again.stderr and again.stdout == plain.stdout  # saved ranking
+    bad = cli("generate", prompt, "--draft-vocab", "5")
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip() == "error: --draft-vocab must be at least 16 (got 5)."
