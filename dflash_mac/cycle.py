@@ -80,19 +80,24 @@ def propose_constrained(
     (and penalised) given the drafts before it; (drafts [n], q [n, V] | None, masks [n+1, V]),
     the last mask for the bonus position. The grammar runs on the host, so each draft is read
     back (one small sync per draft); drafting stops after an end-of-sequence token, so n may
-    be less than bs-1. The drafter's backbone logits are used (DFlash 2's selector walk draws
+    be less than bs-1, and so does a position where the grammar allows nothing of a draft
+    vocabulary. The drafter's backbone logits are used (DFlash 2's selector walk draws
     from candidates the grammar may all refuse). The constraint is left advanced by the drafts."""
     logits = pair.drafter(block[None], cache)[0]  # [bs-1, V]
     keys = mx.random.split(key, logits.shape[0])
+    # a draft vocabulary leaves every other id at -inf: the grammar may allow none of its ids
+    limited = getattr(pair.drafter, "draft_head", None) is not None
     drafts: list[int] = []
     qs, masks = [], []
     for i in range(logits.shape[0]):
         allowed = con.mask()
-        masks.append(allowed)
         row = logits[i : i + 1]
         if penalty is not None:
             row = penalty.apply(row, mx.array(drafts, mx.int32), first=i)
         row = mx.where(allowed, row, -mx.inf)
+        if limited and not mx.isfinite(row).any().item():
+            break  # nothing to draft here: the target's own token comes as the bonus
+        masks.append(allowed)
         if sp.greedy:
             d = mx.argmax(row, axis=-1)
         else:
@@ -474,7 +479,8 @@ class CyclePipeline:
                 drafts, q, allowed = propose_constrained(
                     self.pair, block, self.ctx.cache, sp, k_draft, penalty, self.con
                 )
-                c = Cycle(drafts.shape[0] + 1, block, drafts, q, k_verify, penalty, allowed)
+                n = drafts.shape[0]  # 0: a plain step (nothing the grammar allows to draft)
+                c = Cycle(n + 1, block if n else first, drafts, q, k_verify, penalty, allowed)
         if self.state.rollback.hybrid:  # its verify is queued once the last rollback is done
             mx.async_eval(c.drafts)
         else:

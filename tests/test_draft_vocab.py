@@ -260,3 +260,24 @@ def test_a_drafter_with_one_keeps_its_first_ids(tiny_pair):
         apply_draft_vocab(pair, 100)
     assert "first 32 of the drafter's own 64" in apply_draft_vocab(pair, 32)
     assert pair.drafter.draft_vocab.tolist() == own[:32]
+
+
+@pytest.mark.parametrize("temp", [0.0, 1.0])
+def test_a_grammar_that_allows_nothing_in_the_subset_stops_the_drafts(tiny_pair, temp):
+    """Under a grammar, a position where every allowed token lies outside the draft vocabulary
+    ends the drafts there (the target's own constrained token comes as the bonus): greedy
+    output is still plain constrained decoding's, sampled output still follows the schema."""
+    from test_structured import SCHEMA, check_answer, plain_constrained
+
+    from dflash_mac.api import generate
+
+    tok = tiny_pair.tokenizer
+    punctuation = set(tok.encode('{}":,[] '))  # JSON's structure is never drafted
+    letters = [i for i in range(tiny_pair.drafter.config.vocab_size) if i not in punctuation]
+    pair = with_drafter(tiny_pair, subset_drafter(tiny_pair.drafter, tiny_pair.target, letters))
+    ids = tok.encode(PROMPTS[0])
+    kw = dict(max_tokens=80, block_size=5, json_schema=SCHEMA, temp=temp, seed=1)
+    out = on_worker(generate, pair, ids, **kw)
+    check_answer(out.text)
+    if temp == 0:
+        assert out.tokens == plain_constrained(tiny_pair, ids, 80, SCHEMA, {})
