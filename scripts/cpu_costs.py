@@ -1,7 +1,7 @@
 """Where a decode cycle's time goes on this machine: the ops a wide verify and the drafter pass
 add over a one-token step, timed one by one (docs/bench.md, "Where a cycle's time goes").
 
-    LD_PRELOAD=<libopenblas.so.0> .venv/bin/python scripts/cpu_costs.py
+    LD_PRELOAD=<libopenblas.so.0> .venv/bin/python scripts/cpu_costs.py [MODEL DRAFT]
 
 Medians of synchronous runs (build + eval), in µs; run it on an idle machine.
 """
@@ -95,8 +95,8 @@ def attention(heads: int = 4, kv_heads: int = 2, head_dim: int = 64) -> None:
         print(f"  {keys:>4} keys: " + " · ".join(cells))
 
 
-def cycle_parts() -> None:
-    pair = load()
+def cycle_parts(model: str | None = None, draft: str | None = None) -> None:
+    pair = load(model, draft)
     vocab = pair.drafter.config.vocab_size
     ids = [(7919 * i + 11) % vocab for i in range(128)]
     state, sp, key = DecodeState(pair), SamplingParams(0.0), mx.random.key(0)
@@ -156,6 +156,12 @@ def cycle_parts() -> None:
 
 
 if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) == 3:  # `cpu_costs.py MODEL DRAFT`: that pair's cycle parts only
+        print(f"{sys.argv[1]} with {sys.argv[2]}:")
+        cycle_parts(sys.argv[1], sys.argv[2])
+        raise SystemExit
     print("per primitive (MLX CPU):")
     per_primitive()
     print("element-wise ops (MLX CPU):")
