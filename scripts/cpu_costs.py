@@ -17,7 +17,8 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from dflash_mac.capture import FeatureCapture
-from dflash_mac.decode import DecodeState, prefill, propose
+from dflash_mac.cycle import propose
+from dflash_mac.decode import DecodeState, prefill
 from dflash_mac.loading import load
 from dflash_mac.sampling import SamplingParams
 
