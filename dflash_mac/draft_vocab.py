@@ -25,9 +25,9 @@ from .errors import UserError
 from .pair import Pair
 from .platform import data_dir
 from .policy import model_key, slug
+from .prompts import STARTER_PROMPTS
 from .settings import MIN_DRAFT_VOCAB
 
-STARTER = Path(__file__).parent / "data" / "prompts" / "starter.jsonl"
 TOP_K = 32  # the target's top ids whose probability mass counts at each answer position
 MAX_TOKENS = 96  # per starter answer
 
@@ -79,7 +79,9 @@ def ranking_path(pair: Pair) -> Path:
     return data_dir() / "draft-vocab" / f"{slug(model_key(pair.model_id))}.npy"
 
 
-def target_counts(pair: Pair, prompts: Path = STARTER, max_tokens: int = MAX_TOKENS) -> np.ndarray:
+def target_counts(
+    pair: Pair, prompts: Path = STARTER_PROMPTS, max_tokens: int = MAX_TOKENS
+) -> np.ndarray:
     """Counts of the target's greedy answers to `prompts` plus its top-k mass at T 1 at every
     answer position (one forward over each prompt + answer)."""
     from .api import prompt_ids

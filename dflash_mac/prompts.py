@@ -12,6 +12,9 @@ from pathlib import Path
 
 from .errors import PromptError
 
+# 48 everyday code and chat asks, shipped: `train`'s default data, the draft vocabulary's count
+STARTER_PROMPTS = Path(__file__).parent / "data" / "prompts" / "starter.jsonl"
+
 
 @dataclass(frozen=True)
 class PromptRecord:

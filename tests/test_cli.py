@@ -50,7 +50,7 @@ def test_bad_input_is_one_sentence(tmp_path):
         (["chat", "--seed", "-1"], "--seed must be between 0 and 2**64 - 1 (got -1)."),
         (
             ["generate", "", "--ignore-chat-template"],
-            "the prompt is empty; give at least one token of text.",
+            "the prompt is empty; give the text to answer, or - to read it from stdin.",
         ),
         (
             [

@@ -56,7 +56,7 @@ STAGES = (
 GROUPS = {"v1": STAGES[:5], "all": STAGES}
 MEASURE = ("positions",)  # measurements of the built pair, run on their own
 
-console = Console()
+console = Console(log_path=False)
 
 
 def stage_corpus(out: Path, cache: Path) -> None:
@@ -180,6 +180,8 @@ def v1_drafter_args(out: Path, cache: Path) -> TrainingArgs:
         out_dir=out / "dflash",
         block_size=8,
         num_layers=1,
+        arch="dflash",
+        loss="ce",  # the v1 recipe, before the KL losses
         target_layer_ids=[1, 3, 5],  # full depth
         max_new_tokens=256,
         limit=600,

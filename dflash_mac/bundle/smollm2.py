@@ -37,7 +37,7 @@ from rich.console import Console
 from dflash_mac.bundle import corpus
 from dflash_mac.bundle.stages2 import shared_data
 
-console = Console(stderr=True)
+console = Console(stderr=True, log_path=False)
 CACHE = Path(".cache/smollm2")
 OUT = Path("models/smollm2_135m")
 # what a fresh machine must not recompute: the prompts and the target's answers as token ids

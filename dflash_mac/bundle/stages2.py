@@ -24,7 +24,7 @@ from rich.console import Console
 from dflash_mac.bundle import corpus
 from dflash_mac.bundle.tokenizer import write_token_streams
 
-console = Console()
+console = Console(log_path=False)
 RECOMMENDED_TEMP = 0.7  # the temperature the bundled pair is tuned and measured for
 V2 = {
     "tokens": 2_500_000,  # continued-pretraining tokens (~35 min on 2 quiet x86 cores)

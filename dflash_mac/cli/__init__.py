@@ -171,9 +171,12 @@ def _root(
 
 
 def read_prompt(prompt: str) -> str:
-    if prompt == "-":
-        return sys.stdin.read()
-    return prompt
+    """PROMPT, or stdin for -; an empty one is refused (a model answers it with filler)."""
+    text = sys.stdin.read() if prompt == "-" else prompt
+    if not text.strip():
+        where = "stdin was empty" if prompt == "-" else "the prompt is empty"
+        raise prompt_error(f"{where}; give the text to answer, or - to read it from stdin.")
+    return text
 
 
 def prompt_error(message: str) -> Exception:

@@ -24,11 +24,12 @@ class TrainingArgs:
     prompts: Path  # prompts JSONL the target answers
     out_dir: Path  # drafter folder written at the end (z-lab format)
     # drafter
-    block_size: int = 16  # trained block size
+    # the defaults are the recipe of the default pair's drafter (docs/training.md)
+    block_size: int = 8  # trained block size
     num_layers: int = 1  # drafter decoder layers
     target_layer_ids: list[int] | None = None  # None: uniform between layer 1 and L-3
     mask_token_id: int | None = None  # needed when the tokenizer has no <|mask|> token
-    arch: str = "dflash"  # "dflash" or "dflash2"
+    arch: str = "dflash2"  # "dflash" or "dflash2"
     intermediate_size: int | None = None  # drafter MLP width; None: the target's
     sliding_window: int | None = None  # windowed drafter attention
     # length and optimisation
@@ -59,9 +60,9 @@ class TrainingArgs:
     # run the frozen target once per sequence and keep its features on disk (`features.py`)
     cache_features: bool = False
     # loss (docs/training.md, "Losses"): ce | kl | mix of both
-    loss: str = "ce"
-    kl_temperatures: list[float] = field(default_factory=lambda: [1.0])
-    kl_weight: float = 0.5  # mix: (1 - w)·CE + w·KL
+    loss: str = "mix"
+    kl_temperatures: list[float] = field(default_factory=lambda: [0.7, 1.0])
+    kl_weight: float = 0.7  # mix: (1 - w)·CE + w·KL
     top_k_soft: int = 32  # soft labels: top-k of p_T + a tail bucket
     # draft over the K target ids most frequent in the target's answers (`vocab.py`); None:
     # the whole vocabulary

@@ -17,8 +17,18 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from ..prompts import STARTER_PROMPTS, read_prompt_file
 from .args import TrainError, TrainingArgs
 from .callback import StepReport, TrainingCallback
+
+FEW_PROMPTS = 500  # below this a drafter stays weak (docs/training.md, "How much data")
+
+
+def recipe(name: str) -> object:
+    """`TrainingArgs`' default for a field: the recipe lives there, the flags show it."""
+    f = TrainingArgs.__dataclass_fields__[name]
+    value = f.default_factory() if callable(f.default_factory) else f.default
+    return ",".join(map(str, value)) if isinstance(value, list) else value
 
 
 def train(
@@ -29,17 +39,21 @@ def train(
         help="Target model: pair name, local folder or Hugging Face id (mlx-lm).",
     ),
     data: Path = typer.Option(
-        ...,
+        STARTER_PROMPTS,
         "--data",
-        help='Prompts JSONL: {"messages": [...]} or '
-        '{"text"|"prompt": ...} per line; the target answers them.',
+        help='Prompts JSONL: {"messages": [...]} or {"text"|"prompt": ...} per line; the '
+        "target answers them. Default: the 48 shipped starter prompts (a first try; a useful "
+        "drafter needs thousands, docs/training.md).",
+        show_default=False,
     ),
     out: Path = typer.Option(..., "--out", "-o", help="Output drafter folder (z-lab format)."),
     force: bool = typer.Option(
         False, "--force", help="Overwrite the drafter already in --out (else refused)."
     ),
-    block_size: int = typer.Option(16, "--block-size", "-b", help="Trained block size."),
-    layers: int = typer.Option(1, "--layers", help="Drafter decoder layers."),
+    block_size: int = typer.Option(
+        recipe("block_size"), "--block-size", "-b", help="Trained block size."
+    ),
+    layers: int = typer.Option(recipe("num_layers"), "--layers", help="Drafter decoder layers."),
     target_layer_ids: str | None = typer.Option(
         None,
         "--target-layer-ids",
@@ -47,7 +61,7 @@ def train(
         "between layer 1 and L-3).",
     ),
     arch: str = typer.Option(
-        "dflash",
+        recipe("arch"),
         "--arch",
         help="Drafter architecture: dflash or dflash2 (convs + candidate selector, selector loss).",
     ),
@@ -80,17 +94,17 @@ def train(
         "each (0 = greedy; e.g. 0,0.7 for greedy and sampled answers).",
     ),
     loss: str = typer.Option(
-        "ce",
+        recipe("loss"),
         "--loss",
         help="ce (data tokens), kl (KL(p_T || q) to the target's soft labels) or mix.",
     ),
     kl_temperature: str = typer.Option(
-        "1.0",
+        recipe("kl_temperatures"),
         "--kl-temperature",
         help="Temperature(s) T of the KL targets p_T, comma-separated (averaged).",
     ),
     kl_weight: float = typer.Option(
-        0.5, "--kl-weight", help="Share of the KL in --loss mix: (1-w)·CE + w·KL."
+        recipe("kl_weight"), "--kl-weight", help="Share of the KL in --loss mix: (1-w)·CE + w·KL."
     ),
     top_k_soft: int = typer.Option(
         32, "--top-k-soft", help="Soft labels: top-k of p_T plus one tail bucket."
@@ -185,7 +199,8 @@ def train(
     args.check()
     from .trainer import train_drafter  # mlx-lm and the training code: after the checks
 
-    console = Console()
+    console = Console(log_path=False)  # lines without source-file tags
+    console.print(data_note(data))
     train_drafter(args, ProgressReporter(console))  # user errors: one sentence (cli.main)
     console.print(try_it(target, out, block_size))
 
@@ -208,7 +223,7 @@ class ProgressReporter(TrainingCallback):
         self.task: TaskID | None = None
 
     def log(self, message: str) -> None:
-        self.console.log(message, _stack_offset=2)  # show where the message comes from
+        self.console.log(message)
 
     def on_start(self, step: int, total: int, losses: list[float]) -> None:
         cols = [
@@ -253,6 +268,19 @@ class ProgressReporter(TrainingCallback):
     def on_end(self) -> None:
         if self.bar is not None:
             self.bar.stop()
+
+
+def data_note(data: Path) -> str:
+    """What --data holds, and whether it is enough for a drafter that pays."""
+    n = len(read_prompt_file(data))  # a bad line: one sentence, before the target loads
+    what = "the shipped starter prompts" if data == STARTER_PROMPTS else str(data)
+    note = f"--data: {what}, {n} prompts."
+    if n < FEW_PROMPTS:
+        note += (
+            " Enough to try the pipeline; a drafter that pays needs thousands "
+            '(docs/training.md, "How much data").'
+        )
+    return note
 
 
 def floats(text: str, flag: str) -> list[float]:

@@ -72,15 +72,26 @@ class Cli:
     command: str
     env: dict[str, str]
 
-    def __call__(self, *args: str, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
+    def __call__(
+        self, *args: str, timeout: float = TIMEOUT_S, stdin: str = ""
+    ) -> subprocess.CompletedProcess:
         return subprocess.run(
             [self.command, *args],
             env=self.env,
             capture_output=True,
             text=True,
             timeout=timeout,
-            stdin=subprocess.DEVNULL,
+            input=stdin,
         )
+
+
+def one_error(res: subprocess.CompletedProcess) -> str:
+    """The one sentence of a command that failed as it should: exit 1, one stderr line."""
+    assert "Traceback" not in res.stderr, res.stderr
+    assert res.returncode == 1, res.stderr
+    [line] = res.stderr.strip().splitlines()
+    assert line.startswith("error: "), line
+    return line.removeprefix("error: ")
 
 
 @pytest.fixture(scope="module")

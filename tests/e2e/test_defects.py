@@ -13,20 +13,11 @@ import ollama
 import openai
 import pytest
 
-from .conftest import Cli, Server, free_port, start_serve
+from .conftest import Cli, Server, free_port, one_error, start_serve
 
 pytestmark = pytest.mark.slow  # starts the installed command in subprocesses
 
 NO_SWITCH = "this model's chat template has no thinking switch; --reasoning on is not supported."
-
-
-def one_error(res: subprocess.CompletedProcess) -> str:
-    """The one sentence of a command that failed as it should: exit 1, one stderr line."""
-    assert "Traceback" not in res.stderr, res.stderr
-    assert res.returncode == 1, res.stderr
-    [line] = res.stderr.strip().splitlines()
-    assert line.startswith("error: "), line
-    return line.removeprefix("error: ")
 
 
 def start_server(cli: Cli, log: Path, *extra: str) -> Server:
