@@ -88,7 +88,7 @@ def make_config(
     logit_bias: dict[int, float] | None = None,
     logprobs: int | None = None,
     json_schema: dict | Grammar | None = None,
-    copy: bool = True,
+    copy: bool | None = None,
     tree: int | None = None,
 ) -> GenerationConfig:
     """Validated per-request settings (PromptError with one sentence on bad input).
@@ -96,7 +96,8 @@ def make_config(
     `logprobs`: each committed token's log-probability and the top `logprobs` (0..20) on the
     events; `json_schema`: the answer is JSON valid against this schema (a dict, or a grammar
     compiled once with `constraints.json_grammar`); `copy`: copy drafting where the last tokens
-    repeat earlier text (`copydraft.py`); `tree`: tree drafting (`tree.py`): None lets `auto`
+    repeat earlier text (`copydraft.py`; None: on unless `block_size` is 1, plain decoding;
+    True at 1: copies and plain steps only); `tree`: tree drafting (`tree.py`): None lets `auto`
     weigh trees, 0 drafts chains only, N drafts trees of N nodes."""
     chosen = isinstance(block_size, BlockChoice)  # already resolved against the pair
     sp, pen = check_request(

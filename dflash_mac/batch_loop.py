@@ -329,7 +329,7 @@ class BatchEngine:
             return
         self.prefilling.remove(r)
         cfg = r.cfg
-        if cfg.copy and cfg.penalties is None and r.con is None:  # as alone (cycle.py)
+        if cfg.copies and cfg.penalties is None and r.con is None:  # as alone (cycle.py)
             r.index = CopyIndex(r.ids)
         r.anchor, lps = first_token(
             last, r.ids, cfg.sampling, r.key(), cfg.penalties, r.con, cfg.logprobs

@@ -43,8 +43,17 @@ class GenerationConfig:
     penalties: Penalties | None = None  # None: no penalties, no cost
     logprobs: int | None = None  # None: none; k: each committed token's and the top k
     grammar: Grammar | None = None  # structured output (constraints.py); None: free text
-    copy: bool = True  # copy drafting where the last tokens repeat earlier text (copydraft.py)
+    # copy drafting where the last tokens repeat earlier text (copydraft.py); None: on, but
+    # not at a fixed block of 1, which is plain decoding (True there: copies only)
+    copy: bool | None = None
     tree: int | None = None  # tree drafting (tree.py): None `auto`, 0 chains only, N nodes
+
+    @property
+    def copies(self) -> bool:
+        """Copy drafting runs: asked for, or by default unless the blocks are plain decoding."""
+        if self.copy is not None:
+            return self.copy
+        return not (self.block is not None and self.block.plain)
 
 
 @dataclass
@@ -192,7 +201,7 @@ def speculative_stream(
     gathered = mirror.features if mirror is not None else None  # pipeline stages gather
     capture = FeatureCapture(pair.target, pair.layer_ids, queue=queues_layers(), features=gathered)
     with capture as cap, state.rollback.hooks(), mx.stream(generation_stream), request_end(mirror):
-        pen, asks = cfg.penalties, (cfg.logprobs, cfg.grammar, cfg.copy)
+        pen, asks = cfg.penalties, (cfg.logprobs, cfg.grammar, cfg.copies)
         pipe = CyclePipeline(
             pair, state, cap, sp, size, pen, cfg.seed, cfg.pipeline, *asks, tree=budget,
             graft=graft if plan else None, copy_len=copy_len if plan else None,
@@ -224,7 +233,8 @@ def speculative_stream(
             text = out.push(r.committed, cfg.max_tokens)
             reason = plan.last.reason if plan else ""
             copied = c.copied or r.accepted > r.drafted  # a grafted copy's branch won
-            rec.cycle(c.bs, r.accepted + 1, r.host, reason, pipe.ctx.rows, copied, c.budget)
+            width = c.drafts.shape[0] + 1  # a tree's or a graft's nodes, anchor in
+            rec.cycle(c.bs, r.accepted + 1, r.host, reason, pipe.ctx.rows, copied, c.budget, width)
             stats = rec.snapshot(out.count)
             lps = r.logprobs and r.logprobs[: out.count - before]  # the tokens kept
             yield GenerationEvent(

@@ -46,6 +46,11 @@ class BlockChoice:
         """ "8", or "auto ≤8"."""
         return f"{AUTO} ≤{self.size}" if self.auto else str(self.size)
 
+    @property
+    def plain(self) -> bool:
+        """A fixed block of 1: plain decoding, nothing drafted (not even copies)."""
+        return self.size == 1 and not self.auto
+
 
 def quantized_default(trained: int, entry: PairEntry | None) -> int:
     """The default block of a quantized pair: the registry's figure, else min(5, trained)."""

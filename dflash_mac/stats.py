@@ -84,6 +84,7 @@ class DecodeStats:
     collective_ms_per_cycle: float = 0.0  # that many all_sums, timed by a start-up probe
     copied: tuple[bool, ...] = ()  # per cycle: its drafts were copied (copydraft.py)
     trees: tuple[int, ...] = ()  # per cycle: its tree's node budget (0: a chain; tree.py)
+    widths: tuple[int, ...] = ()  # per cycle: positions its verify checked (anchor + drafts)
 
     @property
     def tau(self) -> float:
@@ -155,11 +156,17 @@ class DecodeStats:
 
     @property
     def block_mix(self) -> str:
-        """How often each block size ran, e.g. "1×12 5×3 8×20"."""
+        """How often each drafter block size ran, e.g. "1×12 5×3 8×20" (1: a plain step;
+        copies apart: their width is the copy's)."""
         counts: dict[int, int] = {}
-        for b in self.block_sizes:
+        for b in self.drafter_cycles()[1] or []:
             counts[b] = counts.get(b, 0) + 1
         return " ".join(f"{b}×{n}" for b, n in sorted(counts.items()))
+
+    @property
+    def widest_verify(self) -> int:
+        """The most positions one verify pass checked: a block, a copy or a tree, anchor in."""
+        return max(self.widths or self.block_sizes or (1,))
 
     @property
     def histogram(self) -> list[int]:
@@ -218,6 +225,7 @@ class DecodeStats:
             "tree_cycles": self.tree_cycles,
             "tree_tau": self.tree_tau,
             "tree_budgets": self.tree_mix,
+            "widest_verify": self.widest_verify,
             **(
                 {
                     "ranks": self.ranks,
@@ -257,6 +265,7 @@ class StatsRecorder:
         self.sizes: list[int] = []
         self.copied: list[bool] = []
         self.trees: list[int] = []
+        self.widths: list[int] = []
         self.reason, self.host, self.context = "", 0.0, 0
 
     def prefilled(self) -> None:
@@ -273,9 +282,13 @@ class StatsRecorder:
         context: int,
         copied: bool = False,
         tree: int = 0,
+        width: int = 0,
     ) -> None:
+        """One cycle: its block size, what it committed, and `width`, the positions its verify
+        checked (a tree's nodes or a graft's; 0: `bs`)."""
         self.lengths.append(committed)
         self.sizes.append(bs)
+        self.widths.append(width or bs)
         self.copied.append(copied)
         self.trees.append(tree)
         self.reason, self.context = reason, context
@@ -288,6 +301,7 @@ class StatsRecorder:
             block_sizes=tuple(self.sizes),
             copied=tuple(self.copied),
             trees=tuple(self.trees),
+            widths=tuple(self.widths),
             block_reason=self.reason,
             host_time=self.host,
             draft_context=self.context,

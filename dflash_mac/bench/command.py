@@ -220,7 +220,7 @@ def bench_command(
     ),
     draft_bits: int | None = options.DRAFT_BITS,
     draft_vocab: int | None = options.DRAFT_VOCAB,
-    copy: bool = options.COPY,
+    copy: bool | None = options.COPY,
     tree_budget: str = options.TREE_BUDGET,  # parsed: int | None
     reasoning: str | None = typer.Option(
         None,

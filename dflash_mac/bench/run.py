@@ -53,7 +53,7 @@ class BenchConfig:
     cooldown: float = 0.0
     warmup_tokens: int = 16
     seeded_dflash: bool = False  # sampled DFlash runs seeded too (auto then relearns each run)
-    copy: bool = True  # copy drafting in the DFlash runs
+    copy: bool | None = None  # copy drafting in the DFlash runs (None: not at block 1)
     tree: int | None = None  # tree drafting (None: `auto` weighs trees; 0 chains; N nodes)
 
     @property

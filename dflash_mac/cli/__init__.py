@@ -260,7 +260,7 @@ def generate(
     max_kv_size: int | None = options.MAX_KV_SIZE,
     draft_bits: int | None = options.DRAFT_BITS,
     draft_vocab: int | None = options.DRAFT_VOCAB,
-    copy: bool = options.COPY,
+    copy: bool | None = options.COPY,
     tree_budget: str = options.TREE_BUDGET,  # parsed: int | None
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print statistics after the text."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),

@@ -44,10 +44,12 @@ DRAFT_VOCAB = typer.Option(
     "output unchanged). A drafter trained with one keeps its first K.",
 )
 COPY = typer.Option(
-    True,
+    None,
     "--copy/--no-copy",
     help="Copy drafting: where the last tokens repeat earlier text, draft what followed there "
-    "(no drafter pass; edits and refactors repeat a lot).",
+    "(no drafter pass; edits and refactors repeat a lot). On by default, except at "
+    "--block-size 1, which is plain decoding; --copy there copies without the drafter.",
+    show_default=False,
 )
 
 

@@ -158,6 +158,19 @@ def distributed_line(s: Any) -> str:
     )
 
 
+def blocks_line(s: Any) -> str:
+    """What the cycles verified, named: drafter blocks (1: a plain step), copies, trees, and
+    the widest verify pass, which copies and trees make wider than the block."""
+    if s.widest_verify <= 1:
+        return f"plain decoding: {s.cycles} target steps, nothing drafted"
+    parts = [f"{s.block_mix or 'none'} (drafter block size×cycles; 1 = a plain step)"]
+    if s.copy_cycles:
+        parts.append(f"copies {s.copy_cycles} cycles, {s.copy_tokens} tok (text repeated)")
+    if s.tree_cycles:
+        parts.append(f"trees {s.tree_mix} (nodes×cycles), τ {s.tree_tau:.2f}")
+    return " · ".join(parts) + f" · widest verify {s.widest_verify} positions"
+
+
 def print_stats(pair: Pair, result: GenerationResult, console: Console = err) -> None:
     from dflash_mac.platform import blas_in_use, device_name
 
@@ -181,12 +194,10 @@ def print_stats(pair: Pair, result: GenerationResult, console: Console = err) ->
         f"τ {s.tau:.2f} over {s.cycles} cycles · block {s.block_label} · "
         f"finish {result.finish_reason}"
     )
+    console.print(f"[dim]blocks[/] {blocks_line(s)}")
     console.print(
-        f"[dim]blocks[/] {s.block_mix} (size×cycles) · host {s.host_ms_per_cycle:.2f} ms/cycle"
-        f" · drafter context {s.draft_context} positions"
-        + (f" · copies {s.copy_cycles} cycles, {s.copy_tokens} tok" if s.copy_cycles else "")
-        + (f" · trees {s.tree_mix} (nodes×cycles), τ {s.tree_tau:.2f}" if s.tree_cycles else "")
-        + (f" · auto: {s.block_reason}" if s.auto else "")
+        f"[dim]host[/] {s.host_ms_per_cycle:.2f} ms/cycle · drafter context {s.draft_context} "
+        "positions" + (f" · auto: {s.block_reason}" if s.auto else "")
     )
     console.print(
         f"[dim]drafter[/] {pair.kind} · kernels {kernels} · {device_name()} · "

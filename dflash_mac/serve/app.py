@@ -65,7 +65,7 @@ def create_app(
     cors_origins: tuple[str, ...] = LOOPBACK_ORIGINS,
     max_kv_size: int | None = None,
     prompt_cache_disk_bytes: int = 0,
-    copy: bool = True,
+    copy: bool | None = None,
     tree: int | None = None,
     max_batch: int = 1,
 ) -> Starlette:

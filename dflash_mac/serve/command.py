@@ -290,7 +290,7 @@ def serve(
     ),
     chat_template: str | None = options.CHAT_TEMPLATE,  # the file's text
     max_kv_size: int | None = options.MAX_KV_SIZE,
-    copy: bool = options.COPY,
+    copy: bool | None = options.COPY,
     tree_budget: str = options.TREE_BUDGET,  # parsed: int | None
     cors_origins: str | None = typer.Option(
         None,

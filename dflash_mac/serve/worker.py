@@ -91,7 +91,7 @@ class Worker:
         session: Session,
         block: BlockChoice | None = None,
         max_queue: int = 8,
-        copy: bool = True,
+        copy: bool | None = None,
         tree: int | None = None,
         max_batch: int = 1,
     ):

@@ -56,3 +56,37 @@ def test_train_defaults_are_the_recommended_recipe(cli, tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["block_size"] == 8 and cfg["architectures"] == ["DFlash2DraftModel"], cfg
     assert cfg["dflash_training"]["loss"] == "mix", cfg["dflash_training"]
+
+
+REPEATS = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\ndef add("
+
+
+def generate_json(cli, *args: str) -> dict:
+    res = cli("generate", REPEATS, "--ignore-chat-template", "-n", "40", "--json", *args)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def test_block_size_1_is_plain_decoding(cli):
+    """`-b 1` ran copy cycles (`blocks 1×34 9×1 · copies 1 cycles`) though --help says plain
+    decoding; now every cycle is one target step, as with --no-copy, and -v says so."""
+    plain = generate_json(cli, "-b", "1")
+    assert plain["copy_cycles"] == 0 and set(plain["block_sizes"]) == {1}
+    assert plain["widest_verify"] == 1
+    assert plain["tokens"] == generate_json(cli, "-b", "1", "--no-copy")["tokens"]
+    shown = cli("generate", REPEATS, "--ignore-chat-template", "-n", "40", "-b", "1", "-v")
+    assert "blocks plain decoding: " in shown.stderr, shown.stderr
+    asked = generate_json(cli, "-b", "1", "--copy")  # said outright: copies, no drafter
+    assert asked["copy_cycles"] > 0 and asked["tokens"] == plain["tokens"]
+
+
+def test_copies_are_named_with_the_widest_verify(cli):
+    """The control: at -b 4 this prompt copies, and copies verify more positions than the
+    block; -v names them and gives the widest verify instead of mixing them into the blocks."""
+    drafted = generate_json(cli, "-b", "4")
+    assert drafted["copy_cycles"] > 0 and drafted["widest_verify"] > 4
+    shown = cli("generate", REPEATS, "--ignore-chat-template", "-n", "40", "-b", "4", "-v")
+    line = next(x for x in shown.stderr.splitlines() if x.startswith("blocks "))
+    assert "copies " in line and f"widest verify {drafted['widest_verify']} positions" in line
+    mix = line.removeprefix("blocks ").split(" (")[0]
+    assert all(int(b.split("×")[0]) <= 4 for b in mix.split()), line  # the drafter's blocks
