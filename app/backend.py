@@ -55,6 +55,12 @@ class EngineInfo:
     block_size: int
     kernels: str
     reasoning: bool  # the chat template has an on/off thinking switch
+    auto: bool = False  # `--block-size auto`: block_size is the most it picks
+
+    @property
+    def block(self) -> str:
+        """ "8", or "auto ≤8": what the blocks will be before the first answer says more."""
+        return f"auto ≤{self.block_size}" if self.auto else str(self.block_size)
 
 
 def turn_stats(stats: DecodeStats, finish: str | None) -> dict:
@@ -72,12 +78,13 @@ def turn_stats(stats: DecodeStats, finish: str | None) -> dict:
 
 
 def block_label(stats: Any) -> str:
-    """The panel's block row: the fixed size, or auto with the last choice and why."""
+    """The panel's block row: the fixed size, or auto with its last choice (1: plain target
+    steps); why it chose is `auto_reason`'s row."""
     if not getattr(stats, "auto", False):
         return str(stats.block_size)
     sizes = getattr(stats, "block_sizes", ())
-    last = f": {sizes[-1]} ({stats.block_reason})" if sizes else ""
-    return f"auto ≤{stats.block_size}{last}"
+    now = "" if not sizes else " · now plain steps" if sizes[-1] == 1 else f" · now {sizes[-1]}"
+    return f"auto ≤{stats.block_size}{now}"
 
 
 @dataclass(frozen=True)
@@ -257,6 +264,7 @@ def load_backend(opts: ChatOptions, status: Status | None = None) -> Backend:
         block_size=prepared.block.size,
         kernels=kernels_name(),
         reasoning=has_thinking_switch(pair.tokenizer),
+        auto=prepared.block.auto,
     )
     session = Session(pair, tuning=load_tuning(pair), max_kv_size=opts.max_kv_size)
     return Backend(

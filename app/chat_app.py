@@ -287,7 +287,7 @@ class ChatApp(ChatCommands, App):
         self.backend = message.backend
         info = self.backend.info
         self.panel.set_info(info, self.reasoning_label)
-        self.set_status(f"Ready · {info.kind} · block {info.block_size}")
+        self.set_status(f"Ready · {info.kind} · block {info.block}")
         for w in self.backend.warnings:
             self.notify(w, severity="warning", timeout=10)
         self.warm_up()

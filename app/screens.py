@@ -29,8 +29,11 @@ KEYS = [
 ]
 ABOUT = """\
 The side panel shows, every decode cycle, the acceptance histogram (tokens committed per
-cycle, 1..block size), τ (their mean), the decode speed and the speed-up over the target's
-plain decode speed (measured at start-up). The line under each answer counts its prefill:
+drafting cycle, 1..block size), τ (their mean) and the decode speed. With `auto` blocks its
+block row gives the size chosen now and why: "plain steps" are one-token target steps, chosen
+where the costs measured on this machine say drafting would be slower than plain decoding.
+For the speed-up over plain decoding, `dflash-mac bench` times both back to back. The line
+under each answer counts its prefill:
 *new* tokens ran through the model, *cached* ones were reused from earlier turns.
 Chats are saved in SQLite under the data directory (`DFLASH_MAC_HOME` overrides it)."""
 

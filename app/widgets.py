@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import textwrap
+
 from rich.text import Text
 from textual import events
 from textual.app import ComposeResult
@@ -69,13 +71,13 @@ class ChatMarkdown(Markdown):
 
 
 def turn_line(stats: dict) -> str:
-    """`412 tok · 96 tok/s · τ 4.6 · prefill 35 new + 120 cached` (a `speedup` stored by
+    """`412 tok · 96.4 tok/s · τ 4.6 · prefill 35 new + 120 cached` (a `speedup` stored by
     older versions is not shown: backend.turn_stats says why)."""
     if "tokens" not in stats:  # failed before the first token
         return ""
     new = stats.get("prompt", 0) - stats.get("cached", 0)
     line = (
-        f"{stats['tokens']} tok · {stats['tps']:.0f} tok/s · τ {stats['tau']:.1f}"
+        f"{stats['tokens']} tok · {stats['tps']:.1f} tok/s · τ {stats['tau']:.1f}"
         f" · prefill {new} new + {stats.get('cached', 0)} cached"
     )
     finish = stats.get("finish")
@@ -266,7 +268,8 @@ class HistogramPanel(Widget):
                 "prefill",
                 f"{s.prompt_tokens - s.cached_tokens} new + {s.cached_tokens} cached" if s else "–",
             ),
-            ("block", block_label(s) if s else str(bs or "–")),
+            ("block", block_label(s) if s else info.block if info else "–"),
+            *([("why", s.block_reason)] if s and s.auto and s.block_reason else []),
             *(
                 [("drafting", f"{s.draft_cycles} of {s.cycles} cycles")]
                 if s and s.plain_steps
@@ -291,8 +294,10 @@ class HistogramPanel(Widget):
                     f"{s.collectives_per_cycle}/cycle · {s.collective_ms_per_cycle:.1f} ms",
                 ),
             ]
+        room = self.content_size.width - 10  # a long value wraps under itself, not the names
         for name, value in rows:
             out.append(f"{name:<10}", style="dim")
-            out.append(value + "\n")
+            lines = textwrap.wrap(value, room) if room >= 12 and len(value) > room else [value]
+            out.append(("\n" + " " * 10).join(lines) + "\n")
         out.rstrip()
         return out

@@ -357,6 +357,11 @@ class Decision:
     tree: int = 0  # a drafting cycle's tree budget (0: a chain of `size`)
 
 
+def pace(size: int, rates: dict[int, float]) -> str:
+    """Why `auto` chose, in words a user reads (`-v`, the chat panel)."""
+    return f"block {size} expected at {rates[size]:.2f}× plain speed"
+
+
 class BlockController:
     """Chooses each cycle's block size (1..bs_max); see the module docstring."""
 
@@ -536,18 +541,18 @@ class BlockController:
             if rates[cur] > rates[1] * (1 + self.RESUME * self.hysteresis):
                 self.fallback = False
                 self.interval = self.probe_base
-                self.last = Decision(cur, f"drafting pays again ({rates[cur]:.2f}×)", rates)
+                self.last = Decision(cur, f"drafting pays again: {pace(cur, rates)}", rates)
             else:
                 self.countdown -= 1
                 if self.countdown <= 0:
                     self.last = Decision(cur, f"probing block {cur}", rates)
                 else:
-                    self.last = Decision(1, f"drafting does not pay ({rates[cur]:.2f}×)", rates)
+                    self.last = Decision(1, f"drafting does not pay: {pace(cur, rates)}", rates)
         elif rates[cur] < rates[1] * (1 - self.hysteresis):
             self.fallback = True
             self.acc.boost = 0.0  # the guess kept drafting on until the evidence spoke
             self.interval = self.countdown = self.probe_base
-            self.last = Decision(1, f"drafting does not pay ({rates[cur]:.2f}×)", rates)
+            self.last = Decision(1, f"drafting does not pay: {pace(cur, rates)}", rates)
         elif (near := self.untimed_neighbour(rates)) is not None:
             self.last = Decision(near, f"timing block {near} (close to {cur})", rates)
         else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 from chat_fakes import ANSWER, FakeSession, fake_backend
@@ -164,7 +165,7 @@ async def test_streams_answer_with_stats_and_histogram():
         assert panel.stats.tau == pytest.approx(4.0)
         # 17 tokens, 80 tok/s, τ 4.0; the first turn has nothing cached.
         assert stats_text(widget) == (
-            f"17 tok · 80 tok/s · τ 4.0 · prefill {panel.stats.prompt_tokens} new + 0 cached"
+            f"17 tok · 80.0 tok/s · τ 4.0 · prefill {panel.stats.prompt_tokens} new + 0 cached"
         )
         saved = app.store.messages(app.chat_id)
         assert [m.role for m in saved] == ["user", "assistant"]
@@ -632,3 +633,45 @@ def test_no_speedup_over_a_plain_rate_timed_at_another_moment():
     old = {**stats, "speedup": 0.27}
     assert "×" not in turn_line(old) and turn_line(old) == turn_line(stats)
     assert not hasattr(backend, "measure_plain_tps")  # loading times no plain decode
+
+
+class NarrowPanelApp(App):
+    """The side panel alone, 32 columns wide (as beside a 100-column chat)."""
+
+    def compose(self) -> ComposeResult:
+        panel = HistogramPanel()
+        panel.styles.width = 32
+        yield panel
+
+
+@pytest.mark.anyio
+async def test_the_panel_names_auto_blocks_and_explains_plain_steps():
+    """Issue 55: before the first answer an `auto` engine's panel said "block 8"; after one,
+    "auto ≤8: 1 (drafting does not pay (0.75×))" wrapped into the label column unexplained."""
+    from dflash_mac.app.backend import EngineInfo
+
+    async with NarrowPanelApp().run_test() as pilot:
+        panel = pilot.app.query_one(HistogramPanel)
+        panel.set_info(EngineInfo("m", "DFlash", 8, "reference", False, auto=True))
+        await pilot.pause()
+        assert "block     auto ≤8" in str(panel.render_panel())
+        why = "drafting does not pay: block 8 expected at 0.75× plain speed"
+        stats = DecodeStats(8, acceptance_lengths=(1, 1), block_sizes=(8, 1), auto=True)
+        panel.show(replace(stats, block_reason=why))
+        await pilot.pause()
+        lines = str(panel.render_panel()).splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("why       "))
+    said = [lines[start][10:]]
+    for line in lines[start + 1 :]:
+        if not line.startswith(" " * 10):
+            break
+        said.append(line[10:])
+    assert len(said) > 1 and " ".join(said) == why  # wrapped under its value, whole
+    assert all(len(line) <= 32 for line in lines)
+    assert "block     auto ≤8 · now plain" in lines[start - 1] + lines[start - 2]
+
+
+def test_the_line_under_an_answer_keeps_one_decimal():
+    assert turn_line({"tokens": 19, "tps": 9.5, "tau": 1.0, "prompt": 4}).startswith(
+        "19 tok · 9.5 tok/s"
+    )

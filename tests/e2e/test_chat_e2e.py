@@ -28,7 +28,7 @@ pytestmark = [
 
 CLI = Path(sys.executable).with_name("dflash-mac")
 STATS = re.compile(
-    r"(\d+) tok · \d+ tok/s · τ [\d.]+ · prefill (\d+) new \+ (\d+) "
+    r"(\d+) tok · \d+\.\d tok/s · τ [\d.]+ · prefill (\d+) new \+ (\d+) "
     r"cached( · stopped)?"
 )
 
@@ -180,4 +180,22 @@ def test_chat_template_file_builds_the_prompt(terminal, tmp_path):
     term.ask("hi")
     screen = term.wait(lambda s: stats_lines(s) and "Ready." in s, "the reply", timeout=45)
     assert int(stats_lines(screen)[-1].group(2)) == want
+    assert term.quit() == 0
+
+
+def test_chat_says_what_its_blocks_are_and_what_its_numbers_mean(terminal):
+    """Issue 55: before the first answer the panel said "block 8" while `auto ≤8` ran, F1
+    promised a speed-up "measured at start-up" that no longer exists, and the line under an
+    answer rounded 9.5 tok/s to 10 (its pattern, `STATS`, wants one decimal now)."""
+    term = terminal(8)
+    screen = term.screen()
+    assert "block auto ≤" in screen  # the status line
+    assert re.search(r"block\s+auto ≤\d", screen), screen  # the panel, before any answer
+    term.keys("F1")
+    helped = term.wait(lambda s: "back to back" in s, "the help screen")
+    assert "measured at start-up" not in helped and "bench" in helped, helped
+    term.keys("F1")  # closes it (a lone Escape waits for tmux's escape-time)
+    term.wait(lambda s: "back to back" not in s, "the help screen to close")
+    term.ask("class Stack:")
+    term.wait(lambda s: stats_lines(s) and "Ready." in s, "the reply", timeout=45)
     assert term.quit() == 0
