@@ -26,6 +26,7 @@ from dflash_mac.platform import data_dir
 
 from .cors import LOOPBACK_ORIGINS, parse_origins
 from .requestlog import log as request_log
+from .tools import ToolSupport
 
 
 def pid_name(port: int) -> str:
@@ -221,7 +222,8 @@ def server_url(host: str, port: int) -> str:
 
 
 def announce(prepared, name: str, url: str, log_path: Path) -> None:
-    """What is served where: a log line and one line on the terminal."""
+    """What is served where: a log line and one line on the terminal (two when the model
+    cannot call tools, which agents need)."""
     pair = prepared.pair
     logging.getLogger("dflash_mac.serve").info(
         "serving %s + %s at %s (block %s, pid %d)",
@@ -236,6 +238,8 @@ def announce(prepared, name: str, url: str, log_path: Path) -> None:
         highlight=False,
         soft_wrap=True,
     )
+    if problem := ToolSupport.of(pair.tokenizer).problem():
+        err.print(f"no tool calls: {problem}", highlight=False, soft_wrap=True)
 
 
 def serve(

@@ -1,5 +1,6 @@
 """One log line per HTTP request (method, route, status, and for a generation its tokens,
-tok/s and τ), written when the response has ended, streamed ones included.
+tok/s and τ; for an error the sentence the client got), written when the response has ended,
+streamed ones included.
 
 Levels say who cares: DEBUG for the routes launchers poll, WARNING for a client's error
 (4xx), ERROR for the server's (5xx), INFO for the rest; `serve --log-level` picks what the
@@ -7,6 +8,7 @@ terminal shows (command.py)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Any
@@ -26,8 +28,28 @@ def level_of(path: str, status: int) -> int:
     return logging.DEBUG if path in POLLED else logging.INFO
 
 
-def request_line(method: str, path: str, status: int, result: dict | None, seconds: float) -> str:
-    """`POST /v1/chat/completions 200 · 64 tok · 95.3 tok/s · τ 3.41 · 0.71 s`."""
+def error_message(body: bytes) -> str | None:
+    """The sentence of an error body: OpenAI's and Anthropic's `error.message`, Ollama's
+    `error` string, else None."""
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return None
+    if isinstance(error, dict):
+        error = error.get("message")
+    return error if isinstance(error, str) and error else None
+
+
+def request_line(
+    method: str,
+    path: str,
+    status: int,
+    result: dict | None,
+    seconds: float,
+    error: str | None = None,
+) -> str:
+    """`POST /v1/chat/completions 200 · 64 tok · 95.3 tok/s · τ 3.41 · 0.71 s`, or for an
+    error `POST /v1/chat/completions 400 · 0.00 s · <the sentence the client got>`."""
     parts = [f"{method} {path} {status}"]
     if result:
         d = result["dflash"]
@@ -39,6 +61,8 @@ def request_line(method: str, path: str, status: int, result: dict | None, secon
         if result["finish_reason"] not in ("stop", "length"):
             parts.append(str(result["finish_reason"]))
     parts.append(f"{seconds:.2f} s")
+    if error:
+        parts.append(error)
     return " · ".join(parts)
 
 
@@ -54,11 +78,14 @@ class RequestLog:
             return
         began, status = time.perf_counter(), 500  # 500: the app raised before answering
         state: dict[str, Any] = scope.setdefault("state", {})
+        body = bytearray()  # an error's body, for its sentence (errors are small JSON)
 
         async def sending(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+            elif message["type"] == "http.response.body" and status >= 400 and len(body) < 8192:
+                body.extend(message.get("body", b""))
             await send(message)
 
         try:
@@ -67,5 +94,9 @@ class RequestLog:
             path = scope["path"]
             job = state.get(JOB)
             result = getattr(job, "result", None)
-            line = request_line(scope["method"], path, status, result, time.perf_counter() - began)
+            seconds, error = (
+                time.perf_counter() - began,
+                error_message(bytes(body)) if body else None,
+            )
+            line = request_line(scope["method"], path, status, result, seconds, error)
             log.log(level_of(path, status), line)

@@ -140,6 +140,9 @@ class Routes:
             "draft": str(pair.draft_id),
             "drafter": pair.kind,
             "block_size": self.settings.block.size,
+            # agents and editors read this before they send tools (a 400 otherwise)
+            "tool_calls": self.tool_support.problem() is None,
+            **({"tool_calls_problem": p} if (p := self.tool_support.problem()) else {}),
         }
 
     async def models(self, request: Request) -> Response:

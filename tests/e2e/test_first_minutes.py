@@ -90,3 +90,35 @@ def test_copies_are_named_with_the_widest_verify(cli):
     assert "copies " in line and f"widest verify {drafted['widest_verify']} positions" in line
     mix = line.removeprefix("blocks ").split(" (")[0]
     assert all(int(b.split("×")[0]) <= 4 for b in mix.split()), line  # the drafter's blocks
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def test_serve_says_its_model_cannot_call_tools(server):
+    """The tiny pair's template, like the default SmolLM2's, takes no tools: the start-up
+    output says so, /v1/models says so with the reason, and the 400 a tool request gets is
+    in the log with its sentence (it logged only "400 · 0.00 s")."""
+    import httpx
+    import openai
+
+    said = "this model's chat template does not take tools"
+    assert f"no tool calls: {said}" in server.output()
+    [card] = httpx.get(server.root + "/v1/models", timeout=10).json()["data"]
+    assert card["tool_calls"] is False and said in card["tool_calls_problem"]
+    client = openai.OpenAI(base_url=server.root + "/v1", api_key="x", max_retries=0)
+    user = [{"role": "user", "content": "Weather in Paris?"}]
+    with pytest.raises(openai.BadRequestError, match=said):
+        client.chat.completions.create(model="m", messages=user, tools=[WEATHER])
+    bad = httpx.post(server.root + "/v1/chat/completions", json={"messages": "hi"}, timeout=10)
+    assert bad.status_code == 400
+    logged = [x for x in server.output().splitlines() if "POST /v1/chat/completions 400" in x]
+    assert len(logged) == 2 and said in logged[0], logged
+    assert bad.json()["error"]["message"] in logged[1]
