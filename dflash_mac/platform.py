@@ -22,6 +22,21 @@ def find_openblas() -> str | None:
     return next((p for p in OPENBLAS_CANDIDATES if Path(p).exists()), None)
 
 
+OPENBLAS_INSTALL = "sudo apt-get install libopenblas0-pthread"  # Debian / Ubuntu
+
+
+def slow_blas_note() -> str | None:
+    """One line for a Linux machine without OpenBLAS (MLX's CPU wheel then runs its reference
+    BLAS: decoding about half as fast, and `auto` rarely finds drafting worth it); None where
+    OpenBLAS is there, on macOS, or when DFLASH_MAC_BLAS=reference asks for the reference."""
+    if sys.platform != "linux" or find_openblas() or os.environ.get("DFLASH_MAC_BLAS"):
+        return None
+    return (
+        "MLX runs on its slow reference BLAS here (about half the decode speed; drafting rarely "
+        f"pays): install OpenBLAS with `{OPENBLAS_INSTALL}`."
+    )
+
+
 def blas_in_use() -> str:
     """Which BLAS this process runs MLX's CPU matmuls on."""
     if sys.platform == "darwin":

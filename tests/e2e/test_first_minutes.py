@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from .conftest import one_error
+from .conftest import Cli, installed_command, one_error, user_env
 
 pytestmark = pytest.mark.slow  # starts the installed command in subprocesses
 
@@ -122,3 +122,15 @@ def test_serve_says_its_model_cannot_call_tools(server):
     logged = [x for x in server.output().splitlines() if "POST /v1/chat/completions 400" in x]
     assert len(logged) == 2 and said in logged[0], logged
     assert bad.json()["error"]["message"] in logged[1]
+
+
+def test_the_first_auto_run_says_its_cost_curve_in_one_short_line(tmp_path):
+    """A ~250-character "saved the cost curve … sha256_…json" line came before the answer;
+    now one short line, the file's path only under -v (without -v: test_commands.py)."""
+
+    cli = Cli(installed_command(), user_env(tmp_path / "home", measured=False))
+    res = cli("generate", "hi", "-n", "2", "-v")
+    assert res.returncode == 0, res.stderr
+    [line] = [x for x in res.stderr.splitlines() if x.startswith("measured this machine")]
+    (path,) = (tmp_path / "home").rglob("cost-curves/*/*.json")
+    assert line == f"measured this machine's costs for --block-size auto (once per pair): {path}"
