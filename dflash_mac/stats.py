@@ -20,6 +20,19 @@ def drafting(lengths: list[int], sizes: list[int] | None = None) -> list[int]:
     return [a for a, b in zip(lengths, sizes) if b > 1]
 
 
+def drafter_cycles(
+    lengths: list[int], sizes: list[int] | None, copied: list[bool] | None
+) -> tuple[list[int], list[int] | None]:
+    """(committed, sizes) of the cycles the drafter drafted or plain steps: copy cycles apart
+    (a copy's width is the copy's, not a block the drafter proposed)."""
+    sizes = list(sizes) if sizes is not None and len(sizes) == len(lengths) else None
+    if not copied or not any(copied) or len(copied) != len(lengths):
+        return list(lengths), sizes
+    keep = [not c for c in copied]
+    own = [a for a, k in zip(lengths, keep) if k]
+    return own, sizes and [b for b, k in zip(sizes, keep) if k]
+
+
 def histogram(lengths: list[int], block_size: int) -> list[int]:
     """Counts of committed-per-cycle values 1..block_size."""
     counts = [0] * block_size
@@ -110,12 +123,8 @@ class DecodeStats:
 
     def drafter_cycles(self) -> tuple[list[int], list[int] | None]:
         """(committed, sizes) of the cycles the drafter drafted or plain steps: copies apart."""
-        lengths, sizes = list(self.acceptance_lengths), list(self.block_sizes) or None
-        if not any(self.copied) or len(self.copied) != len(lengths):
-            return lengths, sizes
-        keep = [not c for c in self.copied]
-        lengths = [a for a, k in zip(lengths, keep) if k]
-        return lengths, sizes and [b for b, k in zip(sizes, keep) if k]
+        sizes = list(self.block_sizes) or None
+        return drafter_cycles(list(self.acceptance_lengths), sizes, list(self.copied))
 
     @property
     def draft_lengths(self) -> list[int]:

@@ -122,6 +122,46 @@ def test_position_acceptance_counts_only_the_positions_each_cycle_drafted():
     assert "### Acceptance, block size auto (16 cycles, 6 of them plain steps, τ" in md
 
 
+def test_copies_are_not_drafter_blocks_in_the_acceptance_pictures():
+    """Issue 55: an auto run whose copies verified 17 tokens drew a 17-row histogram of zeros;
+    copies are counted apart and the pictures end at the widest drafter block."""
+    recs = synthetic_records()
+    lengths, sizes = [1, 3, 12, 2, 17, 1], [1, 5, 17, 4, 17, 1]
+    copied = [False, False, True, False, True, False]
+    for r in recs:
+        r["dflash"][bench_inputs.AUTO] = Run(
+            list(range(101)), 10, 0.01, 0.5, 1000, "length", bench_inputs.AUTO, lengths,
+            sizes, copied=copied,
+        )  # fmt: skip
+    row = summary.summarize(recs, bench_inputs.AUTO, "s", greedy=True)
+    assert len(row["histogram"]) == 5 and row["histogram"] == [0, 4, 4, 0, 0]
+    assert row["copy_cycles"] == 8 and row["block_mix"] == {"1": 8, "4": 4, "5": 4}
+    assert sum(row["block_mix"].values()) + row["copy_cycles"] == row["cycles"] == 24
+    run_dict = recs[0]["dflash"][bench_inputs.AUTO].as_dict()
+    assert len(run_dict["histogram"]) == 5 and run_dict["copy_cycles"] == 2
+    uncopied = summary.summarize(synthetic_records(), 4, "s", greedy=True)
+    assert uncopied["copy_cycles"] == 0 and len(uncopied["histogram"]) == 4  # the control
+
+
+def test_the_verdict_says_whether_plain_decoding_wins():
+    """Issue 55: "Best block size: auto" was printed when every speedup was below 1×."""
+    row = {"suite": "s", "runs": 4, "block_size": "auto"}
+    slow = [{**row, "speedup": [0.9, 0.0], "speedup_ci": [0.85, 0.95]}]
+    assert summary.verdict(slow)["winner"] == "plain"
+    fast = [*slow, {**row, "block_size": 8, "speedup": [1.3, 0.0], "speedup_ci": [1.1, 1.5]}]
+    assert summary.verdict(fast) | {"ci": None} == {
+        "winner": "dflash", "block_size": 8, "speedup": 1.3, "ci": None,
+    }  # fmt: skip
+    even = [{**row, "speedup": [1.05, 0.0], "speedup_ci": [0.9, 1.2]}]
+    assert summary.verdict(even)["winner"] == "even"
+    one = [{**row, "runs": 1, "speedup": [0.97, 0.0], "speedup_ci": [0.97, 0.97]}]
+    assert summary.verdict(one)["winner"] == "plain"  # one run: 2 % from 1× decides
+    doc = bench_report.build_report(HEADER, CONFIG, synthetic_records(), [4], greedy=True)
+    brief = bench_report.to_markdown(doc, brief=True)
+    assert "DFlash is 3.00× faster than plain decoding" in brief.splitlines()[2]
+    assert "acceptance" not in brief.lower() and len(brief.splitlines()) < 15
+
+
 def test_run_decode_tps_excludes_first_token():
     r = run(11, 0.5, [3, 3, 4], bs=4)
     assert r.decode_tokens == 10
@@ -524,7 +564,7 @@ def cli(tiny_dirs, *args):
 @pytest.mark.slow
 def test_cli_json_and_out(tiny_dirs, tmp_path):
     out = tmp_path / "r.jsonl"
-    res = cli(tiny_dirs, "-b", "2,3", "-f", "json", "--out", str(out))
+    res = cli(tiny_dirs, "-b", "2,3", "-f", "json", "--out", str(out), "-v")
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert bench_report.validate(doc) == []

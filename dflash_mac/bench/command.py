@@ -24,6 +24,7 @@ from .inputs import (
     parse_block_sizes,
     read_prompts,
     read_transcripts,
+    readable_id,
     suite_prompts,
 )
 from .shapes import check_shape
@@ -262,6 +263,13 @@ def bench_command(
     live: bool | None = typer.Option(
         None, "--live/--no-live", help="Live view (default: when stderr is a terminal)."
     ),
+    verbose: bool = typer.Option(
+        False,
+        "--verbose",
+        "-v",
+        help="The whole report: machine and timing definitions, every column, auto against "
+        "each size, the acceptance pictures (default: the verdict and the main columns).",
+    ),
     concurrency: str | None = typer.Option(
         None,
         "--concurrency",
@@ -346,9 +354,9 @@ def bench_command(
         )  # fmt: skip
         if len(settings) > 1:
             err.print(f"[bold]{label}[/]", highlight=False)
-        docs.append(measure_setting(pair, prompts, ids, cfg, tuning, label, common, live))
+        docs.append(measure_setting(pair, prompts, ids, cfg, tuning, label, common, live, verbose))
     save_acceptance(pair, tuning)  # what `auto` saw: the next process starts from it
-    finish(docs, fmt, out, strict)
+    finish(docs, fmt, out, strict, brief=not verbose)
 
 
 def check_one_run(mode: str, fmt: str, block_size: str | None) -> None:
@@ -476,8 +484,9 @@ def bench_inputs(prepared, sizes, prompts: list[BenchPrompt], reasoning, max_tok
     return list(dict.fromkeys(auto + fixed_sizes)), ids
 
 
-def measure_setting(pair, prompts, ids, cfg: BenchConfig, tuning, label, common, live):
-    """One sampling setting's runs behind the live view; its report document."""
+def measure_setting(pair, prompts, ids, cfg: BenchConfig, tuning, label, common, live, verbose):
+    """One sampling setting's runs behind the live view; its report document (the acceptance
+    pictures on stderr with `verbose`)."""
     from .run import run_bench
     from .view import BenchView, print_acceptance
 
@@ -485,16 +494,17 @@ def measure_setting(pair, prompts, ids, cfg: BenchConfig, tuning, label, common,
     with BenchView(err, len(prompts) * cfg.trials, cfg.block_sizes, live) as view:
         records = run_bench(pair, prompts, ids, cfg, view, tuning)
     doc = report_doc(pair, cfg, records, label, load_start, common)
-    print_acceptance(err, doc)
+    if verbose:
+        print_acceptance(err, doc)
     return doc
 
 
-def finish(docs: list[dict], fmt: str, out: Path | None, strict: bool) -> None:
-    """The report on stdout (and appended to `out`), then the lossless verdict: with
-    --strict a greedy mismatch is exit 1."""
+def finish(docs: list[dict], fmt: str, out: Path | None, strict: bool, brief: bool = False) -> None:
+    """The report on stdout (markdown `brief` unless -v; the whole document appended to
+    `out`), then the lossless verdict: with --strict a greedy mismatch is exit 1."""
     from .report import append_jsonl
 
-    typer.echo(render_all(docs, fmt), nl=False)
+    typer.echo(render_all(docs, fmt, brief), nl=False)
     if out:
         for doc in docs:
             append_jsonl(out, doc)
@@ -506,7 +516,7 @@ def finish(docs: list[dict], fmt: str, out: Path | None, strict: bool) -> None:
         first = bad[0]
         msg = (
             f"lossless check failed: {len(bad)} of {checked} DFlash runs differ from the "
-            f"baseline (first: {first['id']}, block {first['block_size']}, at token "
+            f"baseline (first: {readable_id(first['id'])}, block {first['block_size']}, at token "
             f"{first['first_diff']})."
         )
         if strict:
@@ -578,14 +588,15 @@ def describe(sp: SamplingParams) -> str:
     return ", ".join([f"T {sp.temperature:g}", *extra])
 
 
-def render_all(docs: list[dict], fmt: str) -> str:
-    """The reports of all settings in one output: markdown one after the other, JSON as one
-    document (a list when several), JSONL a line each, CSV under one header."""
-    from .report import render, to_json
+def render_all(docs: list[dict], fmt: str, brief: bool = False) -> str:
+    """The reports of all settings in one output: markdown one after the other (`brief`: a
+    screen each), JSON as one document (a list when several), JSONL a line each, CSV under
+    one header."""
+    from .report import render, to_json, to_markdown
 
     if fmt == "json" and len(docs) > 1:
         return "[\n" + ",\n".join(to_json(d).rstrip("\n") for d in docs) + "\n]\n"
-    parts = [render(d, fmt) for d in docs]
+    parts = [to_markdown(d, brief) if fmt == "md" else render(d, fmt) for d in docs]
     if fmt == "csv":
         parts = parts[:1] + [p.split("\n", 1)[1] if "\n" in p else "" for p in parts[1:]]
     return ("\n" if fmt == "md" else "").join(parts)

@@ -47,6 +47,20 @@ class BenchPrompt:
     suite: str
     prompt: str | list[dict]
 
+    @property
+    def title(self) -> str:
+        """What a person reads: the code suite's `module:Class.name:line` ids as the function
+        asked for (`bz2.BZ2File.fileno()`), others as they are (`chat-03`)."""
+        return readable_id(self.id)
+
+
+def readable_id(prompt_id: str) -> str:
+    """`_py_abc:get_cache_token:4` → `_py_abc.get_cache_token()`; any other id unchanged."""
+    parts = prompt_id.split(":")
+    if len(parts) == 3 and parts[2].isdigit() and all(parts[:2]):
+        return f"{parts[0]}.{parts[1]}()"
+    return prompt_id
+
 
 def code_suite_path() -> Path:
     """The bundled pair's held-out prompts (the `code` suite)."""

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dflash_mac.cli.terminal import bars
 
-from .inputs import size_label
+from .inputs import readable_id, size_label
+from .summary import verdict
 
 
 def _pm(pair: list[float], trials: int, digits: int = 1, unit: str = "") -> str:
@@ -50,7 +51,8 @@ def table_cells(row: dict, drafter_bytes: int) -> dict[str, str]:
         "TTFT ms (base / DFlash)": f"{row['baseline_ttft_ms']:.1f} / {row['dflash_ttft_ms']:.1f}",
         "peak mem (base / DFlash)": f"{_gb(base_peak)} / {_gb(row['dflash_peak_bytes'])}",
         "lossless": lossless_cell(row),
-        "blocks (size×cycles)": " ".join(f"{b}×{n}" for b, n in row.get("block_mix", {}).items()),
+        "blocks (size×cycles)": " ".join(f"{b}×{n}" for b, n in row.get("block_mix", {}).items())
+        + (f" · copies ×{row['copy_cycles']}" if row.get("copy_cycles") else ""),
         "host ms/cycle": f"{row.get('host_ms_per_cycle', 0.0):.2f}",
     }
 
@@ -121,12 +123,38 @@ def length_table(doc: dict) -> list[str]:
     return lines
 
 
-def to_markdown(doc: dict) -> str:
-    """llama-bench-style report: header, one table row per block size (and suite), then the
-    acceptance picture per block size."""
+BRIEF = ("bs", "suite", "prompts", "baseline t/s", "DFlash t/s", "speedup", "τ", "lossless")
+
+
+def to_markdown(doc: dict, brief: bool = False) -> str:
+    """llama-bench-style report: the verdict, header, one table row per block size (and
+    suite), then the acceptance picture per block size. `brief`: what fits a screen (the
+    verdict, the table's main columns, mismatches, one line naming the pair and machine)."""
     setting = doc["config"].get("setting")
+    title = "# dflash-mac bench" + (f" — {setting}" if setting else "")
+    if brief:
+        h = doc["header"]
+        return (
+            "\n".join(
+                [
+                    title,
+                    "",
+                    verdict_line(doc),
+                    "",
+                    *summary_table(doc, BRIEF),
+                    *mismatch_lines(doc),
+                    "",
+                    f"`{h['target']}` + `{h['draft']}` · {h.get('cpu', h['machine'])} · "
+                    f"{h['device']} · BLAS {h['blas']}. Histograms, memory, TTFT and how each "
+                    "figure is measured: `--verbose`.",
+                ]
+            )
+            + "\n"
+        )
     lines = [
-        "# dflash-mac bench" + (f" — {setting}" if setting else ""),
+        title,
+        "",
+        verdict_line(doc),
         "",
         *header_lines(doc),
         "",
@@ -140,11 +168,11 @@ def to_markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def summary_table(doc: dict) -> list[str]:
-    """One markdown table row per summary row."""
+def summary_table(doc: dict, columns: tuple[str, ...] | None = None) -> list[str]:
+    """One markdown table row per summary row (`columns`: those alone)."""
     drafter_bytes = doc["header"]["drafter_weight_bytes"]
     cells = [table_cells(r, drafter_bytes) for r in doc["rows"]]
-    cols = list(cells[0])
+    cols = list(columns or cells[0])
     return [
         "| " + " | ".join(cols) + " |",
         "| " + " | ".join("---:" if c not in ("suite",) else "---" for c in cols) + " |",
@@ -152,15 +180,38 @@ def summary_table(doc: dict) -> list[str]:
     ]
 
 
+def verdict_line(doc: dict) -> str:
+    """The first thing a reader wants: is DFlash faster than plain decoding here, and is the
+    output the target's own."""
+    v = verdict(doc["rows"])
+    if v is None:
+        return ""
+    where = f"block {size_label(v['block_size'])}"
+    ci = f" [{v['ci'][0]:.2f}, {v['ci'][1]:.2f}]" if v["ci"] else ""
+    if v["winner"] == "dflash":
+        said = f"**DFlash is {v['speedup']:.2f}× faster than plain decoding** here ({where}{ci})."
+    elif v["winner"] == "plain":
+        said = (
+            f"**Plain decoding is fastest on this machine**: the best DFlash setting ({where}) "
+            f"runs at {v['speedup']:.2f}×{ci} of its speed."
+        )
+    else:
+        said = (
+            f"**DFlash and plain decoding are even on this machine**: the best DFlash setting "
+            f"({where}) runs at {v['speedup']:.2f}×{ci}, within the noise of 1×."
+        )
+    lossless = doc["lossless"]
+    if lossless["checked"]:
+        same = f"{lossless['equal']}/{lossless['checked']}"
+        said += f" Greedy output identical to the target's in {same} runs."
+    else:
+        said += " Sampled: each token drawn from the target's own distribution."
+    return said
+
+
 def verdict_lines(doc: dict) -> list[str]:
-    """The best block size (when several ran) and auto against each fixed size."""
+    """auto against each fixed size on the same runs."""
     lines = []
-    if len(doc["config"]["block_sizes"]) > 1 and doc["best_block_size"] is not None:
-        lines += [
-            "",
-            f"Best block size on this machine: **{size_label(doc['best_block_size'])}** "
-            "(highest DFlash decode tok/s).",
-        ]
     for c in doc.get("auto_vs_fixed", []):
         lo, hi = c["ci"]
         lines += [
@@ -182,7 +233,7 @@ def mismatch_lines(doc: dict) -> list[str]:
         f"**Lossless check failed** for {len(lossless['mismatches'])} of "
         f"{lossless['checked']} runs:",
         *(
-            f"- `{m['id']}` trial {m['trial']} block {m['block_size']}: first "
+            f"- `{readable_id(m['id'])}` trial {m['trial']} block {m['block_size']}: first "
             f"difference at token {m['first_diff']}"
             for m in lossless["mismatches"][:20]
         ),

@@ -30,7 +30,7 @@ from dflash_mac.api import check_context
 from dflash_mac.autoblock import AutoTuning
 from dflash_mac.pair import Pair
 from dflash_mac.policy import AUTO
-from dflash_mac.stats import drafting, histogram
+from dflash_mac.stats import drafter_cycles, drafting, histogram
 
 from .inputs import BenchPrompt
 
@@ -76,6 +76,11 @@ class Run:
     block_sizes: list[int] = field(default_factory=list)  # per cycle (what auto chose)
     host_time: float = 0.0  # host time between syncs (DecodeStats.host_time)
     trees: list[int] = field(default_factory=list)  # per cycle: tree budget (0: a chain)
+    copied: list[bool] = field(default_factory=list)  # per cycle: its drafts were a copy
+
+    def drafter_cycles(self) -> tuple[list[int], list[int] | None]:
+        """(committed, sizes) of its drafter's cycles and plain steps: copies apart."""
+        return drafter_cycles(self.acceptance_lengths, self.block_sizes, self.copied)
 
     @property
     def decode_tokens(self) -> int:
@@ -114,13 +119,15 @@ class Run:
         }
         if self.block_size is not None:
             auto = self.block_size == AUTO
-            bs = max(self.block_sizes, default=1) if auto else self.block_size
+            own, sizes = self.drafter_cycles()
+            bs = max(sizes or [1]) if auto else self.block_size  # its widest drafter block
             d.update(
                 block_size=self.block_size,
                 tau=self.tau,
                 cycles=len(self.acceptance_lengths),
                 acceptance_lengths=list(self.acceptance_lengths),
-                histogram=histogram(drafting(self.acceptance_lengths, self.block_sizes), bs),
+                histogram=histogram(drafting(own, sizes), bs),
+                copy_cycles=sum(self.copied),
                 block_sizes=list(self.block_sizes),
                 host_ms_per_cycle=self.host_ms_per_cycle,
                 tree_cycles=sum(b > 0 for b in self.trees),
@@ -231,7 +238,8 @@ def run_dflash(
         tokens += ev.tokens
         last = ev
         if ev.accepted and on_cycle:
-            on_cycle(ev.accepted, ev.stats.block_sizes[-1])
+            copy = ev.stats.copied[-1]  # size 0: not a drafter block (live histogram)
+            on_cycle(ev.accepted, 0 if copy else ev.stats.block_sizes[-1])
     return clock.result(
         tokens,
         len(ids),
@@ -241,6 +249,7 @@ def run_dflash(
         block_sizes=list(last.stats.block_sizes),
         host_time=last.stats.host_time,
         trees=list(last.stats.trees),
+        copied=list(last.stats.copied),
     )
 
 
@@ -274,8 +283,8 @@ class Observer:
         """A run begins (`bs` None: the baseline)."""
 
     def cycle(self, bs: int, accepted: int, size: int) -> None:
-        """A DFlash cycle at block size `size` (what `auto` chose; 1: a plain step) committed
-        `accepted` tokens in a run at `bs`."""
+        """A DFlash cycle committed `accepted` tokens in a run at `bs`; `size`: its block (what
+        `auto` chose; 1: a plain step; 0: a copy, no drafter block)."""
 
     def done(self, run: Run) -> None:
         """A run finished."""

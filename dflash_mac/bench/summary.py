@@ -7,7 +7,14 @@ from __future__ import annotations
 import random
 
 from dflash_mac.policy import AUTO
-from dflash_mac.stats import drafting, histogram, mean_std, position_acceptance, survival
+from dflash_mac.stats import (
+    drafter_cycles,
+    drafting,
+    histogram,
+    mean_std,
+    position_acceptance,
+    survival,
+)
 
 from .run import Run
 
@@ -77,14 +84,17 @@ def summarize(records: list[dict], block_size: int, suite: str, greedy: bool) ->
     checks = [r["dflash"][block_size].tokens == r["baseline"].tokens for r in records]
     mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
     sizes = [b for r in dfl for b in r.block_sizes]
-    per_cycle = sizes if len(sizes) == len(lengths) else None  # older records: no sizes
-    drafted = drafting(lengths, per_cycle)
-    # auto: up to the largest size it chose
-    width = max(sizes, default=1) if block_size == AUTO else block_size
-    mix = {b: sizes.count(b) for b in sorted(set(sizes))}
+    copied = [c for r in dfl for c in (r.copied or [False] * len(r.acceptance_lengths))]
+    # the drafter's own cycles: copies apart (older records: no sizes, no copies)
+    own, per_cycle = drafter_cycles(lengths, sizes, copied)
+    drafted = drafting(own, per_cycle)
+    # auto: up to the widest drafter block it chose (a 17-token copy is not a block)
+    width = max(per_cycle or [1]) if block_size == AUTO else block_size
+    mix = {b: (per_cycle or []).count(b) for b in sorted(set(per_cycle or []))}
     return {
         "block_size": block_size,
-        "block_mix": {str(b): n for b, n in mix.items()},
+        "block_mix": {str(b): n for b, n in mix.items()},  # the drafter's blocks
+        "copy_cycles": sum(copied),
         "host_ms_per_cycle": 1000 * sum(r.host_time for r in dfl) / max(len(lengths), 1),
         "suite": suite,
         "prompts": len({r["id"] for r in records}),
@@ -101,7 +111,7 @@ def summarize(records: list[dict], block_size: int, suite: str, greedy: bool) ->
         "draft_cycles": len(drafted),
         "histogram": histogram(drafted, width),
         "survival": survival(drafted, width),
-        "position_acceptance": position_acceptance(lengths, width, per_cycle),
+        "position_acceptance": position_acceptance(own, width, per_cycle),
         "baseline_prefill_tps": mean([r.prefill_tps for r in base]),
         "dflash_prefill_tps": mean([r.prefill_tps for r in dfl]),
         "baseline_ttft_ms": 1000 * mean([r.ttft for r in base]),
@@ -192,3 +202,21 @@ def mismatches(records: list[dict]) -> list[dict]:
             if i is not None:
                 out.append({"id": r["id"], "trial": r["trial"], "block_size": bs, "first_diff": i})
     return out
+
+
+EVEN = 0.02  # one run, no interval: within 2 % of plain speed is a tie
+
+
+def verdict(rows: list[dict]) -> dict | None:
+    """Which decodes faster on this machine: the best DFlash row (the suites pooled when
+    several ran) against plain decoding. `winner` is "dflash" or "plain" when the 95 %
+    interval of the speedup lies above or below 1×, else "even"."""
+    pool = [r for r in rows if r["suite"] == "all"] or rows
+    if not pool:
+        return None
+    best = max(pool, key=lambda r: r["speedup"][0])
+    speedup = best["speedup"][0]
+    ci = best.get("speedup_ci") if best["runs"] >= 2 else None
+    lo, hi = ci if ci else (speedup + EVEN, speedup - EVEN)
+    winner = "dflash" if lo > 1 else "plain" if hi < 1 else "even"
+    return {"winner": winner, "block_size": best["block_size"], "speedup": speedup, "ci": ci}

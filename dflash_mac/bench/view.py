@@ -13,7 +13,7 @@ from dflash_mac.cli.terminal import bars
 from dflash_mac.policy import AUTO
 from dflash_mac.stats import drafting, histogram
 
-from .inputs import BenchPrompt, size_label, size_order
+from .inputs import BenchPrompt, readable_id, size_label, size_order
 from .report import eta_note, plain_note
 from .run import Observer, Run
 from .summary import trial_tps
@@ -58,7 +58,7 @@ class BenchView(Observer):
     # -- observer -------------------------------------------------------------------------
     def start(self, bp: BenchPrompt, trial: int, index: int, bs: int | None) -> None:
         kind = "baseline" if bs is None else f"DFlash bs {size_label(bs)}"
-        self.label = f"trial {trial + 1} · {bp.id} · {kind}"
+        self.label = f"trial {trial + 1} · {bp.title} · {kind}"
         if bs is not None:
             self.bs = bs
 
@@ -79,7 +79,7 @@ class BenchView(Observer):
             base = record["baseline"]
             parts = [
                 f"[{self.done_prompts}/{self.total}] trial {record['trial'] + 1} "
-                f"{record['id']}: baseline {base.decode_tps:.1f} tok/s"
+                f"{readable_id(record['id'])}: baseline {base.decode_tps:.1f} tok/s"
             ]
             for bs in sorted(record["dflash"], key=size_order):
                 run = record["dflash"][bs]

@@ -134,3 +134,28 @@ def test_the_first_auto_run_says_its_cost_curve_in_one_short_line(tmp_path):
     [line] = [x for x in res.stderr.splitlines() if x.startswith("measured this machine")]
     (path,) = (tmp_path / "home").rglob("cost-curves/*/*.json")
     assert line == f"measured this machine's costs for --block-size auto (once per pair): {path}"
+
+
+VERDICTS = (
+    "**DFlash is ",
+    "**Plain decoding is fastest on this machine**",
+    "**DFlash and plain decoding are even on this machine**",
+)
+
+
+def test_bench_opens_with_its_verdict_on_one_screen(cli):
+    """Issue 55: ~250 lines, "Best block size: auto" when every speedup was below 1×, and
+    names like `_py_abc:get_cache_token:4`. Now: the verdict first, the main columns, one
+    line on the details; prompts by the function they ask for. -v gives the rest."""
+    args = ("bench", "--limit", "2", "-n", "12", "-t", "1", "--temp", "0", "--no-live")
+    res = cli(*args, timeout=300)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0].startswith("# dflash-mac bench") and lines[2].startswith(VERDICTS), lines
+    assert "identical to the target's in 4/4 runs" in lines[2]
+    assert len(lines) <= 12 and "| lossless |" in res.stdout
+    assert "acceptance histogram" not in res.stderr and "Best block size" not in res.stdout
+    assert "_py_abc.get_cache_token()" in res.stderr and ":4:" not in res.stderr
+    full = cli(*args, "-v", timeout=300)
+    assert full.returncode == 0 and full.stdout.splitlines()[2].startswith(VERDICTS)
+    assert "acceptance histogram" in full.stderr and "### Acceptance" in full.stdout
