@@ -24,7 +24,7 @@ from .answers import regenerate
 from .errors import UserError
 from .pair import Pair
 from .platform import data_dir
-from .policy import model_key, slug
+from .policy import slug, target_key
 from .prompts import STARTER_PROMPTS
 from .settings import MIN_DRAFT_VOCAB
 
@@ -76,7 +76,7 @@ def coverage(vocab: np.ndarray, tokens: Iterable[int]) -> float:
 
 def ranking_path(pair: Pair) -> Path:
     """<data dir>/draft-vocab/<target>.npy: the target's ids by frequency in its answers."""
-    return data_dir() / "draft-vocab" / f"{slug(model_key(pair.model_id))}.npy"
+    return data_dir() / "draft-vocab" / f"{slug(target_key(pair.model_id))}.npy"
 
 
 def target_counts(

