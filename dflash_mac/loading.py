@@ -237,18 +237,9 @@ def load(
     block_size: int | None = None,
 ) -> LoadedPair:
     """Load a target (via mlx-lm) and its DFlash drafter; defaults to the default pair."""
-    from mlx_lm.utils import load as mlx_load
-
     spec = PairSpec.resolve(model, draft)
     dtype = default_dtype() if dtype == "auto" else dtype
-    warnings: list[str] = []
-    if gguf.is_gguf(spec.target_path):  # quantized weights dequantized to `dtype` when given
-        target, tokenizer, spec.target_config, warnings = gguf.load(spec.target_path, dtype)
-    else:
-        try:
-            target, tokenizer = mlx_load(str(spec.target_path))
-        except Exception as e:
-            raise LoadError(f"could not load target '{spec.model}' with mlx-lm ({e}).")
+    target, tokenizer, warnings = load_target(spec, dtype)
     if dtype is not None:
         cast_floats(target, dtype)
         mx.eval(target.parameters())  # materialise here, not lazily on the first user's thread
@@ -259,6 +250,29 @@ def load(
     pair = spec.pair(target, drafter, tokenizer, block_size)
     pair.warnings = spec.notes + warnings
     return pair
+
+
+def load_target(spec: PairSpec, dtype, lazy: bool = False) -> tuple[Any, Any, list[str]]:
+    """(model, tokenizer, warnings) of the spec's target: a GGUF file through gguf.py (quantized
+    weights dequantized to `dtype` when given), else mlx-lm; `lazy`: mlx-lm's weights not read
+    yet (a rank of a distributed job reads only its shard). The single process and every rank
+    of `launch` load targets here."""
+    from mlx_lm.utils import load as mlx_load
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    if gguf.is_gguf(spec.target_path):
+        target, tokenizer, spec.target_config, warnings = gguf.load(spec.target_path, dtype)
+        return target, tokenizer, warnings
+    try:
+        if not lazy:
+            target, tokenizer = mlx_load(str(spec.target_path))
+            return target, tokenizer, []
+        target, config = load_model(spec.target_path, lazy=True, strict=False)
+        eos = config.get("eos_token_id", None)
+        tokenizer = load_tokenizer(spec.target_path, {"trust_remote_code": True}, eos_token_ids=eos)
+        return target, tokenizer, []
+    except Exception as e:
+        raise LoadError(f"could not load target '{spec.label}' with mlx-lm ({e}).")
 
 
 @dataclass
@@ -293,6 +307,13 @@ class PairSpec:
             raise LoadError(str(e))
         validate_pair(tcfg, dcfg, str(model), str(draft))
         return cls(str(model), str(draft), tpath, dpath, tcfg, dcfg, notes)
+
+    @property
+    def label(self) -> str:
+        """How sentences name the target: its pair's name when the registry knows it (not a
+        250-character `pypi:` string), else as given."""
+        known = load_registry().find_target(self.model)
+        return known.name if known is not None else self.model
 
     @property
     def text_config(self) -> dict:

@@ -204,3 +204,20 @@ def local_index_env(wheels: Path, home: Path) -> dict[str, str]:
         "PIP_CONFIG_FILE": os.devnull,
         "DFLASH_MAC_HOME": str(home),
     }
+
+
+def write_drafter_for(folder: Path, block_size: int = 4, seed: int = 0) -> Path:
+    """A random one-layer DFlash drafter for `write_gguf`'s llama (reading its layer 1)."""
+    import mlx.core as mx
+    from dflash_mac.models.config import DraftConfig
+    from dflash_mac.models.dflash import DFlashDraftModel
+
+    from dflash_mac.random_pair import draft_config, save_model
+
+    tcfg = hf_config("llama", len(vocabulary()[0]))
+    tcfg.update(head_dim=HIDDEN // HEADS)
+    mask = vocabulary()[0].index("<|mask|>")
+    dcfg = draft_config(tcfg, mask, layer_ids=[1], block_size=block_size)
+    mx.random.seed(seed)
+    save_model(DFlashDraftModel(DraftConfig.from_dict(dcfg)), folder, dcfg)
+    return folder

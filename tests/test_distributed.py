@@ -45,13 +45,14 @@ def test_mode_and_shard_errors(tiny_pair):
     )
 
     class Spec:
-        model = "t"
+        model = label = "t"
         text_config = {"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 8}
 
     check_divisible(Spec, 2)
     with pytest.raises(LoadError) as e:
         check_divisible(Spec, 3)
     assert "does not shard over 3 ranks (4 attention heads are not divisible by 3)" in str(e.value)
+    assert "; use -n 2 or -n 4 or -n 8," in str(e.value)  # the rank counts that divide all
 
 
 def test_hosts_errors(tmp_path):
@@ -101,8 +102,22 @@ def hybrid_dirs(tmp_path_factory):
     return build_tiny_hybrid_pair(tmp_path_factory.mktemp("hybrid"), block_size=8)
 
 
+@pytest.fixture(scope="module")
+def gguf_dirs(tmp_path_factory):
+    """A tiny llama GGUF target (Q8_0) and a random drafter for it: `launch` loads GGUF
+    targets on every rank as one process does (issue 55: the default pair's is a GGUF)."""
+    from gguf_files import write_drafter_for, write_gguf
+
+    folder = tmp_path_factory.mktemp("gguf")
+    write_gguf(folder / "m.gguf", "llama", "Q8_0")
+    return folder / "m.gguf", write_drafter_for(folder / "draft")
+
+
 CASES = {  # name: (pair, parallel, generate flags, collectives per forward on rank 0)
     "bundled-tensor-greedy": (None, "tensor", ["--temp", "0"], 2 * 6 + 1),
+    "gguf-tensor-greedy": ("gguf", "tensor", ["--temp", "0"], 2 * 2 + 1),
+    # a fixed block: sampled text follows the sizes, and `auto` times a sharded pair's own
+    "gguf-tensor-sampled": ("gguf", "tensor", ["--temp", "0.7", "--seed", "5", "-b", "4"], 5),
     "hybrid-tensor-sampled": ("hybrid", "tensor", ["--temp", "0.7", "--seed", "7"], 2 * 6 + 1),
     # pipeline: the packet, rank 0's recv, the all_gather of the last hidden state, features
     "hybrid-pipeline-greedy": ("hybrid", "pipeline", ["--temp", "0"], 4),
@@ -112,16 +127,17 @@ CASES = {  # name: (pair, parallel, generate flags, collectives per forward on r
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
-def test_launch_matches_single_process(case, hybrid_dirs, tmp_path):
+def test_launch_matches_single_process(case, hybrid_dirs, gguf_dirs, tmp_path):
     """Two ranks give the tokens of a single process, and each forward costs exactly the
     counted collectives (tensor parallel: 2 per layer + the packet)."""
     from dflash_mac.api import generate
     from dflash_mac.loading import load
 
     which, mode, flags, collectives = CASES[case]
+    dirs = {"hybrid": hybrid_dirs, "gguf": gguf_dirs}.get(which, (None, None))
     pair_flags = []
-    if which == "hybrid":
-        pair_flags = ["--model", str(hybrid_dirs[0]), "--draft", str(hybrid_dirs[1])]
+    if which is not None:
+        pair_flags = ["--model", str(dirs[0]), "--draft", str(dirs[1])]
         pair_flags += ["--ignore-chat-template"]
     prompt = "Write a function that adds two numbers. " * 8  # > 64 tokens: a second all_sum
     args = ["generate", prompt, "--json", "-n", "16", *pair_flags, *flags]
@@ -129,7 +145,7 @@ def test_launch_matches_single_process(case, hybrid_dirs, tmp_path):
     code, out, err = finish(proc)
     assert code == 0, err[-2000:]
     got = json.loads(out)
-    pair = load(*(hybrid_dirs if which == "hybrid" else (None, None)))
+    pair = load(*dirs)
     temp = float(flags[1])
     seed = int(flags[3]) if len(flags) > 2 else None
     want = generate(
@@ -138,7 +154,8 @@ def test_launch_matches_single_process(case, hybrid_dirs, tmp_path):
         max_tokens=16,
         temp=temp,
         seed=seed,
-        ignore_chat_template=which == "hybrid",
+        ignore_chat_template=which is not None,
+        block_size=int(flags[5]) if len(flags) > 4 else None,
     )
     assert got["tokens"] == want.tokens
     assert (got["ranks"], got["parallel"]) == (2, mode)

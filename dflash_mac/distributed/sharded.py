@@ -12,7 +12,15 @@ import mlx.core as mx
 from mlx import nn
 
 from ..errors import LoadError
-from ..loading import LoadedPair, PairSpec, cast_floats, default_dtype, load_drafter, materialize
+from ..loading import (
+    LoadedPair,
+    PairSpec,
+    cast_floats,
+    default_dtype,
+    load_drafter,
+    load_target,
+    materialize,
+)
 from ..structure import decoder_layers, target_head
 from .group import PARALLEL_MODES, mark_ready, parallel_mode
 from .leader import Leader, register
@@ -51,33 +59,31 @@ def check_divisible(spec: PairSpec, ranks: int) -> None:
     """Tensor parallel splits heads and the MLP across ranks; refuse sizes that do not divide
     (mlx-lm would fail later with a shape error)."""
     t = spec.text_config
-    for key, what in (
-        ("num_attention_heads", "attention heads"),
-        ("num_key_value_heads", "key/value heads"),
-        ("intermediate_size", "MLP width"),
-    ):
-        value = t.get(key)
-        if isinstance(value, int) and value % ranks:
+    sizes = {
+        what: t.get(key)
+        for key, what in (
+            ("num_attention_heads", "attention heads"),
+            ("num_key_value_heads", "key/value heads"),
+            ("intermediate_size", "MLP width"),
+        )
+        if isinstance(t.get(key), int)
+    }
+    for what, value in sizes.items():
+        if value % ranks:
+            fits = [n for n in range(2, 9) if all(v % n == 0 for v in sizes.values())]
+            hint = f"-n {' or -n '.join(map(str, fits))}" if fits else "another model"
             raise LoadError(
-                f"target '{spec.model}' does not shard over {ranks} ranks ({value} {what} "
-                f"are not divisible by {ranks}); use fewer ranks or --parallel pipeline."
+                f"target '{spec.label}' does not shard over {ranks} ranks ({value} {what} "
+                f"are not divisible by {ranks}); use {hint}, or --parallel pipeline where "
+                "the model has it."
             )
 
 
-def load_target(spec: PairSpec, group: mx.distributed.Group, requested: str | None, dtype):
-    """The target's shard on this rank (lazy until evaluated), its full head, the mode."""
-    from mlx_lm.utils import load_model, load_tokenizer
-
-    try:
-        model, config = load_model(spec.target_path, lazy=True, strict=False)
-        tokenizer = load_tokenizer(
-            spec.target_path,
-            {"trust_remote_code": True},
-            eos_token_ids=config.get("eos_token_id", None),
-        )
-    except Exception as e:
-        raise LoadError(f"could not load target '{spec.model}' with mlx-lm ({e}).")
-    mode = choose_mode(model, requested, spec.model)
+def shard_target(spec: PairSpec, group: mx.distributed.Group, requested: str | None, dtype):
+    """The target's shard on this rank (lazy until evaluated), its full head, the mode and the
+    load's warnings (a GGUF's dequantized types)."""
+    model, tokenizer, warnings = load_target(spec, dtype, lazy=True)
+    mode = choose_mode(model, requested, spec.label)
     spec.check_layers(decoder_layers(model))
     head = target_head(model)  # before sharding: a sharded LM head would need every rank
     if mode == "tensor":
@@ -88,7 +94,7 @@ def load_target(spec: PairSpec, group: mx.distributed.Group, requested: str | No
     if dtype is not None:
         cast_floats(model, dtype)
     mx.eval(model.parameters())
-    return model, tokenizer, head, mode
+    return model, tokenizer, head, mode, warnings
 
 
 @dataclass
@@ -111,7 +117,7 @@ def load(
     """Load this rank's part of the pair; every rank calls it with the same arguments."""
     spec = PairSpec.resolve(model, draft)
     dtype = default_dtype() if dtype == "auto" else dtype
-    target, tokenizer, head, mode = load_target(spec, group, parallel_mode(), dtype)
+    target, tokenizer, head, mode, warnings = shard_target(spec, group, parallel_mode(), dtype)
     rank = group.rank()
     hidden = spec.text_config["hidden_size"]
     stages = None
@@ -130,6 +136,7 @@ def load(
             drafter.bind(head)
             materialize(drafter, head.embed, *full_head)
             pair = spec.pair(target, drafter, tokenizer, block_size, mirror=lead)
+            pair.warnings = spec.notes + warnings
         except Exception as e:  # told to the workers below, then raised here
             failure = e
     materialize(target)

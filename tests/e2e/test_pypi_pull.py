@@ -10,9 +10,7 @@ import json
 import os
 
 import pytest
-from gguf_files import build_wheel, local_index_env, vocabulary, write_gguf
-
-from dflash_mac.random_pair import draft_config, save_model
+from gguf_files import build_wheel, local_index_env, write_drafter_for, write_gguf
 
 from .conftest import Cli, installed_command, user_env
 
@@ -28,29 +26,11 @@ def one_sentence(r) -> str:
 @pytest.fixture
 def pairs(tmp_path):
     """A tiny llama GGUF target in a local wheel, and a random DFlash drafter made for it."""
-    import mlx.core as mx
-    from dflash_mac.models.config import DraftConfig
-    from dflash_mac.models.dflash import DFlashDraftModel
-
     write_gguf(tmp_path / "m.gguf", "llama", "Q8_0")
     wheel = build_wheel(
         tmp_path / "wheels", {"tinymodel/m.gguf": (tmp_path / "m.gguf").read_bytes()}
     )
-    tcfg = {
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "rms_norm_eps": 1e-6,
-        "vocab_size": len(vocabulary()[0]),
-        "max_position_embeddings": 2048,
-        "num_hidden_layers": 2,
-        "rope_theta": 10000.0,
-    }
-    dcfg = draft_config(tcfg, vocabulary()[0].index("<|mask|>"), layer_ids=[1], block_size=4)
-    mx.random.seed(0)
-    save_model(DFlashDraftModel(DraftConfig.from_dict(dcfg)), tmp_path / "draft", dcfg)
+    write_drafter_for(tmp_path / "draft")
     sha = hashlib.sha256(wheel.read_bytes()).hexdigest()
     return tmp_path, f"pypi:tinymodel==0.1.0/tinymodel/m.gguf#sha256={sha}"
 
