@@ -300,7 +300,7 @@ def generate(
         chat_template=chat_template,
     )
     ids, budget = fit_prompt(prepared.pair, text, template, max_tokens)
-    tuning = calibrate_auto(prepared, verbose)
+    tuning = calibrate_auto(prepared)
     result = run_generation(
         prepared, ids, tuning, budget, stop, settings, echo=not as_json, max_kv_size=max_kv_size
     )

@@ -17,7 +17,7 @@ from dflash_mac.cli.console import err, warn_line
 from dflash_mac.distributed.group import world
 from dflash_mac.loading import load
 from dflash_mac.pair import Pair
-from dflash_mac.policy import load_tuning
+from dflash_mac.policy import cost_curve_path, load_tuning
 from dflash_mac.prepare import (
     Loader,
     Prepared,
@@ -73,16 +73,16 @@ def progress_bar(description: str, total: int) -> Iterator[Callable[[], None]]:
         yield lambda: bar.advance(task)
 
 
-def calibrate_auto(prepared: Prepared, verbose: bool = False) -> AutoTuning:
+def calibrate_auto(prepared: Prepared) -> AutoTuning:
     """Before the first `--block-size auto` run of a pair on this machine: measure its quick
-    cost curve once and save it (calibrate.py), with a progress bar and one short line (the
-    file's path with `verbose`); then what `auto` starts from (`policy.load_tuning`). Call it
+    cost curve once and save it (calibrate.py), with a progress bar and one short line (`-v`
+    statistics give the file); then what `auto` starts from (`policy.load_tuning`). Call it
     after the command's inputs are checked: a typo must not wait for it."""
     if needs_calibration(prepared):
         with progress_bar(calibration_title(prepared), calibration_steps()) as step:
             saved, said = calibrate(prepared, step)
         if saved:
-            err.print(said + (f": {saved}" if verbose else ""), highlight=False)
+            err.print(said, highlight=False)
         else:
             warn_line(said)
     return load_tuning(prepared.pair)
@@ -204,6 +204,8 @@ def print_stats(pair: Pair, result: GenerationResult, console: Console = err) ->
         f"[dim]host[/] {s.host_ms_per_cycle:.2f} ms/cycle · drafter context {s.draft_context} "
         "positions" + (f" · auto: {s.block_reason}" if s.auto else "")
     )
+    if s.auto:  # where auto's prior lives (measured once per pair and machine)
+        console.print(f"[dim]costs[/] {cost_curve_path(pair)}", highlight=False, soft_wrap=True)
     console.print(
         f"[dim]drafter[/] {pair.kind} · kernels {kernels} · {device_name()} · "
         f"BLAS {blas} · peak memory {s.peak_memory_gb:.3f} GB"

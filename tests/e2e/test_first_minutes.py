@@ -126,14 +126,16 @@ def test_serve_says_its_model_cannot_call_tools(server):
 
 def test_the_first_auto_run_says_its_cost_curve_in_one_short_line(tmp_path):
     """A ~250-character "saved the cost curve … sha256_…json" line came before the answer;
-    now one short line, the file's path only under -v (without -v: test_commands.py)."""
-
+    now one short line, and -v's statistics after the answer give the file (without -v:
+    test_commands.py)."""
     cli = Cli(installed_command(), user_env(tmp_path / "home", measured=False))
     res = cli("generate", "hi", "-n", "2", "-v")
     assert res.returncode == 0, res.stderr
-    [line] = [x for x in res.stderr.splitlines() if x.startswith("measured this machine")]
+    lines = res.stderr.splitlines()
+    said = "measured this machine's costs for --block-size auto (once per pair)"
     (path,) = (tmp_path / "home").rglob("cost-curves/*/*.json")
-    assert line == f"measured this machine's costs for --block-size auto (once per pair): {path}"
+    assert said in lines and f"costs {path}" in lines
+    assert lines.index(said) < lines.index(f"costs {path}")  # before the answer, short
 
 
 VERDICTS = (
