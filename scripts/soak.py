@@ -1,7 +1,9 @@
 """A bounded soak run of `dflash-mac serve` (docs/editors.md, "Soak test").
 
-Starts the installed `dflash-mac serve` on the bundled pair in a fresh subprocess on a free
-loopback port (offline, its data directory in a temporary folder) and, for `--minutes`, sends it
+Starts the installed `dflash-mac serve` on a pair (`--pair`, default the tiny `tiny-code`) in a
+fresh subprocess on a free loopback port (offline, its data directory in a temporary folder;
+`--lives K`: K servers one after another on that folder, each stopped by SIGTERM, the prefix
+cache kept on disk between them) and, for `--minutes` in all, sends it
 rounds of traffic from a few client threads: streaming and non-streaming OpenAI chat and
 completions, Ollama /api/chat and /api/generate, clients that disconnect mid-stream, malformed
 bodies, prompts over the context, and bursts past `--max-queue` (429). Anthropic-shaped requests
@@ -54,7 +56,7 @@ PROMPTS = [
     "Explain recursion in one sentence.",
     "import os\nfor name in os.listdir('.'):",
 ]
-OVERSIZE = "word " * 5000  # more tokens than the tiny pair's context
+DISK_BYTES = 256 * 2**20  # with several lives: prefixes on disk, read back after a restart
 MALFORMED = [  # (route, raw body): refused by validation, before the queue
     ("/v1/chat/completions", b"{not json"),
     ("/v1/chat/completions", b'{"messages": "hello"}'),
@@ -156,7 +158,7 @@ def rss_bytes(pid: int) -> int:
 class Server:
     """`dflash-mac serve` in a fresh process on loopback, stopped by its PID."""
 
-    def __init__(self, home: Path, extra: list[str]):
+    def __init__(self, home: Path, extra: list[str], pair: str = "tiny-code"):
         self.port = free_port()
         self.root = f"http://127.0.0.1:{self.port}"
         self.log, self.out = home / "serve.log", home / "serve.out"
@@ -178,7 +180,7 @@ class Server:
             "--log-file",
             str(self.log),
             "--model",
-            "tiny-code",  # the traffic (oversized prompts, bursts) is sized for the tiny pair
+            pair,
             *extra,
         ]
         with self.out.open("w") as out:
@@ -198,6 +200,9 @@ class Server:
                 raise RuntimeError(f"serve exited with {self.proc.returncode}:\n{self.output()}")
             try:
                 if httpx.get(self.root + "/health", timeout=2).status_code == 200:
+                    [card] = httpx.get(self.root + "/v1/models", timeout=5).json()["data"]
+                    # a prompt longer than this model's context: refused with a 400
+                    self.oversize = "word " * (card["context_length"] + 64)
                     return time.monotonic() - self.started
             except httpx.HTTPError:
                 pass
@@ -328,13 +333,13 @@ def malformed(client: httpx.Client, root: str, tally: Tally) -> Outcome:
     return Outcome("malformed", r.status_code, time.monotonic() - t, r.status_code == 400, route)
 
 
-def oversize(client: httpx.Client, root: str, rng: random.Random) -> Outcome:
+def oversize(client: httpx.Client, root: str, rng: random.Random, text: str) -> Outcome:
     kind = rng.choice(["openai.chat", "openai.completions.stream", "ollama.generate"])
     route, body = body_for(kind, rng, 16)
     if "messages" in body:
-        body["messages"] = [{"role": "user", "content": OVERSIZE}]
+        body["messages"] = [{"role": "user", "content": text}]
     else:
-        body["prompt"] = OVERSIZE
+        body["prompt"] = text
     t = time.monotonic()
     try:
         r = client.post(root + route, json=body)
@@ -382,18 +387,18 @@ def run_threads(jobs: list, timeout: float) -> None:
         t.join(max(0.0, deadline - time.monotonic()))
 
 
-def client_loop(root: str, seed: int, tally: Tally, hang_up: bool) -> None:
+def client_loop(srv: Server, seed: int, tally: Tally, hang_up: bool) -> None:
     """One client thread's share of a round: well-formed requests of every kind, now and then
     a malformed body or an oversize prompt, and with `hang_up` a disconnect at the end (its
     request may still wait in the server's queue: nothing else from this client follows)."""
-    rng = random.Random(seed)
+    rng, root = random.Random(seed), srv.root
     with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
         for _ in range(PER_ROUND):
             roll = rng.random()
             if roll < 0.1:
                 tally.add(malformed(client, root, tally))
             elif roll < 0.17:
-                tally.add(oversize(client, root, rng))
+                tally.add(oversize(client, root, rng, srv.oversize))
             else:
                 kind = tally.next(tally.kinds, "kind")
                 if kind == "anthropic.messages":
@@ -433,8 +438,7 @@ def traffic(srv: Server, seconds: float, rng: random.Random, tally: Tally, whole
             hang_up = rounds % 3 == 2
             seeds = [rng.randrange(1 << 30) for _ in range(CLIENTS)]
             jobs = [
-                guarded(lambda s=s, h=hang_up: client_loop(srv.root, s, tally, h), tally)
-                for s in seeds
+                guarded(lambda s=s, h=hang_up: client_loop(srv, s, tally, h), tally) for s in seeds
             ]
             run_threads(jobs, (PER_ROUND + 1) * (REQUEST_TIMEOUT_S + 5))
             if hang_up:
@@ -559,6 +563,8 @@ def summarize(args, outcomes: list[Outcome], server: dict, rss: dict, checks, fa
         "server": server["about"],
         "requests": len(outcomes),
         "rounds": server["rounds"],
+        "pair": args.pair,
+        "lives": server.get("lives", []),
         "errors_by_kind": dict(sorted(errors.items())),
         "skipped": server["skipped"],
         "rss_mb": {k: round(v / 2**20, 1) for k, v in rss.items() if k != "change"}
@@ -592,7 +598,24 @@ def markdown(s: dict) -> str:
             f"second of every three rounds a burst of {BURST} against --max-queue {MAX_QUEUE}, "
             "the third ends in disconnects). "
             f"RSS {s['rss_mb']['warm']:.0f} MB after warm-up, {s['rss_mb']['after']:.0f} MB after "
-            f"the run ({s['rss_mb']['change_pct']:+.1f} %).",
+            f"the run ({s['rss_mb']['change_pct']:+.1f} %"
+            + (", the largest drift of any life)." if len(s["lives"]) > 1 else ")."),
+            *(
+                [
+                    "",
+                    f"{len(s['lives'])} lives of the server on one data directory (SIGTERM, then "
+                    "a fresh process; cached prefixes on disk between them):",
+                    "",
+                    *(
+                        f"- life {i + 1}: started in {x['startup_s']} s, {x['requests']} "
+                        f"requests, RSS {x['rss_mb'][0]:.0f} → {x['rss_mb'][1]:.0f} MB, exit "
+                        f"{x['exit']}"
+                        for i, x in enumerate(s["lives"])
+                    ),
+                ]
+                if len(s["lives"]) > 1
+                else []
+            ),
             *([""] + [f"Skipped: {x}" for x in s["skipped"]] if s["skipped"] else []),
             "",
             "| kind | requests | statuses | p50 ms | p95 ms |",
@@ -641,33 +664,60 @@ def server_state(root: str) -> dict:
     }
 
 
+def life(home: Path, args, rng: random.Random, minutes: float) -> dict:
+    """One server's life in `home`: warm-up traffic of every kind, then `minutes` in all of
+    mixed traffic, then SIGTERM; its outcomes, state, RSS and checks."""
+    extra = [*args.serve_arg, *(["--prompt-cache-disk-bytes", str(DISK_BYTES)] * (args.lives > 1))]
+    srv = Server(home, extra, args.pair)
+    try:
+        startup = srv.wait_healthy()
+        anthropic = has_messages_route(srv.root)
+        skipped = [] if anthropic else ["Anthropic-shaped requests: no /v1/messages route"]
+        tally = Tally([*WELL_FORMED, *(["anthropic.messages"] if anthropic else [])])
+        end = time.monotonic() + minutes * 60
+        rounds = traffic(srv, 0.2 * minutes * 60, rng, tally, whole=True)  # every kind
+        srv.wait_idle()
+        rss_warm = srv.rss()
+        rounds += traffic(srv, end - time.monotonic(), rng, tally, whole=False)
+        srv.wait_idle()
+        rss_after = srv.rss()
+        state = server_state(srv.root)
+    finally:
+        code = srv.stop()
+    rss = {"warm": rss_warm, "after": rss_after, "change": rss_after / rss_warm - 1}
+    command = ["DFLASH_MAC_CALIBRATE=0", "dflash-mac", *srv.command[1:]]
+    state.update(about={"command": command, "startup_s": startup, "exit": code})
+    state.update(rounds=rounds, skipped=skipped)
+    checks = verdict(tally.outcomes, state, rss, srv.output())
+    checks.append({"check": "the server exits 0 on SIGTERM", "ok": code == 0, "seen": str(code)})
+    for name in ("serve.log", "serve.out"):  # the next life writes its own
+        (home / name).replace(home / f"{name}.{time.monotonic_ns()}")
+    return {"outcomes": tally.outcomes, "state": state, "rss": rss, "checks": checks}
+
+
 def soak(args) -> dict:
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="dflash-soak-") as tmp:
-        srv = Server(Path(tmp), args.serve_arg)
-        try:
-            startup = srv.wait_healthy()
-            anthropic = has_messages_route(srv.root)
-            skipped = [] if anthropic else ["Anthropic-shaped requests: no /v1/messages route"]
-            tally = Tally([*WELL_FORMED, *(["anthropic.messages"] if anthropic else [])])
-            end = time.monotonic() + args.minutes * 60
-            rounds = traffic(srv, 0.2 * args.minutes * 60, rng, tally, whole=True)  # every kind
-            srv.wait_idle()
-            rss_warm = srv.rss()
-            rounds += traffic(srv, end - time.monotonic(), rng, tally, whole=False)
-            srv.wait_idle()
-            rss_after = srv.rss()
-            state = server_state(srv.root)
-        finally:
-            code = srv.stop()
-        log = srv.output()
-    rss = {"warm": rss_warm, "after": rss_after, "change": rss_after / rss_warm - 1}
-    command = ["DFLASH_MAC_CALIBRATE=0", "dflash-mac", *srv.command[1:]]
-    about = {"command": command, "startup_s": startup, "exit": code}
-    state.update(about=about, rounds=rounds, skipped=skipped)
-    checks = verdict(tally.outcomes, state, rss, log)
-    checks.append({"check": "the server exits 0 on SIGTERM", "ok": code == 0, "seen": str(code)})
-    return summarize(args, tally.outcomes, state, rss, checks, machine_facts())
+        lives = [life(Path(tmp), args, rng, args.minutes / args.lives) for _ in range(args.lives)]
+    outcomes = [o for one in lives for o in one["outcomes"]]
+    checks = [
+        {**c, "check": f"life {i + 1}: {c['check']}" if args.lives > 1 else c["check"]}
+        for i, one in enumerate(lives)
+        for c in one["checks"]
+    ]
+    state = lives[-1]["state"]
+    state["rounds"] = sum(one["state"]["rounds"] for one in lives)
+    state["lives"] = [
+        {
+            "startup_s": round(one["state"]["about"]["startup_s"], 1),
+            "exit": one["state"]["about"]["exit"],
+            "requests": len(one["outcomes"]),
+            "rss_mb": [round(one["rss"][k] / 2**20, 1) for k in ("warm", "after")],
+        }
+        for one in lives
+    ]
+    rss = max((one["rss"] for one in lives), key=lambda r: abs(r["change"]))  # the worst drift
+    return summarize(args, outcomes, state, rss, checks, machine_facts())
 
 
 def main() -> None:
@@ -677,12 +727,18 @@ def main() -> None:
         "--out", type=Path, default=Path("build/soak"), help="Writes OUT.json + OUT.md."
     )
     ap.add_argument("--seed", type=int, default=0, help="Seed of the traffic mix.")
+    ap.add_argument("--pair", default="tiny-code", help="The pair `serve` loads (--model).")
+    ap.add_argument(
+        "--lives", type=int, default=1, help="Servers one after another (restarts), >= 1."
+    )
     ap.add_argument(
         "--serve-arg", action="append", default=[], help="An extra `serve` argument (repeatable)."
     )
     args = ap.parse_args()
     if not 0 < args.minutes <= 120:
         sys.exit(f"error: --minutes must be in (0, 120] (got {args.minutes}).")
+    if args.lives < 1:
+        sys.exit(f"error: --lives must be at least 1 (got {args.lives}).")
     try:
         summary = soak(args)
     except RuntimeError as e:  # the server did not start

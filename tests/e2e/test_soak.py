@@ -28,11 +28,12 @@ def load_soak():
 
 @pytest.mark.slow
 def test_short_soak_passes(tmp_path):
-    """Half a minute of mixed traffic against a fresh `dflash-mac serve`: every kind of
-    request was sent, the queue overflowed, and every check passed."""
+    """Half a minute of mixed traffic against two lives of `dflash-mac serve` (the second
+    started after SIGTERM on the first one's data directory, as a restart): every kind of
+    request was sent, the queue overflowed, and every check of both lives passed."""
     out = tmp_path / "soak"
     r = subprocess.run(
-        [sys.executable, str(SCRIPT), "--minutes", "0.5", "--out", str(out)],
+        [sys.executable, str(SCRIPT), "--minutes", "0.5", "--lives", "2", "--out", str(out)],
         env=user_env(tmp_path / "home"),
         capture_output=True,
         text=True,
@@ -47,6 +48,8 @@ def test_short_soak_passes(tmp_path):
     assert set(soak.WELL_FORMED) <= kinds
     assert {"disconnect", "malformed", "oversize", "burst.429"} <= kinds
     assert summary["skipped"] == [] and "anthropic.messages" in kinds  # /v1/messages too
+    assert [life["exit"] for life in summary["lives"]] == [0, 0]
+    assert {c["check"].split(":")[0] for c in summary["checks"]} == {"life 1", "life 2"}
 
 
 def state(**totals) -> dict:
