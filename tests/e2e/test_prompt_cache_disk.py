@@ -47,7 +47,7 @@ def test_a_restarted_server_reads_the_cached_prefix_from_disk(cli, tmp_path):
     finally:
         assert first.terminate() == 0  # SIGTERM: pending files are written first
     listing = cli("cache", "ls")
-    assert listing.returncode == 0 and "bundled_target--" in listing.stdout, listing.stderr
+    assert listing.returncode == 0 and "tiny-code--" in listing.stdout, listing.stderr
 
     second = serve(cli, tmp_path / "second.out")
     try:
