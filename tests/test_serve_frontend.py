@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_mac.cli import servers
-from dflash_mac.serve import command, cors, requestlog
+from dflash_mac.serve import command, cors, requestlog, servers
 
 
 def test_origins_default_to_pages_on_this_machine():
@@ -125,7 +124,7 @@ def test_uptime_and_stale_pid_files(tmp_path):
 
 
 def test_ps_and_stop_import_no_mlx():
-    code = "import sys\nimport dflash_mac.cli.servers\nprint('mlx' in sys.modules)"
+    code = "import sys\nimport dflash_mac.serve.servers\nprint('mlx' in sys.modules)"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )

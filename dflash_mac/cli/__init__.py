@@ -73,12 +73,12 @@ LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
         "List or clear the prompt cache on disk (kept by `serve` across restarts).",
     ),
     "ps": (
-        "dflash_mac.cli.servers",
+        "dflash_mac.serve.servers",
         "ps_command",
         "List the running servers: port, PID, URL, model and uptime.",
     ),
     "stop": (
-        "dflash_mac.cli.servers",
+        "dflash_mac.serve.servers",
         "stop_command",
         "Stop the server on PORT, or every running server with --all.",
     ),

@@ -11,7 +11,7 @@ import typer
 from dflash_mac.errors import UserError
 from dflash_mac.prefix_files import cache_root, summary
 
-from .servers import table
+from .console import table
 
 ACTIONS = ("ls", "clear")
 

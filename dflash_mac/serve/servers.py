@@ -14,8 +14,10 @@ from pathlib import Path
 
 import typer
 
+from dflash_mac.cli.console import table
 from dflash_mac.platform import data_dir
-from dflash_mac.serve.command import ServeError, pid_alive, pid_name, read_pid, url_name
+
+from .command import ServeError, pid_alive, pid_name, read_pid, url_name
 
 NONE_RUNS = "no dflash-mac server is running."
 
@@ -106,11 +108,6 @@ def uptime(seconds: float) -> str:
     if s < 86400:
         return f"{s // 3600}h {s % 3600 // 60:02d}m"
     return f"{s // 86400}d {s % 86400 // 3600}h"
-
-
-def table(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
 def stale_note(ports: list[int]) -> None:
