@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_mac.api import PromptError, fit_max_tokens, reasoning_args
+from dflash_mac.policy import BlockChoice
 from dflash_mac.registry import load_registry
 from dflash_mac.stats import DecodeStats
 
@@ -60,7 +61,7 @@ class EngineInfo:
     @property
     def block(self) -> str:
         """ "8", or "auto ≤8": what the blocks will be before the first answer says more."""
-        return f"auto ≤{self.block_size}" if self.auto else str(self.block_size)
+        return BlockChoice(self.block_size, auto=self.auto).label
 
 
 def turn_stats(stats: DecodeStats, finish: str | None) -> dict:
@@ -84,7 +85,7 @@ def block_label(stats: Any) -> str:
         return str(stats.block_size)
     sizes = getattr(stats, "block_sizes", ())
     now = "" if not sizes else " · now plain steps" if sizes[-1] == 1 else f" · now {sizes[-1]}"
-    return f"auto ≤{stats.block_size}{now}"
+    return f"{stats.block_label}{now}"
 
 
 @dataclass(frozen=True)

@@ -68,8 +68,9 @@ class RegistryError(LoadError):
     """A malformed registry file; names the file, the pair and the field."""
 
 
-_SOURCE_FIELDS = {
-    *("name", "pypi", "version", "sha256", "path", "hub", "notes", "file_sha256", "file_size")
+_SOURCE_FIELDS = {"name", "pypi", "version", "sha256", "path", "hub", "notes"} | {
+    "file_sha256",
+    "file_size",
 }
 
 

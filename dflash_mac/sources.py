@@ -155,13 +155,13 @@ def file_sha256(path: str | os.PathLike) -> str:
         known = json.loads(book.read_text())
     except (OSError, ValueError):
         known = {}
-    seen = known.get(str(path)) if isinstance(known, dict) else None
-    if isinstance(seen, dict) and seen.get("size") == stat.st_size:
-        if seen.get("mtime_ns") == stat.st_mtime_ns and isinstance(seen.get("sha256"), str):
-            return seen["sha256"]
-    digest = _sha256(path)
     known = known if isinstance(known, dict) else {}
-    known[str(path)] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": digest}
+    entry = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    seen = known.get(str(path))
+    if isinstance(seen, dict) and {k: seen.get(k) for k in entry} == entry and "sha256" in seen:
+        return seen["sha256"]
+    digest = _sha256(path)
+    known[str(path)] = {**entry, "sha256": digest}
     write_atomic(book, json.dumps(known, indent=1) + "\n")
     return digest
 

@@ -217,6 +217,6 @@ def verdict(rows: list[dict]) -> dict | None:
     best = max(pool, key=lambda r: r["speedup"][0])
     speedup = best["speedup"][0]
     ci = best.get("speedup_ci") if best["runs"] >= 2 else None
-    lo, hi = ci if ci else (speedup + EVEN, speedup - EVEN)
+    lo, hi = ci if ci else (speedup - EVEN, speedup + EVEN)
     winner = "dflash" if lo > 1 else "plain" if hi < 1 else "even"
     return {"winner": winner, "block_size": best["block_size"], "speedup": speedup, "ci": ci}
