@@ -459,6 +459,7 @@ def drafter_args(
     more: bool = False,
     seed: int = 0,
     draft_vocab: int | None = None,
+    layer_init: str = "random",
 ):
     """The recipe (MODEL_CARD.md): one layer over five target layers, block 8, KL + CE."""
     from dflash_mac.train import TrainingArgs
@@ -498,6 +499,7 @@ def drafter_args(
         cache_features=True,  # the target runs once per sequence, not once per epoch
         seed=seed,  # the batches' order and anchors (a --more stage: others than the last's)
         draft_vocab=draft_vocab,  # a K-row head (docs/training.md, "Draft vocabulary")
+        layer_init=layer_init,  # a new drafter's layers: MLX's init or the target's last
         # --more: go on from the committed drafter (fresh warmup and cosine, its own
         # checkpoints), so training spreads over sessions and machines
         init_from=init,
@@ -534,11 +536,12 @@ def stage_drafter(
     more: bool = False,
     seed: int = 0,
     draft_vocab: int | None = None,
+    layer_init: str = "random",
 ) -> None:
     from dflash_mac.train import train_drafter
     from dflash_mac.train.command import ProgressReporter
 
-    args = drafter_args(cache, out, arch, minutes, more, seed, draft_vocab)
+    args = drafter_args(cache, out, arch, minutes, more, seed, draft_vocab, layer_init)
     stage_prompts(cache)
     restore_answers(args.cache_dir)
     summary = train_drafter(args, ProgressReporter(console))
@@ -584,6 +587,12 @@ def main(argv: list[str] | None = None) -> None:
         help="draft over the K ids the target's answers use most (a drafter that has one "
         "keeps its own)",
     )
+    ap.add_argument(
+        "--layer-init",
+        choices=("random", "target"),
+        default="random",
+        help="a new drafter's layers: MLX's initialisation or the target's last layers",
+    )
     args = ap.parse_args(argv)
     args.cache.mkdir(parents=True, exist_ok=True)
     for st in STAGES if args.stage == "all" else (args.stage,):
@@ -598,7 +607,14 @@ def main(argv: list[str] | None = None) -> None:
             stage_data(args.cache, args.out)
         else:
             stage_drafter(
-                args.cache, args.out, st, args.minutes, args.more, args.seed, args.draft_vocab
+                args.cache,
+                args.out,
+                st,
+                args.minutes,
+                args.more,
+                args.seed,
+                args.draft_vocab,
+                args.layer_init,
             )
 
 

@@ -10,6 +10,7 @@ from dflash_mac.errors import UserError
 from .soft import LOSS_KINDS, LossSpec
 
 ARCHS = ("dflash", "dflash2")
+LAYER_INITS = ("random", "target")  # drafter layers: MLX's init, or the target's last layers
 
 
 class TrainError(UserError, ValueError):
@@ -32,6 +33,7 @@ class TrainingArgs:
     arch: str = "dflash2"  # "dflash" or "dflash2"
     intermediate_size: int | None = None  # drafter MLP width; None: the target's
     sliding_window: int | None = None  # windowed drafter attention
+    layer_init: str = "random"  # "target": the drafter's layers start as the target's last ones
     # length and optimisation
     steps: int | None = None  # optimizer steps; None: `epochs` passes over the sequences
     epochs: float = 6.0
@@ -84,6 +86,10 @@ class TrainingArgs:
         if self.arch not in ARCHS:
             raise TrainError(
                 f"--arch {self.arch} is not supported yet (choose from {', '.join(ARCHS)})."
+            )
+        if self.layer_init not in LAYER_INITS:
+            raise TrainError(
+                f"--layer-init must be one of {', '.join(LAYER_INITS)} (got {self.layer_init})."
             )
         if self.block_size < 2:
             raise TrainError(f"--block-size must be at least 2 (got {self.block_size}).")
@@ -140,3 +146,4 @@ class TrainSettings:
     sliding_window: int | None = None
     loss: dict = field(default_factory=lambda: {"loss": "ce"})  # LossSpec.describe()
     draft_vocab: int | None = None
+    layer_init: str = "random"

@@ -146,6 +146,12 @@ def train(
         "--sliding-window",
         help="Drafter attention sees only the last N positions (bidirectional inside the block).",
     ),
+    layer_init: str = typer.Option(
+        "random",
+        "--layer-init",
+        help="random, or target: the drafter's layers start as copies of the target's last "
+        "ones (same shape; a head start for small drafters).",
+    ),
     init_from: Path | None = typer.Option(
         None, "--init-from", help="Start from this drafter folder (fine-tune; fresh schedule)."
     ),
@@ -194,6 +200,7 @@ def train(
         save_dtype=dtype,
         init_from=init_from,
         sliding_window=sliding_window,
+        layer_init=layer_init,
         cache_features=cache_features,
     )
     args.check()

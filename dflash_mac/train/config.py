@@ -12,7 +12,7 @@ from mlx import nn
 from dflash_mac import gguf
 from dflash_mac.models.config import DraftConfig
 from dflash_mac.models.dflash import DFlashDraftModel
-from dflash_mac.structure import target_head, text_model
+from dflash_mac.structure import decoder_layers, target_head, text_model
 
 from .args import TrainError, TrainingArgs, TrainSettings
 from .dflash2_loss import dflash2_config
@@ -74,6 +74,7 @@ def train_settings(args: TrainingArgs, tcfg: dict, tokenizer: Any) -> TrainSetti
         sliding_window=args.sliding_window,
         loss=args.loss_spec.describe(),
         draft_vocab=args.draft_vocab,
+        layer_init=args.layer_init,
     )
 
 
@@ -113,6 +114,8 @@ def drafter_config(tcfg: dict, s: TrainSettings) -> dict:
         cfg["rope_scaling"] = tcfg["rope_scaling"]
     # what the drafter was trained for; loaders ignore it, `models` / `doctor` show it
     cfg["dflash_training"] = dict(s.loss)
+    if s.layer_init != "random":
+        cfg["dflash_training"]["layer_init"] = s.layer_init
     if s.draft_vocab:
         cfg["dflash_config"]["draft_vocab_size"] = min(s.draft_vocab, tcfg["vocab_size"])
     if s.sliding_window:  # windowed drafter attention, bidirectional inside the block
@@ -124,7 +127,9 @@ def drafter_config(tcfg: dict, s: TrainSettings) -> dict:
     return dflash2_config(cfg) if s.arch == "dflash2" else cfg
 
 
-def build_drafter(config: dict, target: nn.Module) -> DFlashDraftModel:
+def build_drafter(config: dict, target: nn.Module, layer_init: str = "random") -> DFlashDraftModel:
+    """A new drafter bound to the target's head; `layer_init="target"` starts its decoder layers
+    as copies of the target's last ones (`copy_target_layers`)."""
     from dflash_mac.loading import build_drafter as build_class  # DFlash 1 or 2 by `architectures`
 
     drafter = build_class(DraftConfig.from_dict(config))
@@ -132,5 +137,53 @@ def build_drafter(config: dict, target: nn.Module) -> DFlashDraftModel:
     final_norm = getattr(getattr(tm, "model", None), "norm", None)
     if final_norm is not None and final_norm.weight.shape == drafter.norm.weight.shape:
         drafter.norm.weight = mx.array(final_norm.weight)  # the LM head expects its scale
+    if layer_init == "target":
+        copy_target_layers(drafter, target)
     drafter.bind(target_head(target))
     return drafter
+
+
+# a drafter layer's weights and where the target's decoder layer keeps the same matrix
+LAYER_WEIGHTS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "self_attn.q_norm",
+    "self_attn.k_norm",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+    "input_layernorm",
+    "post_attention_layernorm",
+)
+
+
+def dense_weight(module: nn.Module) -> mx.array:
+    """A linear or norm module's weight as a dense float matrix (quantized ones dequantized)."""
+    if isinstance(module, nn.QuantizedLinear):
+        return mx.dequantize(
+            module.weight, module.scales, module.biases, module.group_size, module.bits
+        )
+    return module.weight
+
+
+def copy_target_layers(drafter: DFlashDraftModel, target: nn.Module) -> None:
+    """Drafter layer i starts as target layer L - n + i (the layers nearest the LM head, which
+    already turn a hidden state into the next token); weights the target lacks (Llama has no
+    q/k norms) keep their initialisation. Shapes must match: `TrainError` otherwise."""
+    source = decoder_layers(text_model(target))[-len(drafter.layers) :]
+    for mine, theirs in zip(drafter.layers, source):
+        for name in LAYER_WEIGHTS:
+            dst, src = mine, theirs
+            for part in name.split("."):
+                dst, src = getattr(dst, part, None), getattr(src, part, None)
+            if dst is None or src is None:
+                continue
+            w = dense_weight(src)
+            if w.shape != dst.weight.shape:
+                raise TrainError(
+                    f"--layer-init target: the target's {name} is {tuple(w.shape)} but the "
+                    f"drafter's is {tuple(dst.weight.shape)} (drop --intermediate-size)."
+                )
+            dst.weight = mx.array(w, dtype=dst.weight.dtype)

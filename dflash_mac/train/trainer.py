@@ -161,7 +161,7 @@ def prepare_trainee(
     (`steps`, else `epochs`); also returns the note on where the weights came from. `vocab`:
     the draft vocabulary (an `init_from` drafter's own wins)."""
     mx.random.seed(args.seed)
-    drafter = build_drafter(config, model)
+    drafter = build_drafter(config, model, s.layer_init)
     if vocab is not None:
         drafter.set_draft_vocab(mx.array(vocab))
     init_note = None
