@@ -34,6 +34,7 @@ class ChatOptions:
     chat_template: str | None = None  # a template that replaces the model's (its text)
     max_kv_size: int | None = None  # the target's rotating window (None: unbounded)
     draft_vocab: int | None = None  # a K-row drafter head (draft_vocab.py)
+    suffix: bool | None = None  # suffix drafting from this chat's earlier answers (suffix.py)
 
     def generation_kwargs(self) -> dict:
         return {
@@ -44,6 +45,7 @@ class ChatOptions:
             "top_k": self.top_k,
             "min_p": self.min_p,
             "seed": self.seed,
+            "suffix": self.suffix,
         }
 
 

@@ -28,6 +28,7 @@ def chat(
     chat_template: str | None = options.CHAT_TEMPLATE,  # the file's text
     max_kv_size: int | None = options.MAX_KV_SIZE,
     resume: bool = typer.Option(False, "--resume", "-r", help="Reopen the most recent chat."),
+    suffix: str | None = options.SUFFIX,  # parsed: bool | None
 ) -> None:
     """Chat in the terminal: streamed answers, a live acceptance histogram, saved chats."""
     from dflash_mac.cli import check_pair_names
@@ -61,6 +62,7 @@ def chat(
         chat_template,
         max_kv_size,
         draft_vocab,
+        suffix,
     )
     app = ChatApp(opts, resume=resume)
     app.run()

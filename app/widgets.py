@@ -280,6 +280,11 @@ class HistogramPanel(Widget):
                 if s and s.copy_cycles
                 else []
             ),
+            *(
+                [("suffix", f"{s.suffix_cycles} cycles · {s.suffix_tokens} tok")]
+                if s and s.suffix_cycles
+                else []
+            ),
             *([("trees", f"{s.tree_mix} · τ {s.tree_tau:.2f}")] if s and s.tree_cycles else []),
             ("drafter", info.kind if info else "–"),
             ("kernels", info.kernels if info else "–"),

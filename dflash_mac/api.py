@@ -90,6 +90,7 @@ def make_config(
     json_schema: dict | Grammar | None = None,
     copy: bool | None = None,
     tree: int | None = None,
+    suffix: bool | None = None,
 ) -> GenerationConfig:
     """Validated per-request settings (PromptError with one sentence on bad input).
 
@@ -98,7 +99,8 @@ def make_config(
     compiled once with `constraints.json_grammar`); `copy`: copy drafting where the last tokens
     repeat earlier text (`copydraft.py`; None: on unless `block_size` is 1, plain decoding;
     True at 1: copies and plain steps only); `tree`: tree drafting (`tree.py`): None lets `auto`
-    weigh trees, 0 drafts chains only, N drafts trees of N nodes."""
+    weigh trees, 0 drafts chains only, N drafts trees of N nodes; `suffix`: drafts from the
+    session's earlier answers (`suffix.py`; None: wherever copies run)."""
     chosen = isinstance(block_size, BlockChoice)  # already resolved against the pair
     sp, pen = check_request(
         max_tokens, None if chosen else block_size, temp, top_p, top_k, min_p, seed,
@@ -113,7 +115,7 @@ def make_config(
     if chosen:
         cfg.block = block_size
     cfg.penalties, cfg.logprobs, cfg.grammar, cfg.copy = pen, logprobs, grammar, copy
-    cfg.tree = tree
+    cfg.tree, cfg.suffix = tree, suffix
     return cfg
 
 

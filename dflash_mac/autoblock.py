@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .copydraft import CopyRates
+from .suffix import SuffixMemory
 
 # A generic prior: a drafting cycle costs a one-token step, plus the drafter pass and the extra
 # verify width. Replaced by the measured curve when one is saved for the pair and machine.
@@ -662,6 +663,8 @@ class AutoTuning:
     guess: float | None = None  # the drafter's measured acceptance (None: the generic guess)
     cost_models: dict[tuple[bool, int], CostModel] = field(default_factory=dict)  # (sampled, band)
     controllers: dict[tuple, BlockController] = field(default_factory=dict)
+    # earlier answers, for suffix drafting (suffix.py): what the session's requests said
+    answers: SuffixMemory = field(default_factory=SuffixMemory)
 
     @property
     def batch_prior(self) -> dict[tuple[int, int], float]:

@@ -100,6 +100,8 @@ class BatchStats:
     blocks: dict[int, int] = field(default_factory=dict)  # cycles by block size
     copy_cycles: int = 0  # cycles in which some row verified a copy
     copied: int = 0  # copied tokens accepted
+    suffix_cycles: int = 0  # cycles in which some row's copy came from earlier answers
+    suffixed: int = 0  # those copies' tokens accepted
     prefill_passes: int = 0
     prefill_chunks: int = 0  # chunks over those passes (several requests' share a pass)
     solo_cycles: int = 0  # cycles of a lone request, run by the one-request loop (`Solo`)
@@ -118,6 +120,8 @@ class BatchStats:
             "block_mix": {str(b): n for b, n in sorted(self.blocks.items())},
             "copy_cycles": self.copy_cycles,
             "copied_tokens": self.copied,
+            "suffix_cycles": self.suffix_cycles,
+            "suffix_tokens": self.suffixed,
             "prefill_passes": self.prefill_passes,
             "prefill_chunks": self.prefill_chunks,
             "solo_cycles": self.solo_cycles,
@@ -140,6 +144,7 @@ class Step:
     reason: str  # why the rule chose its size
     widths: list[int]  # the positions each row ran (bs, or its copy + 1 in a packed pass)
     copied: list[int]  # each row's copied drafts (0: none)
+    suffixed: list[bool]  # each row's copy came from earlier answers (suffix.py)
 
     @property
     def asked(self) -> list[mx.array]:
@@ -211,6 +216,8 @@ class BatchEngine:
         self.queued: Step | None = None  # the next plain step, queued ahead of the last sync
         self.t_sync = 0.0  # the last cycle's host sync
         self.tuning = solo
+        # earlier answers, for suffix drafting (the session's, kept across requests)
+        self.answers = solo.answers if solo is not None else None
         self.solo: Solo | None = None  # the lone request's loop, while it runs alone
 
     # -- the caller's side -------------------------------------------------------------------
@@ -270,7 +277,7 @@ class BatchEngine:
         self.stats.handed_back += 1
         r.anchor = r.out.tokens[-1]
         if r.index is not None:
-            r.index = CopyIndex(r.state.ids)
+            r.index = CopyIndex(r.state.ids, memory=self._memory(r), local=r.cfg.copies)
 
     # -- admission and prefill ---------------------------------------------------------------
     def _admit(self, r: BatchRequest) -> None:
@@ -329,8 +336,9 @@ class BatchEngine:
             return
         self.prefilling.remove(r)
         cfg = r.cfg
-        if cfg.copies and cfg.penalties is None and r.con is None:  # as alone (cycle.py)
-            r.index = CopyIndex(r.ids)
+        drafts_from_text = cfg.copies or (cfg.suffixes and self.answers is not None)
+        if drafts_from_text and cfg.penalties is None and r.con is None:  # as alone (cycle.py)
+            r.index = CopyIndex(r.ids, memory=self._memory(r), local=cfg.copies)
         r.anchor, lps = first_token(
             last, r.ids, cfg.sampling, r.key(), cfg.penalties, r.con, cfg.logprobs
         )
@@ -366,6 +374,7 @@ class BatchEngine:
         self.rule.update(len(rows), bs, None if any(c.copied) else seconds, full)
         self.stats.cycles += 1
         self.stats.copy_cycles += any(c.copied)
+        self.stats.suffix_cycles += any(c.suffixed)
         self.stats.rows += len(rows)
         self.stats.last_block = bs
         self.stats.blocks[bs] = self.stats.blocks.get(bs, 0) + 1
@@ -385,11 +394,13 @@ class BatchEngine:
             if c.copied[i]:
                 r.policy.update(c.copied[i], a)
                 self.stats.copied += a
+                self.stats.suffixed += a if c.suffixed[i] else 0
             if r.con is not None and not r.con.ended:  # a plain step: no drafts to forget
                 r.con.consume(bonus)
             before = r.out.count
             text = r.out.push(committed, r.cfg.max_tokens)
-            r.rec.cycle(sizes[i], a + 1, 0.0, c.reason, r.ctx.rows, bool(c.copied[i]))
+            copied = bool(c.copied[i])
+            r.rec.cycle(sizes[i], a + 1, 0.0, c.reason, r.ctx.rows, copied, suffixed=c.suffixed[i])
             lps = None if flats[i] is None else read_logprobs(flats[i], sizes[i], committed)
             lps = lps and lps[: r.out.count - before]  # the tokens kept
             r.emit(self._event(r, text, r.out.tokens[before:], a + 1, lps))
@@ -426,6 +437,10 @@ class BatchEngine:
         anchors = [lazy.get(id(r), mx.array([r.anchor], mx.int32)) for r in rows]
         self.queued = self._build(rows, 1, cap, mx.stack(anchors))
 
+    def _memory(self, r: BatchRequest):
+        """The earlier answers the row may draft from (None: suffix drafting off)."""
+        return self.answers if r.cfg.suffixes else None
+
     def _may_copy(self, r: BatchRequest) -> bool:
         """Whether the row's next cycle may copy (then its anchor is needed on the host)."""
         return r.index is not None and r.policy.paused == 0 and r.index.may_match()
@@ -457,6 +472,7 @@ class BatchEngine:
             for r in rows
         ]
         copies = [self._copy(r, queued=first is not None) for r in rows]
+        suffixed = [bool(cp) and r.index.suffixed for r, cp in zip(rows, copies)]
         if first is None:
             first = mx.array([[r.anchor] for r in rows], mx.int32)  # [B, 1]
         drafts: list[RowDraft | None] = [None] * len(rows)
@@ -500,7 +516,9 @@ class BatchEngine:
             pad = [mx.pad(t[1:], (0, w - t.shape[0] + 1)) for t in rows_tokens]
             outcome = mx.concatenate([verdict, mx.stack(pad)], 1)
         copied = [len(cp) for cp in copies]
-        step = Step(list(rows), bs, sizes, outcome, lp_rows, feats, t0, reason, widths, copied)
+        step = Step(
+            list(rows), bs, sizes, outcome, lp_rows, feats, t0, reason, widths, copied, suffixed
+        )
         mx.async_eval(outcome, *step.asked)
         return step
 
@@ -529,6 +547,9 @@ class BatchEngine:
             r.ctx.flush()
         if r.out is not None and not r.chunks:  # prefilled: the prompt and the kept output
             r.state.trim_to(len(r.ids) + r.out.count)
+            ended = r.out.finish_reason not in (None, "cancelled")
+            if ended and self.answers is not None and r.cfg.suffixes:
+                self.answers.add(r.out.tokens)  # later requests may draft from it
         mx.eval([c.state for c in r.state.target_cache + r.state.draft_cache if not c.empty()])
         if r.done is not None:
             r.done(r)

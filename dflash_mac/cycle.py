@@ -29,6 +29,7 @@ from .sampling import (
     sample,
     sample_logits,
 )
+from .suffix import SuffixMemory
 from .tree import (
     DraftTree,
     chain_depth,
@@ -248,6 +249,7 @@ class Cycle:
     tree: DraftTree | None = None  # a tree of drafts (tree.py; `drafts` are its nodes)
     start: int = 0  # a tree's first verified cache position
     copy: tuple[int, ...] = ()  # a copy grafted onto the tree as one more branch
+    suffixed: bool = False  # its copy (or graft) came from earlier answers (suffix.py)
 
     @property
     def width(self) -> int:
@@ -307,6 +309,7 @@ class CyclePipeline:
         graft: Callable[[int, int, CopyPolicy], bool] | None = None,
         copy_len: Callable[[int, CopyPolicy], int] | None = None,
         copy_rates: CopyRates | None = None,
+        memory: SuffixMemory | None = None,
     ):
         self.pair, self.state, self.cap, self.sp, self.size = pair, state, cap, sp, size
         self.pen = penalties
@@ -318,8 +321,10 @@ class CyclePipeline:
         self.pipelined = pipelined
         self.lookahead = pipelined and penalties is None and self.con is None
         # copy drafting (penalties and grammars bind drafts on the host: not with those)
-        self.copies = copy and penalties is None and self.con is None
+        self.copies = (copy or memory is not None) and penalties is None and self.con is None
+        self.local = copy  # copies from this request's text (else only from `memory`)
         self.index: CopyIndex | None = None  # built from the prompt (`first_token`)
+        self.memory = memory  # earlier answers (suffix drafting; None: off)
         trees = trees_allowed(pair, state.target_cache, penalties, grammar, logprobs)
         self.tree = tree if trees else None
         self.graft = graft  # (copy length, tree budget, policy) -> graft it; None: always
@@ -341,7 +346,7 @@ class CyclePipeline:
             logits, prompt, self.sp, self.key(), self.pen, self.con, self.logprobs
         )
         if self.copies:
-            self.index = CopyIndex(prompt)
+            self.index = CopyIndex(prompt, memory=self.memory, local=self.local)
         self.t_sync = time.perf_counter()
         return token
 
@@ -353,7 +358,7 @@ class CyclePipeline:
         if self.con is not None:
             self.con = con
         if self.copies:
-            self.index = CopyIndex(ids)
+            self.index = CopyIndex(ids, memory=self.memory, local=self.local)
         self.t_sync = time.perf_counter()
 
     # -- the cycle ---------------------------------------------------------------------------
@@ -446,6 +451,7 @@ class CyclePipeline:
         most = self.policy.length() if self.index is not None else 0
         can_copy = isinstance(anchor, int) and room > 1 and most > 0
         copy = self.index.propose(anchor, min(most, room - 1)) if can_copy else []
+        suffixed = bool(copy) and self.index.suffixed
         if copy and self.copy_len is not None:  # as long as the costs say it pays
             n = self.copy_len(len(copy), self.policy)
             if n == 0 and (k := self.policy.probe(len(copy))):  # priced at a fresh start's
@@ -457,6 +463,7 @@ class CyclePipeline:
             grafts = self.graft(len(copy), budget, self.policy)
         if copy and not grafts:  # no drafter pass: its context waits, as after a plain step
             c = self.copy_cycle(anchor, key, copy)
+            c.suffixed = suffixed
         elif bs == 1:  # a plain target step: no drafts, no split of the key
             c = Cycle(1, first, mx.zeros((0,), mx.int32), None, key, penalty)
             c.masks = self.con.mask()[None] if self.con else None
@@ -471,7 +478,7 @@ class CyclePipeline:
                 if copy:  # a doubtful copy that pays on the tree: one more branch of it
                     tree = graft(tree, mx.array(copy, mx.int32))
                 c = Cycle(bs, block, tree.tokens[1:], None, k_verify, penalty, tree=tree)
-                c.copy = tuple(copy)
+                c.copy, c.suffixed = tuple(copy), suffixed
             elif self.con is None:
                 drafts, q = propose(self.pair, block, self.ctx.cache, sp, k_draft, penalty)
                 c = Cycle(bs, block, drafts, q, k_verify, penalty)

@@ -47,6 +47,9 @@ class GenerationConfig:
     # not at a fixed block of 1, which is plain decoding (True there: copies only)
     copy: bool | None = None
     tree: int | None = None  # tree drafting (tree.py): None `auto`, 0 chains only, N nodes
+    # suffix drafting from earlier answers (suffix.py, `AutoTuning.answers`); None: wherever
+    # copies run
+    suffix: bool | None = None
 
     @property
     def copies(self) -> bool:
@@ -54,6 +57,11 @@ class GenerationConfig:
         if self.copy is not None:
             return self.copy
         return not (self.block is not None and self.block.plain)
+
+    @property
+    def suffixes(self) -> bool:
+        """Suffix drafting from earlier answers runs: asked for, or wherever copies run."""
+        return self.copies if self.suffix is None else self.suffix
 
 
 @dataclass
@@ -188,6 +196,8 @@ def speculative_stream(
     def copy_len(longest: int, policy: CopyPolicy) -> int:  # as long as the costs say it pays
         return plan.copy_length(longest, policy.rate)
 
+    # earlier answers (suffix drafting): the session's, kept across its requests
+    memory = tuning.answers if tuning is not None and cfg.suffixes else None
     ends = cfg.use_eos or cfg.grammar is not None  # a grammar's end is the answer's end
     facts = mirror.facts() if mirror is not None else {}
     if resume is None:
@@ -205,7 +215,7 @@ def speculative_stream(
         pipe = CyclePipeline(
             pair, state, cap, sp, size, pen, cfg.seed, cfg.pipeline, *asks, tree=budget,
             graft=graft if plan else None, copy_len=copy_len if plan else None,
-            copy_rates=plan.copy_rates if plan else None,
+            copy_rates=plan.copy_rates if plan else None, memory=memory,
         )  # fmt: skip
         if resume is None:
             logits = prefill(pair, state, prompt_ids, cap, cfg.prefill_step_size)
@@ -234,7 +244,10 @@ def speculative_stream(
             reason = plan.last.reason if plan else ""
             copied = c.copied or r.accepted > r.drafted  # a grafted copy's branch won
             width = c.drafts.shape[0] + 1  # a tree's or a graft's nodes, anchor in
-            rec.cycle(c.bs, r.accepted + 1, r.host, reason, pipe.ctx.rows, copied, c.budget, width)
+            rec.cycle(
+                c.bs, r.accepted + 1, r.host, reason, pipe.ctx.rows, copied, c.budget, width,
+                copied and c.suffixed,
+            )  # fmt: skip
             stats = rec.snapshot(out.count)
             lps = r.logprobs and r.logprobs[: out.count - before]  # the tokens kept
             yield GenerationEvent(
@@ -246,6 +259,10 @@ def speculative_stream(
         if out.finish_reason is None and not handed():
             out.finish_reason = "cancelled"
             yield GenerationEvent(out.flush(), [], 0, rec.snapshot(out.count), "cancelled")
+    # a request this loop began and ended: later ones may draft from its answer (a resumed
+    # one is the batch engine's, which keeps its answer when it ends there)
+    if memory is not None and resume is None and out.finish_reason not in (None, "cancelled"):
+        memory.add(out.tokens)
     # Caches hold exactly a prefix of prompt + kept output (the last token may be pending).
     state.trim_to(len(prompt_ids) + out.count)
     mx.eval([c.state for c in state.target_cache + state.draft_cache if not c.empty()])

@@ -96,6 +96,8 @@ class DecodeStats:
     collectives_per_cycle: int = 0  # per target forward, counted in its graph at start-up
     collective_ms_per_cycle: float = 0.0  # that many all_sums, timed by a start-up probe
     copied: tuple[bool, ...] = ()  # per cycle: its drafts were copied (copydraft.py)
+    # per cycle: its copy came from earlier answers (suffix.py), not this request's own text
+    suffixed: tuple[bool, ...] = ()
     trees: tuple[int, ...] = ()  # per cycle: its tree's node budget (0: a chain; tree.py)
     widths: tuple[int, ...] = ()  # per cycle: positions its verify checked (anchor + drafts)
 
@@ -133,12 +135,27 @@ class DecodeStats:
 
     @property
     def copy_cycles(self) -> int:
-        return sum(self.copied)
+        """Cycles that copied this request's own text (suffix drafts apart)."""
+        return sum(self.copied) - sum(self.suffixed)
+
+    @property
+    def suffix_cycles(self) -> int:
+        """Copy cycles whose drafts came from earlier answers (suffix drafting)."""
+        return sum(self.suffixed)
+
+    @property
+    def suffix_tokens(self) -> int:
+        """Tokens committed by suffix cycles (accepted drafts and their bonus tokens)."""
+        return sum(a for a, c in zip(self.acceptance_lengths, self.suffixed) if c)
 
     @property
     def copy_tokens(self) -> int:
         """Tokens committed by copy cycles (accepted copies and their bonus tokens)."""
-        return sum(a for a, c in zip(self.acceptance_lengths, self.copied) if c)
+        return sum(self.copy_lengths) - self.suffix_tokens
+
+    @property
+    def copy_lengths(self) -> list[int]:
+        return [a for a, c in zip(self.acceptance_lengths, self.copied) if c]
 
     @property
     def tree_cycles(self) -> int:
@@ -273,6 +290,7 @@ class StatsRecorder:
         self.lengths: list[int] = []
         self.sizes: list[int] = []
         self.copied: list[bool] = []
+        self.suffixed: list[bool] = []
         self.trees: list[int] = []
         self.widths: list[int] = []
         self.reason, self.host, self.context = "", 0.0, 0
@@ -292,6 +310,7 @@ class StatsRecorder:
         copied: bool = False,
         tree: int = 0,
         width: int = 0,
+        suffixed: bool = False,
     ) -> None:
         """One cycle: its block size, what it committed, and `width`, the positions its verify
         checked (a tree's nodes or a graft's; 0: `bs`)."""
@@ -299,6 +318,7 @@ class StatsRecorder:
         self.sizes.append(bs)
         self.widths.append(width or bs)
         self.copied.append(copied)
+        self.suffixed.append(suffixed)
         self.trees.append(tree)
         self.reason, self.context = reason, context
         self.host += host
@@ -309,6 +329,7 @@ class StatsRecorder:
             acceptance_lengths=tuple(self.lengths),
             block_sizes=tuple(self.sizes),
             copied=tuple(self.copied),
+            suffixed=tuple(self.suffixed),
             trees=tuple(self.trees),
             widths=tuple(self.widths),
             block_reason=self.reason,

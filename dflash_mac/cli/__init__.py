@@ -261,6 +261,7 @@ def generate(
     draft_bits: int | None = options.DRAFT_BITS,
     draft_vocab: int | None = options.DRAFT_VOCAB,
     copy: bool | None = options.COPY,
+    suffix: str | None = options.SUFFIX,  # parsed: bool | None
     tree_budget: str = options.TREE_BUDGET,  # parsed: int | None
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print statistics after the text."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
@@ -284,6 +285,7 @@ def generate(
         repetition_penalty=repetition_penalty,
         logit_bias=parse_logit_bias(logit_bias),
         copy=copy,
+        suffix=suffix,
         tree=tree_budget,
     )
     check_settings(max_tokens, block_size, settings)  # before the slow imports and load
@@ -311,7 +313,7 @@ def check_settings(max_tokens: int, block_size: str | None, settings: dict) -> N
     """Bad sampling, penalty, seed or block-size values get their one sentence now."""
     from dflash_mac.settings import check_request
 
-    checked = {k: v for k, v in settings.items() if k != "copy"}  # a flag: nothing to check
+    checked = {k: v for k, v in settings.items() if k not in ("copy", "suffix")}  # flags
     check_request(max_tokens=max_tokens, block_size=block_size, **checked)
 
 

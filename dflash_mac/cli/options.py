@@ -53,6 +53,27 @@ COPY = typer.Option(
 )
 
 
+def parse_switch(value: str | None) -> bool | None:
+    """An `on|off` option (None: the default)."""
+    if value is None:
+        return None
+    if value not in ("on", "off"):
+        raise typer.BadParameter("give on or off.")
+    return value == "on"
+
+
+SUFFIX = typer.Option(
+    None,
+    "--suffix",
+    metavar="on|off",
+    callback=parse_switch,
+    help="Suffix drafting: draft what earlier answers said after the same last tokens (agents "
+    "repeat tool calls, files and plans). On wherever copies are; kept per pair by a server "
+    "or chat, and by serve across restarts with its prompt-cache disk tier.",
+    show_default=False,
+)
+
+
 def parse_tree_budget(value: str | None) -> int | None:
     """`--tree-budget`: "auto" (None: `auto` weighs trees), "off" or 0 (chains only), or N."""
     if value is None or value == "auto":

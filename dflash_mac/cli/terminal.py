@@ -171,6 +171,8 @@ def blocks_line(s: Any) -> str:
     parts = [f"{s.block_mix or 'none'} (drafter block size×cycles; 1 = a plain step)"]
     if s.copy_cycles:
         parts.append(f"copies {s.copy_cycles} cycles, {s.copy_tokens} tok (text repeated)")
+    if s.suffix_cycles:
+        parts.append(f"suffix {s.suffix_cycles} cycles, {s.suffix_tokens} tok (earlier answers)")
     if s.tree_cycles:
         parts.append(f"trees {s.tree_mix} (nodes×cycles), τ {s.tree_tau:.2f}")
     return " · ".join(parts) + f" · widest verify {s.widest_verify} positions"

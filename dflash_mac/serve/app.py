@@ -6,6 +6,7 @@ handlers (routes.py) only validate, queue and stream (responses.py)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -23,6 +24,7 @@ from dflash_mac.prefix_disk import DiskTier
 from dflash_mac.registry import BUNDLED_TARGET, load_registry
 from dflash_mac.session import Session
 
+from .answers import KeptAnswers
 from .anthropic import AnthropicRoutes, error_body
 from .cors import LOOPBACK_ORIGINS, cors
 from .ollama import OllamaRoutes
@@ -68,6 +70,7 @@ def create_app(
     copy: bool | None = None,
     tree: int | None = None,
     max_batch: int = 1,
+    suffix: bool | None = None,
 ) -> Starlette:
     """The ASGI app (see `routes.Settings` for the settings). `max_queue` requests may wait
     behind the running one, more get a 429; a pair gets a session whose prompt cache keeps
@@ -78,7 +81,8 @@ def create_app(
     cached conversation keeps a rotating window of that many target positions;
     `prompt_cache_disk_bytes` > 0: cached prefixes also go to disk (`prefix_disk.py`) and are
     read back after a restart. `max_batch` > 1: up to that many requests decode together
-    (continuous batching, `batch_loop.py`)."""
+    (continuous batching, `batch_loop.py`). `suffix`: drafts from earlier answers (None:
+    wherever copies run), which a disk tier keeps across restarts (`answers.py`)."""
     if isinstance(pair_or_session, Session):
         session = pair_or_session
     else:
@@ -86,7 +90,9 @@ def create_app(
         disk = DiskTier.for_pair(pair, prompt_cache_disk_bytes) if prompt_cache_disk_bytes else None
         session = Session(pair, prompt_cache_size, prompt_cache_bytes, tuning, max_kv_size, disk)
     block = block or block_size_for(session.pair, None)
-    worker = Worker(session, block, max_queue, copy, tree, max_batch)
+    kept = KeptAnswers(session.tuning.answers, session.cache.disk)
+    logging.getLogger("dflash_mac.serve").info(kept.restore())
+    worker = Worker(session, block, max_queue, copy, tree, max_batch, suffix)
     name = model_name(session.pair)
     routes = Routes(session, worker, name, Settings(api_key, max_tokens, block, default_temp))
 
@@ -95,6 +101,7 @@ def create_app(
         yield
         worker.close()
         session.cache.close()  # pending disk writes
+        kept.save()
 
     app = Starlette(
         routes=routes.table() + OllamaRoutes(routes).table() + AnthropicRoutes(routes).table(),

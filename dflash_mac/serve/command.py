@@ -295,6 +295,7 @@ def serve(
     chat_template: str | None = options.CHAT_TEMPLATE,  # the file's text
     max_kv_size: int | None = options.MAX_KV_SIZE,
     copy: bool | None = options.COPY,
+    suffix: str | None = options.SUFFIX,  # parsed: bool | None
     tree_budget: str = options.TREE_BUDGET,  # parsed: int | None
     cors_origins: str | None = typer.Option(
         None,
@@ -359,6 +360,7 @@ def serve(
             max_kv_size=max_kv_size,
             prompt_cache_disk_bytes=prompt_cache_disk_bytes,
             copy=copy,
+            suffix=suffix,
             tree=tree_budget,
             max_batch=max_batch,
         )

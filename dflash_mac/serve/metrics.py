@@ -45,6 +45,8 @@ def summary(ev: Any, kind: str) -> dict:
             "ttft_s": round(s.ttft, 4),
             "copy_cycles": s.copy_cycles,
             "copy_tokens": s.copy_tokens,
+            "suffix_cycles": s.suffix_cycles,
+            "suffix_tokens": s.suffix_tokens,
             "tree_cycles": s.tree_cycles,
             "tree_tau": round(s.tree_tau, 4),
             "tree_budgets": s.tree_mix,
@@ -66,6 +68,9 @@ class Metrics:
         "cached_tokens",
         "completion_tokens",
         "cycles",
+        "copy_cycles",  # cycles that copied the request's own text
+        "suffix_cycles",  # cycles that drafted from earlier answers (suffix drafting)
+        "suffix_tokens",
     )
 
     def __init__(self) -> None:
@@ -97,6 +102,8 @@ class Metrics:
             self.totals["cached_tokens"] += u["prompt_tokens_details"]["cached_tokens"]
             self.totals["completion_tokens"] += u["completion_tokens"]
             self.totals["cycles"] += d["cycles"]
+            for key in ("copy_cycles", "suffix_cycles", "suffix_tokens"):
+                self.totals[key] += d.get(key, 0)
             self.last = {
                 "time": time.time(),
                 "kind": result["kind"],
@@ -169,6 +176,7 @@ def prometheus(stats: dict) -> str:
     for i, n in enumerate(last.get("acceptance_histogram", []), 1):
         lines.append(f'dflash_last_acceptance_histogram{{length="{i}"}} {n}')
     lines += [f"dflash_memory_{k} {v}" for k, v in stats.get("memory", {}).items()]
+    lines += [f"dflash_suffix_memory_{k} {v}" for k, v in stats.get("suffix_memory", {}).items()]
     cache = stats.get("prompt_cache", {})
     lines += [f"dflash_prompt_cache_{k} {v}" for k, v in cache.items() if isinstance(v, int)]
     return "\n".join(lines) + "\n"

@@ -172,6 +172,7 @@ class Routes:
             "max_queue": worker.max_queue,
             "cached_tokens": len(self.session.state.ids),
             "prompt_cache": self.session.cache.stats(),
+            "suffix_memory": self.session.tuning.answers.stats(),
             "batch": worker.batch_stats(),
             **worker.metrics.snapshot(),
         }

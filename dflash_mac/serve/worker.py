@@ -94,8 +94,10 @@ class Worker:
         copy: bool | None = None,
         tree: int | None = None,
         max_batch: int = 1,
+        suffix: bool | None = None,
     ):
         self.session = session
+        self.suffix = suffix  # suffix drafting (`serve --suffix off` turns it off)
         self.block = block  # None: `auto` up to the pair's default size
         self.copy = copy  # copy drafting (`serve --no-copy` turns it off)
         self.tree = tree  # tree drafting (`serve --tree-budget`; None: `auto` weighs trees)
@@ -236,6 +238,7 @@ class Worker:
                 block_size=self.block_of(req),
                 copy=self.copy,
                 tree=self.tree,
+                suffix=self.suffix,
                 **req.sampling,
             )
         except (APIError, PromptError) as e:
@@ -362,6 +365,7 @@ class Worker:
                 block_size=self.block_of(req),
                 copy=self.copy,
                 tree=self.tree,
+                suffix=self.suffix,
                 **req.sampling,
             ):
                 if ev.logprobs is not None:  # before the text they belong to
