@@ -86,3 +86,27 @@ def test_the_second_prompt_set_is_new_and_keeps_the_suites_out():
     asks = {r["messages"][0]["content"] for r in second}
     assert len(asks) == len(second)  # no prompt twice
     assert not asks & {p.prompt[0]["content"] for p in suite_prompts("chat", lambda _: None)}
+
+
+def test_the_third_prompt_set_is_new_and_keeps_the_suites_out(tmp_path):
+    """prompts3: everyday requests on new topics, two-turn chats that follow up on the second
+    set's own chat answers, code asks on functions neither earlier set used; answered at T 0.7
+    (its shards train as sampled parts)."""
+    chats = smollm2.answered_chats(tmp_path, lambda ids: f"answer of {len(ids)} tokens")
+    assert len(chats) >= 200 and all(len(m) == 1 for m, _ in chats)
+    third = smollm2.prompts3(chats)
+    earlier = {json.dumps(r["messages"]) for r in smollm2.code_prompts() + smollm2.prompts2()}
+    assert not earlier & {json.dumps(r["messages"]) for r in third}
+    follow = [r for r in third if r["messages"][-1]["content"] in smollm2.CHAT_FOLLOW_UPS]
+    assert len(follow) == smollm2.COUNTS3["follow"]
+    assert all(r["messages"][1]["role"] == "assistant" for r in follow)
+    _, heldout = corpus.split_modules()
+    named = {m for r in third for m in re.findall(r"module `([\w.]+)`", json.dumps(r))}
+    assert not named & {m.name for m in heldout}
+    chat = " ".join(p.prompt[0]["content"].lower() for p in suite_prompts("chat", lambda _: None))
+    assert not [t for t in smollm2.TOPICS3 if t.lower() in chat]
+    assert not set(smollm2.TOPICS3) & set(smollm2.TOPICS2 + smollm2.TOPICS)
+    asks = [json.dumps(r["messages"]) for r in third]
+    assert len(set(asks)) == len(asks)
+    assert "prompts3" in smollm2.SAMPLED_SETS
+    assert smollm2.shard_order("prompts3-10.jsonl") == ("prompts3", 10)

@@ -351,3 +351,17 @@ def test_regeneration_resumes_after_a_kill(
     )
     assert len(asked) == len(whole) - 3  # only what the first chunk had not answered
     assert [s.ids for s in again] == [s.ids for s in whole] and path.suffix == ".jsonl"
+
+
+def test_sampled_prompt_files_are_answered_once_at_their_temperature_with_seed_0():
+    """A later prompt set answered at T 0.7 keeps one cache whatever the training seed."""
+    args = TrainingArgs(
+        "t", "a.jsonl", "out", temps=[0.0], seed=7, extra_prompts=["b.jsonl"],
+        sampled_prompts=["c.jsonl"], sampled_temp=0.7,
+    )  # fmt: skip
+    assert [(p.name, t, s) for p, t, s in args.parts] == [
+        ("a.jsonl", 0.0, 7),
+        ("b.jsonl", 0.0, 7),
+        ("c.jsonl", 0.7, 0),
+    ]
+    assert args.data_temps == [0.0, 0.7]

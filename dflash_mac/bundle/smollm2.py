@@ -255,6 +255,129 @@ CHAT_ASKS = [
 ]
 COUNTS2 = {"write": 420, "ask": 240, "multi": 120, "long": 24, "chat_per_topic": 3}
 
+# The third prompt set (stage `data3`): weighted to everyday requests, where the drafter is
+# weakest (chat τ 1.24 after stage 7), answered at T 0.7 (the first two sets are greedy): new
+# topics, follow-ups on the second set's own chat answers (multi-turn), and code asks on
+# functions neither earlier set used.
+TOPICS3 = [
+    "planting a tree",
+    "the history of chocolate",
+    "how a bicycle gear works",
+    "snow and ice",
+    "learning to knit",
+    "adopting a rescue dog",
+    "the first moon landing",
+    "how soap works",
+    "writing a birthday card",
+    "choosing a houseplant",
+    "staying safe in a thunderstorm",
+    "the life cycle of a butterfly",
+    "making a smoothie",
+    "how glasses correct vision",
+    "a weekend in the mountains",
+    "saving electricity at home",
+    "how elections work",
+    "learning sign language",
+    "the history of jazz",
+    "packing a school lunch",
+    "how batteries store energy",
+    "keeping a sourdough starter",
+    "board games for families",
+    "writing a short story",
+    "the water in the oceans",
+    "how to iron a shirt",
+    "the history of the telephone",
+    "starting to jog",
+    "a rainy day at home",
+    "how wind turbines work",
+    "learning to juggle",
+    "caring for a goldfish",
+    "the pyramids of Giza",
+    "making homemade pizza",
+    "how to say no politely",
+    "the human skeleton",
+    "planning a picnic",
+    "how maps are made",
+    "the invention of paper",
+    "writing a complaint letter",
+    "how to read a nutrition label",
+    "learning a musical instrument",
+    "the seasons",
+    "how trains run on time",
+    "decorating a small bedroom",
+    "how a compass works",
+    "the history of the Olympics",
+    "visiting a farmers market",
+    "how coral reefs grow",
+    "a good night routine",
+    "learning to type faster",
+    "the history of football",
+    "caring for leather shoes",
+    "how to apologise",
+    "the Amazon river",
+    "how a microwave oven works",
+    "making pancakes",
+    "starting a book club",
+    "the northern lights",
+    "the history of writing",
+    "learning to ride a bike",
+    "how wolves live in packs",
+    "preparing for an exam",
+    "how hot air balloons fly",
+    "making a paper airplane",
+    "the story of the printing of books",
+    "choosing a gift for a friend",
+    "how vaccines are stored",
+    "the history of cinema",
+    "keeping chickens",
+    "how to write an email subject line",
+    "the planets beyond Mars",
+    "travelling by train in Europe",
+    "how ants find food",
+    "tidying a messy desk",
+    "learning to meditate at work",
+    "how a thermostat works",
+    "the history of the piano",
+    "caring for a newborn kitten",
+    "cooking with lentils",
+    "how rivers shape valleys",
+    "writing a wedding toast",
+    "the life of a firefighter",
+    "how the heart pumps blood",
+    "an evening walk",
+    "choosing a good book",
+    "the history of glass",
+    "how owls hunt at night",
+    "fixing a squeaky door",
+    "planning a garden for bees",
+    "how tea is grown",
+    "learning to whistle",
+    "the history of money",
+    "how phones connect to the internet",
+]
+CHAT_ASKS3 = [
+    "Tell me something interesting about {t}.",
+    "Give me a short step-by-step guide to {t}.",
+    "Can you explain {t} like I'm ten years old?",
+    "Write a friendly paragraph about {t}.",
+    "What should a beginner know about {t}? Keep it short.",
+    "List five facts about {t}.",
+    "I have ten minutes. What can I learn about {t}?",
+    "Write a short dialogue between two friends talking about {t}.",
+]
+CHAT_FOLLOW_UPS = [
+    "Can you make that shorter?",
+    "Thanks! Can you give me one more tip?",
+    "Why is that?",
+    "Can you give me an example?",
+    "Could you say that more simply?",
+    "What would you do first?",
+    "Can you turn that into a list?",
+    "That's helpful. What mistakes should I avoid?",
+]
+COUNTS3 = {"write": 0, "ask": 160, "multi": 60, "long": 16, "chat_per_topic": 3, "follow": 200}
+SAMPLED_SETS = ("prompts3",)  # sets answered at RECOMMENDED_TEMP, not greedily
+
 
 def fenced(code: str) -> str:
     return f"```python\n{code}\n```"
@@ -298,10 +421,12 @@ def used_examples(counts: dict = COUNTS) -> int:
     return counts["write"] + counts["ask"] + counts["multi"]
 
 
-def chat_prompts(topics: list[str], per_topic: int, seed: int = 2) -> list[dict]:
-    """Everyday requests: each topic asked `per_topic` ways (`CHAT_ASKS`, drawn per topic)."""
+def chat_prompts(
+    topics: list[str], per_topic: int, seed: int = 2, asks: list[str] = CHAT_ASKS
+) -> list[dict]:
+    """Everyday requests: each topic asked `per_topic` ways (`asks`, drawn per topic)."""
     rng = random.Random(seed)
-    return [user(ask.format(t=t)) for t in topics for ask in rng.sample(CHAT_ASKS, per_topic)]
+    return [user(ask.format(t=t)) for t in topics for ask in rng.sample(asks, per_topic)]
 
 
 def prompts2() -> list[dict]:
@@ -313,53 +438,106 @@ def prompts2() -> list[dict]:
     return rows
 
 
-SHARD = 256  # prompts a shard of the second set: its answers take ~12 min of two cores
+def prompts3(chats: list[tuple[list[dict], str]]) -> list[dict]:
+    """The third set, shuffled: everyday requests on new topics (`TOPICS3` × `CHAT_ASKS3`),
+    a follow-up question on each of `chats` (an earlier chat prompt and the target's answer to
+    it: two-turn chats), and code asks on functions neither earlier set used."""
+    rows = code_prompts(seed=0, counts=COUNTS3, skip=used_examples() + used_examples(COUNTS2))
+    rows += chat_prompts(TOPICS3, COUNTS3["chat_per_topic"], seed=4, asks=CHAT_ASKS3)
+    picked = random.Random(5).sample(chats, min(COUNTS3["follow"], len(chats)))
+    for i, (messages, answer) in enumerate(picked):
+        follow = {"role": "user", "content": CHAT_FOLLOW_UPS[i % len(CHAT_FOLLOW_UPS)]}
+        rows.append(
+            {"messages": [*messages, {"role": "assistant", "content": answer.strip()}, follow]}
+        )
+    random.Random(6).shuffle(rows)
+    return rows
 
 
-def stage_prompts2(cache: Path) -> list[Path]:
-    """``cache/prompts2-<i>.jsonl``: the second set in shards, answered and committed one by
-    one (`stage_data2`), so a session's share of the work lasts (committed like the first)."""
-    rows = prompts2()
+def answered_chats(cache: Path, decode) -> list[tuple[list[dict], str]]:
+    """The second set's everyday requests (one user message, no code) with the target's
+    answers to them, from the committed shards and answers (`decode`: ids -> text)."""
+    done = json.loads(ANSWERED.read_text()) if ANSWERED.exists() else {}
+    chats = []
+    for shard, answers in sorted(done.items()):
+        if not shard.startswith("prompts2-"):
+            continue
+        restore(COMMITTED / shard, cache / shard)
+        rows = [json.loads(line) for line in (cache / shard).read_text().splitlines() if line]
+        with gzip.open(COMMITTED / f"{answers}.gz", "rt") as f:
+            seqs = [json.loads(line) for line in f if line.strip()]
+        for row, seq in zip(rows, seqs):
+            msgs = row["messages"]
+            if (
+                len(msgs) == 1
+                and "```" not in msgs[0]["content"]
+                and "Python" not in msgs[0]["content"]
+            ):
+                chats.append((msgs, decode(seq["response"])))
+    return chats
+
+
+SHARD = 256  # prompts a shard: its answers take ~12 min of two cores
+SETS = ("prompts2", "prompts3")  # the sets after the first, answered shard by shard
+
+
+def stage_shards(cache: Path, name: str, decode=None) -> list[Path]:
+    """``cache/<name>-<i>.jsonl``: a prompt set in shards, answered and committed one by one
+    (`stage_answers`), so a session's share of the work lasts (committed like the first);
+    `decode` (ids -> text) builds the third set's two-turn chats, once."""
+    first = cache / f"{name}-0.jsonl"
+    if not restore(COMMITTED / first.name, first):
+        rows = prompts2() if name == "prompts2" else prompts3(answered_chats(cache, decode))
+        for i in range(0, len(rows), SHARD):
+            corpus.write_jsonl(cache / f"{name}-{i // SHARD}.jsonl", rows[i : i + SHARD])
     shards = []
-    for i in range(0, len(rows), SHARD):
-        path = cache / f"prompts2-{i // SHARD}.jsonl"
+    for i in range(1000):
+        path = cache / f"{name}-{i}.jsonl"
         if not restore(COMMITTED / path.name, path):
-            corpus.write_jsonl(path, rows[i : i + SHARD])
+            break
         keep(path, COMMITTED / path.name)
         shards.append(path)
     return shards
 
 
-def answered_shards(cache: Path) -> list[Path]:
-    """The shards of the second set whose answers are committed (`ANSWERED`), in order (their
-    prompts restored into the cache)."""
+def shard_order(name: str) -> tuple[str, int]:
+    """("prompts2", 3) for "prompts2-3.jsonl"."""
+    stem, index = name.removesuffix(".jsonl").rsplit("-", 1)
+    return stem, int(index)
+
+
+def answered_shards(cache: Path, sampled: bool = False) -> list[Path]:
+    """The shards of later sets whose answers are committed (`ANSWERED`), in order (their
+    prompts restored into the cache): the greedy sets', or with `sampled` those answered at
+    T 0.7 (`SAMPLED_SETS`)."""
     done = json.loads(ANSWERED.read_text()) if ANSWERED.exists() else {}
-    for name in done:
+    names = [n for n in done if (shard_order(n)[0] in SAMPLED_SETS) == sampled]
+    for name in names:
         restore(COMMITTED / name, cache / name)
-    return [cache / name for name in sorted(done, key=lambda n: int(n.split("-")[1][:-6]))]
+    return [cache / name for name in sorted(names, key=shard_order)]
 
 
-def stage_data2(cache: Path, out: Path, minutes: float) -> None:
-    """Answer the second set's shards in order (each resumable), starting new ones while the
+def stage_answers(cache: Path, out: Path, minutes: float, name: str = "prompts2") -> None:
+    """Answer a later set's shards in order (each resumable), starting new ones while the
     `minutes` budget lasts; each answered shard is kept in the repository and listed."""
     from dflash_mac.loading import resolve
     from dflash_mac.train.trainer import load_target, prepare_data
 
-    shards = stage_prompts2(cache)
+    args = drafter_args(cache, out, "dflash2", 0.0)
+    target, tokenizer = load_target(resolve(args.target))
+    shards = stage_shards(cache, name, lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
     done = json.loads(ANSWERED.read_text()) if ANSWERED.exists() else {}
     t0 = time.perf_counter()
-    target = tokenizer = None
     for shard in shards:
         if shard.name in done:
             continue
         if time.perf_counter() - t0 > minutes * 60:
-            console.log(f"budget spent: {len(done)} of {len(shards)} shards answered")
+            console.log(f"budget spent: {len(done)} shards answered, {shard.name} next")
             return
         args = drafter_args(cache, out, "dflash2", 0.0)
-        args.extra_prompts = [shard]
+        sampled = name in SAMPLED_SETS
+        args.extra_prompts, args.sampled_prompts = ([], [shard]) if sampled else ([shard], [])
         restore_answers(args.cache_dir)
-        if target is None:
-            target, tokenizer = load_target(resolve(args.target))
         data = prepare_data(target, tokenizer, resolve(args.target), args, console.log)
         file, n = data.parts[-1]
         keep(file, COMMITTED / f"{file.name}.gz")
@@ -492,7 +670,9 @@ def drafter_args(
         epochs=20,  # the wall-clock budget ends the run first on two CPU cores
         minutes=minutes,
         cache_dir=shared_data(cache, f"train-{arch}", source="regen"),
-        extra_prompts=answered_shards(cache),  # the second set's answered shards
+        extra_prompts=answered_shards(cache),  # later sets' answered shards (greedy)
+        sampled_prompts=answered_shards(cache, sampled=True),  # ... and those answered at T 0.7
+        sampled_temp=RECOMMENDED_TEMP,
         save_every=10,
         resume=True,
         save_dtype="float16",
@@ -566,7 +746,7 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--stage", choices=(*STAGES, "data2", "eval", "all"), default="all")
+    ap.add_argument("--stage", choices=(*STAGES, "data2", "data3", "eval", "all"), default="all")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--cache", type=Path, default=CACHE)
     ap.add_argument("--minutes", type=float, default=30.0, help="training budget per drafter")
@@ -601,8 +781,8 @@ def main(argv: list[str] | None = None) -> None:
             stage_prompts(args.cache)
         elif st == "eval":
             stage_eval(args.out)
-        elif st == "data2":
-            stage_data2(args.cache, args.out, args.minutes)
+        elif st in ("data2", "data3"):
+            stage_answers(args.cache, args.out, args.minutes, f"prompts{st[-1]}")
         elif st == "data":
             stage_data(args.cache, args.out)
         else:

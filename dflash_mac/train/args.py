@@ -70,11 +70,16 @@ class TrainingArgs:
     # the whole vocabulary
     draft_vocab: int | None = None
     extra_prompts: list[Path] = field(default_factory=list)  # more prompts files, answered too
+    # more prompts files answered once each at `sampled_temp`, with seed 0 (whatever `seed`:
+    # the answers stay cached across training seeds)
+    sampled_prompts: list[Path] = field(default_factory=list)
+    sampled_temp: float = 0.7
 
     def __post_init__(self) -> None:
         self.target = str(self.target)
         self.prompts, self.out_dir = Path(self.prompts), Path(self.out_dir)
         self.extra_prompts = [Path(p) for p in self.extra_prompts]
+        self.sampled_prompts = [Path(p) for p in self.sampled_prompts]
         self.cache_dir = Path(self.cache_dir or ".cache/dflash-train")
         if self.eval_prompts is not None:
             self.eval_prompts = Path(self.eval_prompts)
@@ -109,6 +114,17 @@ class TrainingArgs:
     @property
     def prompt_files(self) -> list[Path]:
         return [self.prompts, *self.extra_prompts]
+
+    @property
+    def parts(self) -> list[tuple[Path, float, int]]:
+        """(prompts file, temperature, seed) of every answered part of the data."""
+        parts = [(p, t, self.seed) for p in self.prompt_files for t in self.regen_temps]
+        return parts + [(p, self.sampled_temp, 0) for p in self.sampled_prompts]
+
+    @property
+    def data_temps(self) -> list[float]:
+        """The temperatures the data was answered at."""
+        return sorted({t for _, t, _ in self.parts})
 
     @property
     def regen_temps(self) -> list[float]:

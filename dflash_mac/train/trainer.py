@@ -77,7 +77,7 @@ def prepare_data(
     one full block. Each (file, temperature) is a part of its own (one feature store each)."""
     t0 = time.perf_counter()
     seqs, parts = [], []
-    for prompts, temp in [(p, t) for p in args.prompt_files for t in args.regen_temps]:
+    for prompts, temp, seed in args.parts:
         part, data_file = load_or_regenerate(
             model,
             tokenizer,
@@ -86,7 +86,7 @@ def prepare_data(
             args.cache_dir / "data",
             max_tokens=args.max_new_tokens,
             temp=temp,
-            seed=args.seed,
+            seed=seed,
             max_prompt=max(16, args.max_length - args.block_size - 1),
             limit=args.limit,
             batch_size=args.gen_batch_size,
@@ -236,7 +236,7 @@ def train_drafter(args: TrainingArgs, callback: TrainingCallback | None = None) 
     model, tokenizer = load_target(target_dir)
     s = train_settings(args, tcfg, tokenizer)
     config = drafter_config(tcfg, s)
-    config["dflash_training"]["data_temperatures"] = args.regen_temps
+    config["dflash_training"]["data_temperatures"] = args.data_temps
     cb.log(
         f"target {args.target}: {tcfg['num_hidden_layers']} layers, hidden "
         f"{tcfg['hidden_size']}, vocab {tcfg['vocab_size']}; drafter: {s.num_layers} "
@@ -293,7 +293,7 @@ def run_summary(
         "response_tokens": data.response_tokens,
         "regeneration": {
             "max_new_tokens": args.max_new_tokens,
-            "temps": args.regen_temps,
+            "temps": args.data_temps,
             "seconds": round(data.seconds, 1),
         },
         "steps": state.total,
@@ -302,7 +302,7 @@ def run_summary(
         "train_seconds": round(train_s, 1),
         "parameters": n_params,
         "settings": asdict(s),
-        "loss": dict(s.loss, data_temperatures=args.regen_temps),
+        "loss": dict(s.loss, data_temperatures=args.data_temps),
         "final_loss": float(np.mean(state.losses[-20:])),
         "init_from": init_note,
     }
