@@ -19,8 +19,8 @@ from typer.testing import CliRunner
 from dflash_mac import cycle as engine
 from dflash_mac.api import prompt_ids
 from dflash_mac.bench import agent as agent_bench
+from dflash_mac.bench import agent_loop, concurrency, summary
 from dflash_mac.bench import command as bench_command
-from dflash_mac.bench import concurrency, summary
 from dflash_mac.bench import inputs as bench_inputs
 from dflash_mac.bench import report as bench_report
 from dflash_mac.bench import run as bench
@@ -654,6 +654,10 @@ def test_committed_results_pass_schema():
             if d.get("kind") == "agent":  # bench --suite agent: its own document
                 assert agent_bench.validate(d) == [], f
                 assert d["total"]["identical"] == d["total"]["turns"], f
+                continue
+            if d.get("kind") == "agent-loop":  # bench --suite agent-loop: its own document
+                assert agent_loop.validate(d) == [], f
+                assert agent_loop.differing(d) == 0, f
                 continue
             if d.get("kind") == "concurrency":  # bench --concurrency: its own document
                 assert concurrency.validate(d) == [], f

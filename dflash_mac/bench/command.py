@@ -169,15 +169,17 @@ def bench_command(
         "code",
         "--suite",
         "-s",
-        help=f"Prompt suite: {', '.join(SUITES)}, agent, or all ({', '.join(ALL_SUITES)}). "
-        "agent: multi-turn agent transcripts through the prompt cache (first-token time cold, "
-        "from memory, from disk).",
+        help=f"Prompt suite: {', '.join(SUITES)}, agent, agent-loop, or all "
+        f"({', '.join(ALL_SUITES)}). agent: multi-turn agent transcripts through the prompt cache "
+        "(first-token time cold, from memory, from disk). agent-loop: agent traces replayed with "
+        "the target's own answers: decode speed of plain, DFlash and DFlash + copies + suffix.",
     ),
     prompts_file: Path | None = typer.Option(
         None,
         "--prompts",
         help='JSONL prompts ({"id", "messages"|"prompt"}) instead of a suite; with --suite '
-        'agent a transcripts JSON ({"system", "conversations"}).',
+        'agent a transcripts JSON ({"system", "conversations"}); with --suite agent-loop a '
+        'traces JSON ({"system", "traces"}).',
     ),
     limit: int | None = typer.Option(
         None, "--limit", help="Use the first K prompts of each suite."
@@ -290,16 +292,23 @@ def bench_command(
     levels = parse_levels(concurrency) if concurrency is not None else None
     if levels:
         check_one_run("--concurrency", fmt, block_size)
-        if suite in ("agent", "all"):
+        if suite in ("agent", "agent-loop", "all"):
             raise BenchError(f"--concurrency runs one prompt suite, not {suite}.")
         temps = parse_temps(temp)
     elif suite == "agent" and not cost_curve:
         check_one_run("--suite agent", fmt, block_size)
         transcripts = read_transcripts(prompts_file)
+    elif suite == "agent-loop" and not cost_curve:
+        from .agent_loop import check_options as check_loop
+        from .agent_loop import read_traces
+
+        sampling = dict(top_p=top_p or 1.0, top_k=top_k or 0, min_p=min_p)
+        temps = check_loop(fmt, block_size, trials, copy, parse_temps(temp), max_tokens, sampling)
+        traces = read_traces(prompts_file)
     elif not cost_curve:
         sampling = dict(top_p=top_p or 1.0, top_k=top_k or 0, min_p=min_p)
         sizes, temps = check_options(fmt, block_size, cooldown, temp, max_tokens, sampling)
-    if not cost_curve and suite != "agent":
+    if not cost_curve and suite not in ("agent", "agent-loop"):
         prompts = read_prompts(prompts_file) if prompts_file else suite_prompts(suite, warn_line)
     if not follower() and not shape:  # a worker rank loads its shard wherever rank 0 says
         check_pair_names(model, draft)
@@ -318,6 +327,11 @@ def bench_command(
         return agent_command(
             model, draft, transcripts, prompts_file, limit, max_tokens, block_size, loading,
             fmt, out,
+        )  # fmt: skip
+    if suite == "agent-loop":
+        return agent_loop_command(
+            model, draft, traces, prompts_file, limit, max_tokens, block_size, temps, sampling,
+            tree_budget, reasoning, no_eos, loading, fmt, out, verbose,
         )  # fmt: skip
     from dflash_mac.autoblock import AutoTuning
     from dflash_mac.cli.terminal import calibrate_auto, load_pair
@@ -446,6 +460,52 @@ def agent_command(
     bad = report["total"]["turns"] - report["total"]["identical"]
     if bad:
         err.print(f"[bold red]error:[/] {bad} turn(s) answered differently", highlight=False)
+        raise typer.Exit(1)
+
+
+def agent_loop_command(
+    model, draft, traces, traces_file, limit, max_tokens, block_size, temps, sampling, tree,
+    reasoning, no_eos, loading, fmt, out, verbose,
+):  # fmt: skip
+    """`--suite agent-loop` (bench/agent_loop.py): the traces (`traces`, read from
+    `traces_file`) replayed by the plain, DFlash and DFlash + copies + suffix rows, each with
+    its own session and `AutoTuning`, at each temperature; exit 1 when a greedy answer differs
+    from plain decoding."""
+    from dflash_mac.cli.terminal import calibrate_auto, load_pair
+    from dflash_mac.policy import load_tuning
+
+    from .agent_loop import Setting, agent_loop_markdown, config_doc, differing, report, run_suite
+    from .writers import append_jsonl, to_json
+
+    prepared = load_pair(model, draft, reasoning=reasoning, **loading)
+    pair = prepared.pair
+    block = (parse_block_sizes(block_size) or [AUTO])[0]  # checked: one size, not 1
+    if block == AUTO:
+        calibrate_auto(prepared)  # the cost curve `auto` starts from, measured once per machine
+    settings = [
+        Setting(max_tokens, t, use_eos=not no_eos, tree=tree, reasoning=reasoning, **sampling)
+        for t in temps
+    ]
+    start = load_average()
+    busy_warning(warn_line)
+
+    def progress(line: str) -> None:
+        err.print(line, highlight=False)
+
+    # each row's own AutoTuning, fresh from what is saved: rows share no state
+    parts = run_suite(pair, traces, settings, block, lambda: load_tuning(pair), limit, progress)
+    config = config_doc(traces, traces_file, limit, block, settings[0])
+    doc = report(header(pair) | {"load_avg": [start, load_average()]}, config, parts)
+    typer.echo(
+        agent_loop_markdown(doc, brief=not verbose) if fmt == "md" else to_json(doc), nl=False
+    )
+    if out:
+        append_jsonl(out, doc)
+    if bad := differing(doc):
+        err.print(
+            f"[bold red]error:[/] {bad} greedy answer(s) differ from plain decoding",
+            highlight=False,
+        )
         raise typer.Exit(1)
 
 
