@@ -52,7 +52,10 @@ class AgentTurn:
 def timed(session: Session, ids: list[int], max_tokens: int, block) -> Run:
     t0 = time.perf_counter()
     ttft, tokens, text, last = None, [], [], None
-    for ev in session.stream(ids, max_tokens=max_tokens, temp=0.0, block_size=block):
+    # no suffix drafting: each turn runs in several sessions that share `auto`'s memory, and a
+    # later one would copy the earlier one's answer whole (the agent-loop suite measures it)
+    kw = dict(max_tokens=max_tokens, temp=0.0, block_size=block, suffix=False)
+    for ev in session.stream(ids, **kw):
         ttft = ttft if ttft is not None else time.perf_counter() - t0
         tokens += ev.tokens
         text.append(ev.text)

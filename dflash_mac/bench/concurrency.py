@@ -100,7 +100,10 @@ def as_waves(way: Way, n: int) -> Way:
 
 def config(sp: SamplingParams, max_tokens: int, seed: int, use_eos: bool) -> GenerationConfig:
     seed_ = None if sp.greedy else seed
-    return GenerationConfig(max_tokens, sampling=sp, seed=seed_, use_eos=use_eos)
+    # no suffix drafting: every way and level repeats the same prompts, whose earlier answers
+    # it would copy whole (the agent-loop suite measures it)
+    cfg = GenerationConfig(max_tokens, sampling=sp, seed=seed_, use_eos=use_eos, suffix=False)
+    return cfg
 
 
 def batched(engine: BatchEngine, prompts: list[list[int]], cfgs: list[GenerationConfig]) -> Way:

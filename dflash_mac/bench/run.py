@@ -31,6 +31,7 @@ from dflash_mac.autoblock import AutoTuning
 from dflash_mac.pair import Pair
 from dflash_mac.policy import AUTO
 from dflash_mac.stats import drafter_cycles, drafting, histogram
+from dflash_mac.suffix import SuffixMemory
 
 from .inputs import BenchPrompt
 
@@ -253,6 +254,17 @@ def run_dflash(
     )
 
 
+def other_answers(answers: dict[int, list[int]], i: int) -> SuffixMemory:
+    """Suffix drafting's memory for a run of prompt `i`: the answers to the suite's other
+    prompts so far (as a server that served them would hold), never an earlier trial's answer
+    to this one, which it would copy whole and so time a repeat, not the prompt."""
+    memory = SuffixMemory()
+    for j, answer in answers.items():
+        if j != i:
+            memory.add(answer)
+    return memory
+
+
 def dflash_seed(cfg: BenchConfig, seed: int) -> int | None:
     """The seed of a DFlash run. Sampled runs go unseeded unless asked: a seeded request gets
     a fresh `auto` controller (so the seed alone fixes the text), while unseeded requests with
@@ -317,6 +329,7 @@ def run_bench(
     configs: list[int | None] = [None, *cfg.block_sizes]  # None: the baseline
     orders = balanced_orders(len(configs))
     records = []
+    answers: dict[int, list[int]] = {}  # each prompt's last DFlash answer (suffix drafting)
     for trial in range(cfg.trials):
         order = list(range(len(prompts)))
         random.Random(cfg.seed * 1_000_003 + trial).shuffle(order)
@@ -339,6 +352,7 @@ def run_bench(
                 if bs is None:
                     run = rec["baseline"] = run_baseline(pair, ids[i], cfg, seed, limits[i])
                 else:
+                    tuning.answers = other_answers(answers, i)
                     run = rec["dflash"][bs] = run_dflash(
                         pair,
                         ids[i],
@@ -349,6 +363,7 @@ def run_bench(
                         limits[i],
                         tuning,
                     )
+                    answers[i] = run.tokens
                 obs.done(run)
             obs.checked(rec, cfg.greedy)
             records.append(rec)

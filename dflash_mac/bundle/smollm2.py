@@ -638,6 +638,7 @@ def drafter_args(
     seed: int = 0,
     draft_vocab: int | None = None,
     layer_init: str = "random",
+    steps: int | None = None,
 ):
     """The recipe (MODEL_CARD.md): one layer over five target layers, block 8, KL + CE."""
     from dflash_mac.train import TrainingArgs
@@ -668,7 +669,8 @@ def drafter_args(
         kl_weight=0.7,
         top_k_soft=32,
         epochs=20,  # the wall-clock budget ends the run first on two CPU cores
-        minutes=minutes,
+        minutes=None if steps else minutes,
+        steps=steps,  # a fixed step count (A/Bs at equal compute), else the minutes decide
         cache_dir=shared_data(cache, f"train-{arch}", source="regen"),
         extra_prompts=answered_shards(cache),  # later sets' answered shards (greedy)
         sampled_prompts=answered_shards(cache, sampled=True),  # ... and those answered at T 0.7
@@ -717,11 +719,12 @@ def stage_drafter(
     seed: int = 0,
     draft_vocab: int | None = None,
     layer_init: str = "random",
+    steps: int | None = None,
 ) -> None:
     from dflash_mac.train import train_drafter
     from dflash_mac.train.command import ProgressReporter
 
-    args = drafter_args(cache, out, arch, minutes, more, seed, draft_vocab, layer_init)
+    args = drafter_args(cache, out, arch, minutes, more, seed, draft_vocab, layer_init, steps)
     stage_prompts(cache)
     restore_answers(args.cache_dir)
     summary = train_drafter(args, ProgressReporter(console))
@@ -773,6 +776,9 @@ def main(argv: list[str] | None = None) -> None:
         default="random",
         help="a new drafter's layers: MLX's initialisation or the target's last layers",
     )
+    ap.add_argument(
+        "--steps", type=int, default=None, help="a fixed step count instead of --minutes"
+    )
     args = ap.parse_args(argv)
     args.cache.mkdir(parents=True, exist_ok=True)
     for st in STAGES if args.stage == "all" else (args.stage,):
@@ -795,6 +801,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.seed,
                 args.draft_vocab,
                 args.layer_init,
+                args.steps,
             )
 
 
