@@ -180,7 +180,8 @@ def test_bad_traces_files(tmp_path):
     "args, says",
     [
         (["-t", "2"], "--trials does not apply"),
-        (["--copy"], "--copy/--no-copy do not apply"),
+        (["--copy"], "--copy/--no-copy and --suffix do not apply"),
+        (["--suffix", "on"], "--copy/--no-copy and --suffix do not apply"),
         (["-f", "csv"], "writes md or json"),
         (["-b", "auto,4"], "one DFlash block size"),
         (["-b", "1"], "block 1 is its plain row"),

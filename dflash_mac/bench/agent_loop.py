@@ -99,10 +99,10 @@ def check_options(
             "--suite agent-loop replays each trace once per row; --trials does not apply "
             "(the temperature is --temp)."
         )
-    if copy is not None:  # the rows themselves say where copies run
+    if copy is not None:  # the rows themselves say where copies and suffix drafts run
         raise BenchError(
-            "--suite agent-loop runs its rows with copies off and on; --copy/--no-copy do not "
-            "apply."
+            "--suite agent-loop runs its rows with copies and suffix drafting off and on; "
+            "--copy/--no-copy and --suffix do not apply."
         )
     temps = temps or [0.0]
     for t in temps:

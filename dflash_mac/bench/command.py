@@ -224,6 +224,7 @@ def bench_command(
     draft_bits: int | None = options.DRAFT_BITS,
     draft_vocab: int | None = options.DRAFT_VOCAB,
     copy: bool | None = options.COPY,
+    suffix: str | None = options.SUFFIX,  # parsed: bool | None
     tree_budget: str = options.TREE_BUDGET,  # parsed: int | None
     reasoning: str | None = typer.Option(
         None,
@@ -303,7 +304,10 @@ def bench_command(
         from .agent_loop import read_traces
 
         sampling = dict(top_p=top_p or 1.0, top_k=top_k or 0, min_p=min_p)
-        temps = check_loop(fmt, block_size, trials, copy, parse_temps(temp), max_tokens, sampling)
+        temps = check_loop(
+            fmt, block_size, trials, copy if suffix is None else suffix, parse_temps(temp),
+            max_tokens, sampling,
+        )  # fmt: skip
         traces = read_traces(prompts_file)
     elif not cost_curve:
         sampling = dict(top_p=top_p or 1.0, top_k=top_k or 0, min_p=min_p)
@@ -355,6 +359,7 @@ def bench_command(
         "draft_bits": draft_bits,
         "draft_vocab": draft_vocab,
         "copy": copy,
+        "suffix": suffix,
         "tree_budget": "auto" if tree_budget is None else tree_budget,
     }
     docs = []
@@ -364,7 +369,7 @@ def bench_command(
         cfg = BenchConfig(
             sizes, max_tokens, trials, sp.temperature, sp.top_p, sp.top_k, sp.min_p, seed,
             not no_eos, cooldown, seeded_dflash=seeded, copy=copy,
-            tree=tree_budget,
+            tree=tree_budget, suffix=suffix,
         )  # fmt: skip
         if len(settings) > 1:
             err.print(f"[bold]{label}[/]", highlight=False)

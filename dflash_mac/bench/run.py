@@ -56,6 +56,7 @@ class BenchConfig:
     seeded_dflash: bool = False  # sampled DFlash runs seeded too (auto then relearns each run)
     copy: bool | None = None  # copy drafting in the DFlash runs (None: not at block 1)
     tree: int | None = None  # tree drafting (None: `auto` weighs trees; 0 chains; N nodes)
+    suffix: bool | None = None  # suffix drafting from the other prompts' answers (None: as copy)
 
     @property
     def greedy(self) -> bool:
@@ -232,6 +233,7 @@ def run_dflash(
         seed=seed,
         use_eos=cfg.use_eos,
         copy=cfg.copy,
+        suffix=cfg.suffix,
         tree=cfg.tree,
         tuning=tuning if tuning is not None else AutoTuning(),
     ):
