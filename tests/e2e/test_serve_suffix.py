@@ -81,3 +81,17 @@ def test_a_bad_suffix_value_is_one_sentence(cli):
     res = cli("serve", "--suffix", "maybe")
     assert res.returncode != 0 and "Traceback" not in res.stderr
     assert "on or off" in res.stderr
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "bench"])
+def test_every_front_end_takes_suffix_on_or_off(cli, command):
+    args = [command, "--suffix", "sometimes"] + (["hello"] if command == "generate" else [])
+    res = cli(*args)
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert "on or off" in res.stderr
+
+
+def test_generate_with_suffix_drafting_on(cli):
+    res = cli("generate", "--suffix", "on", "-n", "12", "-v", "def add(a, b):")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip()
