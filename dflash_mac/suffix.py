@@ -85,14 +85,14 @@ class SuffixMemory:
     @property
     def nbytes(self) -> int:
         """Memory the index holds (answers, joined text, owners, suffix array; the n-gram
-        table estimated at ~200 bytes an entry)."""
-        arrays = sum(a.nbytes for a in self.answers.values())
-        arrays += self.text.nbytes + self.owner.nbytes + self.sa.nbytes
+        table estimated at ~200 bytes an entry). Read from counters only: /metrics asks from
+        another thread while a request's end may be adding an answer."""
+        arrays = 4 * self.tokens + self.text.nbytes + self.owner.nbytes + self.sa.nbytes
         return arrays + 200 * len(self.grams)
 
     def stats(self) -> dict[str, int]:
         """What it holds, for /metrics."""
-        return {
+        return {  # counters only (see `nbytes`)
             "answers": len(self.answers),
             "tokens": self.tokens,
             "max_tokens": self.max_tokens,
