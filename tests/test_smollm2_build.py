@@ -7,7 +7,7 @@ import json
 import re
 
 from dflash_mac.bench.inputs import suite_prompts
-from dflash_mac.bundle import corpus, smollm2
+from dflash_mac.bundle import campaign, corpus, smollm2
 
 
 def test_code_prompts_come_only_from_training_modules_and_have_every_shape():
@@ -52,7 +52,6 @@ def test_committed_data_is_restored_once_and_kept_gzipped(tmp_path):
 def test_a_stage_row_carries_the_curve_on(tmp_path):
     """Cumulative steps and blocks continue the curve's last row; a stage's own summary gives
     its steps, blocks and seconds per step."""
-    from dflash_mac.bundle import campaign
 
     curve = tmp_path / "curve.csv"
     campaign.append_row(curve, {"stage": "5", "steps": 901, "blocks": 166400})
@@ -110,3 +109,13 @@ def test_the_third_prompt_set_is_new_and_keeps_the_suites_out(tmp_path):
     assert len(set(asks)) == len(asks)
     assert "prompts3" in smollm2.SAMPLED_SETS
     assert smollm2.shard_order("prompts3-10.jsonl") == ("prompts3", 10)
+
+
+def test_a_restarted_drafter_starts_a_lineage_of_its_own():
+    rows = [
+        {"stage": s, "steps": n} for s, n in (("6", 3337), ("7", 4456), ("8a", 400), ("8", 1191))
+    ]
+    assert [[r["stage"] for r in lineage] for lineage in campaign.restarts(rows)] == [
+        ["6", "7"],
+        ["8a", "8"],
+    ]

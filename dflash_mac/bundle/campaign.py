@@ -134,6 +134,17 @@ def host_name() -> str:
     return platform.machine()
 
 
+def restarts(rows: list[dict]) -> list[list[dict]]:
+    """The rows split where the cumulative steps fall: a drafter trained anew (another
+    initialisation) starts a lineage of its own."""
+    out: list[list[dict]] = []
+    for r in rows:
+        if not out or float(r["steps"]) < float(out[-1][-1]["steps"]):
+            out.append([])
+        out[-1].append(r)
+    return out
+
+
 def plot(curve: Path, png: Path) -> None:
     """τ against cumulative optimiser steps and training blocks, one line per suite and
     temperature (needs matplotlib: `pip install matplotlib`)."""
@@ -143,20 +154,26 @@ def plot(curve: Path, png: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in read_rows(curve) if r.get("tau_code_greedy")]
+    lineages = restarts(rows)
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     for ax, x_key, label in (
         (axes[0], "steps", "optimiser steps"),
         (axes[1], "blocks", "training blocks"),
     ):
+        colors = iter(plt.rcParams["axes.prop_cycle"].by_key()["color"])
         for suite in SUITES:
             for temp, style in zip(TEMPS, ("-o", "--s")):
-                col = column(suite, temp)
-                pts = [(float(r[x_key]), float(r[col])) for r in rows if r.get(col)]
-                if pts:
-                    xs, ys = zip(*pts)
-                    ax.plot(
-                        xs, ys, style, label=f"{suite}, {'greedy' if temp == 0 else f'T {temp:g}'}"
-                    )
+                col, color = column(suite, temp), next(colors)
+                name = f"{suite}, {'greedy' if temp == 0 else f'T {temp:g}'}"
+                for k, lineage in enumerate(lineages):  # earlier lineages drawn faint
+                    pts = [(float(r[x_key]), float(r[col])) for r in lineage if r.get(col)]
+                    if pts:
+                        xs, ys = zip(*pts)
+                        last = k == len(lineages) - 1
+                        ax.plot(
+                            xs, ys, style, color=color, alpha=1.0 if last else 0.3,
+                            label=name if last else None,
+                        )  # fmt: skip
         for r in rows:
             ax.annotate(
                 r["stage"],
@@ -166,6 +183,7 @@ def plot(curve: Path, png: Path) -> None:
                 textcoords="offset points",
             )
         ax.set_xlabel(f"cumulative {label}")
+        ax.xaxis.set_major_formatter(lambda x, _: f"{x / 1000:g}k" if x >= 10_000 else f"{x:g}")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel(f"held-out τ, block-{BLOCK} chain")
     axes[1].legend(fontsize=8)
