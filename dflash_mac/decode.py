@@ -60,7 +60,11 @@ class GenerationConfig:
 
     @property
     def suffixes(self) -> bool:
-        """Suffix drafting from earlier answers runs: asked for, or wherever copies run."""
+        """Suffix drafting from earlier answers runs: asked for, or wherever copies run; never
+        for a seeded sampled request, whose random draws would then follow what earlier
+        requests answered (same seed, same text)."""
+        if self.seed is not None and not self.sampling.greedy:
+            return False
         return self.copies if self.suffix is None else self.suffix
 
 

@@ -144,11 +144,11 @@ def seeded_tuning() -> AutoTuning:
 
 def samples_with_suffixes(pair, sp, block, n) -> tuple[list[tuple], int]:
     session, out, drafts = Session(pair, tuning=seeded_tuning()), [], 0
-    for seed in range(n):
+    for _ in range(n):
         events = list(
             session.stream(
-                PERIODIC, max_tokens=3, block_size=block, temp=sp.temperature, seed=seed,
-                use_eos=False, copy=False, suffix=True,
+                PERIODIC, max_tokens=3, block_size=block, temp=sp.temperature,
+                use_eos=False, copy=False, suffix=True,  # unseeded: see the test below
             )
         )  # fmt: skip
         out.append(tuple(t for e in events for t in e.tokens))
@@ -174,3 +174,10 @@ def test_a_lossy_suffix_rule_is_detected(small_pair, monkeypatch):  # noqa: F811
     samples, drafts = samples_with_suffixes(small_pair, sp, 1, 600)
     assert drafts >= 500
     assert chi_square_p(samples, exact_joint(small_pair, sp, prompt=PERIODIC)) < 1e-6
+
+
+def test_a_seeded_sampled_request_drafts_nothing_from_earlier_answers():
+    """Same seed, same text: its random draws must not follow what earlier requests said."""
+    seeded = make_config(temp=0.7, seed=3, suffix=True)
+    assert not seeded.suffixes
+    assert make_config(temp=0.7, suffix=True).suffixes and make_config(seed=3, suffix=True).suffixes

@@ -181,7 +181,10 @@ def test_bench_help_lists_every_suite(cli):
     res = cli("bench", "--help")
     assert res.returncode == 0, res.stderr
     text = " ".join(res.stdout.replace("│", " ").split())  # the help box may wrap lines
-    assert "Prompt suite: code, math, chat, long, edit, agent, or all (code, math, chat)." in text
+    said = (
+        "Prompt suite: code, math, chat, long, edit, agent, agent-loop, or all (code, math, chat)."
+    )
+    assert said in text
 
 
 def test_doctor_sizes_memory_at_most_at_the_models_context(cli):

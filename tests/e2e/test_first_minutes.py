@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 
@@ -119,7 +120,12 @@ def test_serve_says_its_model_cannot_call_tools(server):
         client.chat.completions.create(model="m", messages=user, tools=[WEATHER])
     bad = httpx.post(server.root + "/v1/chat/completions", json={"messages": "hi"}, timeout=10)
     assert bad.status_code == 400
-    logged = [x for x in server.output().splitlines() if "POST /v1/chat/completions 400" in x]
+    deadline = time.monotonic() + 10  # a line is written as its response ends: may lag a bit
+    while True:
+        logged = [x for x in server.output().splitlines() if "POST /v1/chat/completions 400" in x]
+        if len(logged) >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert len(logged) == 2 and said in logged[0], logged
     assert bad.json()["error"]["message"] in logged[1]
 
