@@ -70,7 +70,8 @@ def test_the_verdict_catches_failures():
     out = soak.Outcome
     good = [out("openai.chat", 200, 0.1, True), out("ollama.generate", 200, 0.2, True)]
     good += [out("disconnect", 200, 0.1, True), out("burst.429", 429, 0.0, True)]
-    rss = {"warm": 100, "after": 105, "change": 0.05}
+    mb = 2**20
+    rss = {"warm": 100 * mb, "after": 105 * mb, "change": 0.05}
 
     def failed(outcomes, server, rss=rss, log="INFO fine") -> list[str]:
         return [c["check"] for c in soak.verdict(outcomes, server, rss, log) if not c["ok"]]
@@ -79,8 +80,13 @@ def test_the_verdict_catches_failures():
     assert failed(good, state(), log="Traceback (most recent call last):") == [
         "no traceback in the server's log or stderr"
     ]
-    grown = {"warm": 100, "after": 120, "change": 0.2}
-    assert failed(good, state(), rss=grown) == ["RSS after the run within 10% of RSS after warm-up"]
+    rss_check = "RSS after the run within 10% (at least 32 MB) of RSS after warm-up"
+    grown = {"warm": 100 * mb, "after": 140 * mb, "change": 0.4}
+    assert failed(good, state(), rss=grown) == [rss_check]
+    big = {"warm": 900 * mb, "after": 1000 * mb, "change": 100 / 900}  # 10 % of a large one
+    assert failed(good, state(), rss=big) == [rss_check]
+    small = {"warm": 200 * mb, "after": 222 * mb, "change": 0.11}  # filling caches, no leak
+    assert failed(good, state(), rss=small) == []
     assert "no 5xx" in failed(good + [out("openai.chat", 500, 0.1, False)], state())
     lost = failed(good, state(requests=4))  # a request the server counted but nobody sent
     assert "queued requests = 200s + oversize 400s (queued, then refused)" in lost
