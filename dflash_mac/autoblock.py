@@ -89,6 +89,43 @@ class ContextCost:
         return fit if fit.growth >= 0 and fit.slope >= 0 and fit.base >= 0 else cls()
 
 
+NOISE_DIP = 0.8  # a cycle timed below this share of a cheaper kind's time: not a steady cost
+NOISE_FLOOR = 0.002  # seconds: a smaller dip is timer and scheduler jitter on a tiny model
+
+
+def noise(table: dict) -> list[str]:
+    """Why one table of a saved curve (greedy, or its `sampled` part) cannot be this machine's
+    steady costs: a block size timed well below a smaller one (`seconds`, the medians before
+    they were made non-decreasing), a tree below a smaller tree, or a tree below the chain of
+    its verify width (it verifies as many tokens after a deeper drafter pass). A busy host
+    makes such curves, and a prior that prices drafting at 1.4 plain steps here and 2.9 there
+    steers `auto` wrong for good: the online costs stay near the prior (`CostModel.TRUST`).
+    [] when the table is consistent."""
+    try:
+        seconds = {int(b): float(v) for b, v in table.get("seconds", {}).items()}
+        ratios = {int(b): float(v) for b, v in table["ratios"].items()}
+        trees = {int(n): float(v) for n, v in table.get("trees", {}).items()}
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return ["unreadable"]
+    unit = seconds.get(1, 1.0)  # a one-token step's seconds: what turns a ratio into seconds
+
+    def dip(value: float, above: float, scale: float = 1.0) -> bool:
+        return value < NOISE_DIP * above and (above - value) * scale > NOISE_FLOOR
+
+    found, top = [], 0.0
+    for b in sorted(seconds):
+        if dip(seconds[b], top):
+            found.append(f"block {b} timed at {seconds[b] / top:.0%} of a smaller block")
+        top = max(top, seconds[b])
+    top = 0.0
+    for n in sorted(trees):
+        cheaper = max(top, ratios.get(min(n + 1, max(ratios, default=1)), 1.0))
+        if dip(trees[n], cheaper, unit):
+            found.append(f"tree of {n} timed at {trees[n] / cheaper:.0%} of a cheaper cycle")
+        top = max(top, trees[n])
+    return found
+
+
 @dataclass
 class CostCurve:
     """Cost of a cycle at block size bs relative to a one-token step (ratio[1] == 1)."""
@@ -132,12 +169,16 @@ class CostCurve:
 
     @classmethod
     def load(cls, path: Path, sampled: bool = False) -> CostCurve | None:
-        """A saved curve (bench/costcurve.py writes it); None when absent or unreadable.
-        `sampled`: the curve timed at a sampling temperature where the file has one (sampled
-        cycles draw, and verify by rejection, so their ratios differ), else the greedy one."""
+        """A saved curve (bench/costcurve.py writes it); None when absent, unreadable or timed
+        on a busy machine (`noise`: `auto` then starts from the generic guess and times a plain
+        step itself). `sampled`: the curve timed at a sampling temperature where the file has
+        one (sampled cycles draw, and verify by rejection, so their ratios differ), else the
+        greedy one."""
         try:
             data = json.loads(Path(path).read_text())
             part = data.get("sampled", {}) if sampled else {}
+            if noise(part if part.get("ratios") else data):
+                return None
             table = part.get("ratios")
             ratios = {int(k): float(v) for k, v in (table or data["ratios"]).items()}
             trees = part.get("trees") if table else data.get("trees")

@@ -36,7 +36,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from .autoblock import TREES, ContextCost, Decision
+from .autoblock import TREES, ContextCost, Decision, noise
 from .batch import batch_reason
 from .batch_loop import BatchEngine, BatchRequest
 from .batch_rule import BatchBlockRule
@@ -56,6 +56,7 @@ FULL_REPS = 12  # `bench --cost-curve`
 LONG_CONTEXTS = (1024, 2048, 4096)  # where `bench --cost-curve` times how costs grow
 CONTEXT_REPS = 3  # measured rounds at each of them
 QUICK_REPS = 3  # the curve measured at first use of `auto` (at `quick_sizes`)
+QUICK_TRIES = 3  # first uses that measure it again while it comes out noisy (a busy host)
 WARMUP_ROUNDS = 1  # a short one (`script(..., warmup=True)`)
 WARMUP_PLAIN = 3  # plain steps in it: the first ones after a drafting cycle are not steady
 CALIBRATE_ENV = "DFLASH_MAC_CALIBRATE"  # "0": no quick curve at first use
@@ -403,7 +404,15 @@ def missing(pair: Pair, bs_max: int) -> bool:
         return False
     data = saved(pair) or {}
     both = sizes(data) & sizes(data.get("sampled"))
-    return max(both, default=0) < bs_max
+    again = data.get("quick") and data.get("tries", 1) < QUICK_TRIES and bool(busy(data))
+    return max(both, default=0) < bs_max or again
+
+
+def busy(data: dict) -> list[str]:
+    """Why a saved curve reads as timed on a busy machine (`autoblock.noise`, greedy and
+    sampled); `auto` ignores such a curve."""
+    sampled = data.get("sampled")
+    return noise(data) + [f"sampled: {n}" for n in noise(sampled) if isinstance(sampled, dict)]
 
 
 def prior_name(pair: Pair) -> str:
@@ -412,6 +421,8 @@ def prior_name(pair: Pair) -> str:
     if not data or not sizes(data):
         return "the generic guess (no cost curve saved on this machine)"
     kind = "quick curve (first use)" if data.get("quick") else "curve (bench --cost-curve)"
+    if found := busy(data):
+        return f"the generic guess (the saved {kind} was timed on a busy machine: {found[0]})"
     between = data.get("interpolated") or []
     gaps = f" ({', '.join(map(str, between))} interpolated)" if between else ""
     return f"{kind}, bs 1..{max(sizes(data))}{gaps}, {data.get('reps', '?')} timings per size"
@@ -440,7 +451,10 @@ def calibrate(pair: Pair, bs_max: int, progress: Progress | None = None) -> Path
         pair, bs_max, reps=QUICK_REPS, progress=progress, sizes=quick_sizes(bs_max)
     )
     path = cost_curve_path(pair)
+    before = saved(pair) or {}
+    again = before.get("quick") and busy(before) and busy(curve)  # busy again: count it
+    tries = before.get("tries", 1) + 1 if again else 1
     try:
-        return save(curve | {"quick": True}, path)
+        return save(curve | {"quick": True, "tries": tries}, path)
     except OSError as e:
         return f"could not save the cost curve of --block-size auto to {path} ({e.strerror or e})."

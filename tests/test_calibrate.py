@@ -165,3 +165,61 @@ def test_a_curve_measured_under_another_blas_is_not_taken(pair, monkeypatch):
     gpu = cost_curve_path(pair)
     monkeypatch.setattr(machine, "blas_in_use", lambda: "reference BLAS (MLX wheel)")
     assert cost_curve_path(pair) == gpu  # the GPU's matmuls do not run on the BLAS
+
+
+# a quick curve saved on this 2-core host while a training job kept both cores busy (ms)
+BUSY = {
+    "seconds": {"1": 0.104, "2": 0.146, "3": 0.191, "4": 0.129, "5": 0.294, "6": 0.460},
+    "ratios": {"1": 1.0, "2": 1.41, "3": 1.55, "4": 1.55, "5": 2.84, "6": 2.90},
+    "trees": {"4": 1.39, "8": 2.19, "16": 1.77},
+}
+# the same pair on the idle host
+IDLE = {
+    "seconds": {"1": 0.058, "2": 0.081, "3": 0.084, "4": 0.089, "5": 0.091, "6": 0.094},
+    "ratios": {"1": 1.0, "2": 1.39, "3": 1.45, "4": 1.52, "5": 1.56, "6": 1.60},
+    "trees": {"4": 1.92, "8": 1.88, "16": 2.24},
+}
+
+
+def test_a_curve_timed_on_a_busy_machine_is_told_from_a_steady_one():
+    from dflash_mac.autoblock import noise
+
+    assert noise(IDLE) == [] and noise(IDLE | {"trees": {}}) == []
+    assert noise(BUSY) == [
+        "block 4 timed at 68% of a smaller block",
+        "tree of 4 timed at 49% of a cheaper cycle",  # below a block-5 chain
+        "tree of 8 timed at 76% of a cheaper cycle",  # below the widest chain
+        "tree of 16 timed at 61% of a cheaper cycle",  # below the tree of 8
+    ]
+    jitter = {"1": 0.0018, "2": 0.0037, "3": 0.0032, "4": 0.0025}  # a tiny pair's milliseconds
+    assert noise({"seconds": jitter, "ratios": {"1": 1.0}}) == []
+    assert noise({"seconds": {"1": 1}}) == ["unreadable"]
+
+
+def test_auto_ignores_a_busy_curve_and_first_use_measures_it_again(pair, monkeypatch):
+    """A busy curve priced drafting wrong for good (the online costs stay near the prior): auto
+    starts from the guess instead, and the next first uses time the curve again, up to
+    QUICK_TRIES times in all."""
+    path = cost_curve_path(pair)
+    path.parent.mkdir(parents=True)
+    busy = BUSY | {"sampled": IDLE | {"temperature": 0.7}, "quick": True}
+    path.write_text(json.dumps(busy))
+    tuning = load_tuning(pair)
+    assert not tuning.controller(6).cost.prior.measured  # greedy: busy, the guess
+    sampled = tuning.controller(6, (0.7,), sampled=True).cost.prior
+    assert sampled.measured and sampled.ratio(6) == pytest.approx(1.60)  # steady: taken
+    assert calibrate.missing(pair, 3)  # measured again at the next first use
+    assert "busy machine" in calibrate.prior_name(pair)
+    monkeypatch.setattr(calibrate, "measure_both", lambda *a, **k: busy)
+    calibrate.calibrate(pair, 3)
+    assert json.loads(path.read_text())["tries"] == 2 and calibrate.missing(pair, 3)
+    calibrate.calibrate(pair, 3)
+    assert json.loads(path.read_text())["tries"] == 3
+    assert not calibrate.missing(pair, 3)  # a host that stays busy: no more waits
+    steady = IDLE | {"sampled": IDLE}
+    monkeypatch.setattr(calibrate, "measure_both", lambda *a, **k: steady)
+    calibrate.calibrate(pair, 3)
+    assert json.loads(path.read_text())["tries"] == 1 and not calibrate.missing(pair, 3)
+    assert load_tuning(pair).controller(6).cost.prior.measured
+    path.write_text(json.dumps(busy | {"quick": False}))  # bench --cost-curve's: the user's call
+    assert not calibrate.missing(pair, 3)

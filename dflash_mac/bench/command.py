@@ -140,7 +140,7 @@ def cost_curve_command(
 ) -> None:
     """`bench --cost-curve`: measure (`reps` timings per block size, default the full
     curve's), print, save where `auto` finds it."""
-    from dflash_mac.calibrate import FULL_REPS, all_rounds, measure_both, save
+    from dflash_mac.calibrate import FULL_REPS, all_rounds, busy, measure_both, save
     from dflash_mac.cli.terminal import load_pair, progress_bar
     from dflash_mac.policy import cost_curve_path
 
@@ -160,6 +160,12 @@ def cost_curve_command(
     typer.echo(render(curve), nl=False)
     path = save(curve, cost_curve_path(pair))
     err.print(f"saved to {path} (the prior of --block-size auto for this pair)", highlight=False)
+    if found := busy(curve):
+        err.print(
+            f"warning: these timings look like a busy machine's ({'; '.join(found[:3])}): auto "
+            "ignores this curve; run it again when the machine is idle.",
+            highlight=False,
+        )
 
 
 def bench_command(
