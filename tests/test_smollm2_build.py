@@ -3,6 +3,7 @@ suites out: no held-out stdlib module's code, no `chat` suite question."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
 
@@ -119,3 +120,31 @@ def test_a_restarted_drafter_starts_a_lineage_of_its_own():
         ["6", "7"],
         ["8a", "8"],
     ]
+
+
+def test_the_fixed_text_is_new_and_keeps_the_suites_out():
+    """The teacher-forced text: stdlib functions no prompt set asks for (as a fenced answer to
+    the function's ask) and the openings of pydoc's language reference; no held-out module of
+    the code suite, no chat-suite prompt; the committed copy is what this stdlib gives."""
+    rows = smollm2.fixed_text()
+    code = [r for r in rows if r["answer"].startswith("```python")]
+    assert len(code) == smollm2.FIXED_CODE and len(rows) > len(code) + 50
+    skip, sets = 0, []
+    for counts in (smollm2.COUNTS, smollm2.COUNTS2, smollm2.COUNTS3):
+        asks = smollm2.used_examples(counts)  # write, ask, multi (then long: pasted modules)
+        sets += smollm2.code_prompts(seed=0, counts=counts, skip=skip)[:asks]
+        skip += asks
+    texts = [m["content"] for r in sets for m in r["messages"]]
+    shown = {b for t in texts for b in re.findall(r"```python\n(.*?)\n```", t, re.S)}
+    written = {t.replace("For the Python module", "In the Python module") for t in texts}
+    assert len(shown) > 500 and len(written) > 1000  # the control: what the sets ask is found
+    assert not {r["answer"].removeprefix("```python\n").removesuffix("\n```") for r in code} & shown
+    assert not {r["messages"][0]["content"] for r in code} & written
+    _, heldout = corpus.split_modules()
+    named = {m for r in code for m in re.findall(r"module `([\w.]+)`", json.dumps(r))}
+    assert len(named) > 50 and not named & {m.name for m in heldout}
+    chat = {p.prompt[0]["content"] for p in suite_prompts("chat", lambda _: None)}
+    assert not chat & {r["messages"][0]["content"] for r in rows}
+    committed = smollm2.COMMITTED / f"{smollm2.FIXED}.gz"
+    kept = [json.loads(line) for line in gzip.open(committed, "rt", encoding="utf-8")]
+    assert kept == rows

@@ -365,3 +365,42 @@ def test_sampled_prompt_files_are_answered_once_at_their_temperature_with_seed_0
         ("c.jsonl", 0.7, 0),
     ]
     assert args.data_temps == [0.0, 0.7]
+
+
+def test_fixed_text_is_taught_teacher_forced(tiny_pair, tiny_dirs, prompts_file, tmp_path):
+    """A fixed-text record becomes the templated prompt followed by the answer's tokens and
+    the target's EOS (no generation), is tokenized once, and a training run takes it as a data
+    part of its own beside the answered prompts; a bad record is one sentence."""
+    from dflash_mac.api import prompt_ids
+    from dflash_mac.train import data
+
+    tok = tiny_pair.tokenizer
+    fixed = tmp_path / "fixed.jsonl"
+    rows = [
+        {"messages": [{"role": "user", "content": "write add"}], "answer": "def add(a, b):"},
+        {"messages": [{"role": "user", "content": "a loop"}], "answer": "for i in range(9):"},
+    ]
+    fixed.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    seqs, path = data.load_fixed(tok, fixed, tmp_path / "cache")
+    eos = list(tok.eos_token_ids)[0]
+    for seq, row in zip(seqs, rows, strict=True):
+        assert seq.prompt == prompt_ids(tok, row["messages"])
+        assert seq.response == list(tok.encode(row["answer"], add_special_tokens=False)) + [eos]
+    fixed.write_text("")  # the cache is keyed by the file's bytes: an emptied file is new
+    assert data.load_fixed(tok, fixed, tmp_path / "cache")[0] == []
+    fixed.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert data.load_fixed(tok, fixed, tmp_path / "cache") == (seqs, path)  # read back
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": []}\n')
+    with pytest.raises(data.DataError, match="bad.jsonl, line 1: not a fixed-text record"):
+        data.load_fixed(tok, bad, tmp_path / "cache")
+
+    _, alone = _train(tiny_dirs, prompts_file, tmp_path / "a", tmp_path / "c1", steps=2)
+    _, both = _train(
+        tiny_dirs, prompts_file, tmp_path / "b", tmp_path / "c2", steps=2, fixed=[fixed]
+    )
+    taught = sum(len(s.response) for s in seqs if len(s.response) >= 6)
+    assert taught > 0  # a block of the fixed text at least
+    assert both["sequences"] == alone["sequences"] + sum(len(s.response) >= 6 for s in seqs)
+    assert both["response_tokens"] == alone["response_tokens"] + taught
+    assert both["fixed_text"] == [str(fixed)] and alone["fixed_text"] == []

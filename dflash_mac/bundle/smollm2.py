@@ -454,6 +454,51 @@ def prompts3(chats: list[tuple[list[dict], str]]) -> list[dict]:
     return rows
 
 
+FIXED = "fixed.jsonl"  # in the cache: fixed text taught teacher-forced (`fixed_text`)
+FIXED_CODE = 300  # stdlib functions no prompt set asks for
+FIXED_PART = 1_500  # characters of a documentation topic, at most (its opening)
+
+
+def fixed_text() -> list[dict]:
+    """Fixed text the drafter learns teacher-forced (no generation: `train.data.load_fixed`):
+    `FIXED_CODE` functions of the stdlib's train split that no prompt set asks for, each the
+    fenced answer to its own ask, and the opening of each topic of the language reference
+    pydoc ships (`pydoc_data.topics`), the answer to an "explain". The held-out modules of
+    the `code` suite stay out (`corpus.split_modules`)."""
+    from pydoc_data.topics import topics
+
+    rng = random.Random(0)  # the order `code_prompts` draws its examples in
+    train, _ = corpus.split_modules()
+    examples = [ex for m in train for ex in corpus.chat_examples(m)]
+    rng.shuffle(examples)
+    skip = used_examples() + used_examples(COUNTS2) + used_examples(COUNTS3)
+    seen = {ex.assistant for ex in examples[:skip]}  # a body asked about under another name too
+    rows = []
+    for ex in examples[skip:]:
+        if ex.assistant not in seen and len(rows) < FIXED_CODE:
+            seen.add(ex.assistant)
+            rows.append({"messages": user(ex.user)["messages"], "answer": fenced(ex.assistant)})
+    for name in sorted(topics):
+        text = ""
+        for para in topics[name].strip().split("\n\n"):  # whole paragraphs
+            if text and len(text) + len(para) > FIXED_PART:
+                break
+            text = f"{text}\n\n{para}" if text else para
+        ask = f"Explain `{name}` in Python."
+        rows.append({"messages": user(ask)["messages"], "answer": text[: 2 * FIXED_PART]})
+    return rows
+
+
+def stage_fixed(cache: Path) -> Path:
+    """``cache/fixed.jsonl`` (`fixed_text`), written once and committed gzipped beside the
+    answers, so a machine with another Python's stdlib trains on the same text."""
+    path = cache / FIXED
+    if not restore(COMMITTED / f"{FIXED}.gz", path):
+        path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in fixed_text()))
+        keep(path, COMMITTED / f"{FIXED}.gz")
+    return path
+
+
 def answered_chats(cache: Path, decode) -> list[tuple[list[dict], str]]:
     """The second set's everyday requests (one user message, no code) with the target's
     answers to them, from the committed shards and answers (`decode`: ids -> text)."""
@@ -675,6 +720,7 @@ def drafter_args(
         extra_prompts=answered_shards(cache),  # later sets' answered shards (greedy)
         sampled_prompts=answered_shards(cache, sampled=True),  # ... and those answered at T 0.7
         sampled_temp=RECOMMENDED_TEMP,
+        fixed=[cache / FIXED] if (cache / FIXED).exists() else [],  # `stage_fixed`
         save_every=10,
         resume=True,
         save_dtype="float16",
@@ -724,8 +770,9 @@ def stage_drafter(
     from dflash_mac.train import train_drafter
     from dflash_mac.train.command import ProgressReporter
 
-    args = drafter_args(cache, out, arch, minutes, more, seed, draft_vocab, layer_init, steps)
     stage_prompts(cache)
+    stage_fixed(cache)
+    args = drafter_args(cache, out, arch, minutes, more, seed, draft_vocab, layer_init, steps)
     restore_answers(args.cache_dir)
     summary = train_drafter(args, ProgressReporter(console))
     console.log(json.dumps({k: summary[k] for k in ("steps", "epochs", "final_loss")}))

@@ -74,12 +74,15 @@ class TrainingArgs:
     # the answers stay cached across training seeds)
     sampled_prompts: list[Path] = field(default_factory=list)
     sampled_temp: float = 0.7
+    # fixed-text files taught teacher-forced, no generation (`data.load_fixed`)
+    fixed: list[Path] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.target = str(self.target)
         self.prompts, self.out_dir = Path(self.prompts), Path(self.out_dir)
         self.extra_prompts = [Path(p) for p in self.extra_prompts]
         self.sampled_prompts = [Path(p) for p in self.sampled_prompts]
+        self.fixed = [Path(p) for p in self.fixed]
         self.cache_dir = Path(self.cache_dir or ".cache/dflash-train")
         if self.eval_prompts is not None:
             self.eval_prompts = Path(self.eval_prompts)

@@ -46,6 +46,14 @@ def train(
         "drafter needs thousands, docs/training.md).",
         show_default=False,
     ),
+    fixed: list[Path] = typer.Option(
+        [],
+        "--fixed-text",
+        help='Fixed text taught teacher-forced, no generation: JSONL of {"messages": [...], '
+        '"answer": "..."}; the drafter learns the target\'s own predictions on the answer. '
+        "Repeat for several files.",
+        show_default=False,
+    ),
     out: Path = typer.Option(..., "--out", "-o", help="Output drafter folder (z-lab format)."),
     force: bool = typer.Option(
         False, "--force", help="Overwrite the drafter already in --out (else refused)."
@@ -163,11 +171,12 @@ def train(
     ),
 ) -> None:
     """Train a DFlash drafter for TARGET on the target's own answers to --data prompts."""
-    check_inputs(data, eval_prompts, init_from)
+    check_inputs(data, eval_prompts, init_from, fixed)
     check_out(out, force)
     args = TrainingArgs(
         target=target_source(target),
         prompts=data,
+        fixed=fixed,
         out_dir=out,
         block_size=block_size,
         num_layers=layers,
@@ -301,12 +310,16 @@ def floats(text: str, flag: str) -> list[float]:
     return out
 
 
-def check_inputs(data: Path, eval_prompts: Path | None, init_from: Path | None) -> None:
+def check_inputs(
+    data: Path, eval_prompts: Path | None, init_from: Path | None, fixed: list[Path] = ()
+) -> None:
     """Fail in one sentence, before the target loads, on input paths that are not there."""
-    for flag, path in (("--data", data), ("--eval-prompts", eval_prompts)):
+    files = [("--data", data), ("--eval-prompts", eval_prompts)]
+    for flag, path in files + [("--fixed-text", f) for f in fixed]:
         if path is not None and not path.is_file():
             what = "is a folder" if path.is_dir() else "does not exist"
-            raise TrainError(f"{flag} {path} {what}; pass a JSONL file of prompts.")
+            kind = "fixed text" if flag == "--fixed-text" else "prompts"
+            raise TrainError(f"{flag} {path} {what}; pass a JSONL file of {kind}.")
     if init_from is not None and not (init_from / "config.json").is_file():
         raise TrainError(f"--init-from {init_from} is not a drafter folder (no config.json).")
 

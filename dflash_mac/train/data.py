@@ -7,6 +7,11 @@ otherwise). The target regenerates every response with its plain decoding (mlx-l
 `BatchGenerator`, greedy or sampled). The result is cached as JSONL of token ids under a key
 that hashes the target's files, the prompts file and the generation settings, so a rerun skips
 regeneration; an interrupted regeneration resumes from its ``.partial`` file.
+
+Fixed text (`load_fixed`) is taught teacher-forced instead: ``{"messages": [...], "answer":
+"..."}`` a line, the answer tokenized after the chat-templated messages and ended with the
+target's EOS, with no generation (the target's features and soft labels on it are what the
+drafter learns, as for its own answers).
 """
 
 from __future__ import annotations
@@ -173,3 +178,35 @@ def _read_cache(path: Path) -> list[Sequence]:
                 break  # a torn last line of an interrupted run
             out.append(Sequence(rec["prompt"], rec["response"]))
     return out
+
+
+def load_fixed(
+    tokenizer: Any, path: Path, cache_dir: Path, max_prompt: int = 1024
+) -> tuple[list[Sequence], Path]:
+    """The sequences of a fixed-text file (module docstring), tokenized once into
+    `cache_dir` (keyed by the file and the tokenizer's vocabulary), and that cache file: the
+    feature store of the part is keyed by it."""
+    from dflash_mac.api import prompt_ids
+
+    h = file_digest(Path(path))
+    h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    final = cache_dir / f"fixed-{h.hexdigest()[:16]}.jsonl"
+    if final.exists():
+        return _read_cache(final), final
+    eos = list(tokenizer.eos_token_ids)[0]
+    seqs = []
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            prompt = prompt_ids(tokenizer, rec["messages"])[-max_prompt:]
+            answer = list(tokenizer.encode(rec["answer"], add_special_tokens=False))
+        except (ValueError, KeyError, TypeError, PromptError) as e:
+            raise DataError(f"{path}, line {n}: not a fixed-text record ({e}).")
+        seqs.append(Sequence(prompt, answer + [eos]))
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    partial = final.with_suffix(".partial")
+    _write_cache(partial, seqs)
+    partial.rename(final)
+    return seqs, final

@@ -31,7 +31,7 @@ from .blocks import decay_gamma
 from .callback import TrainingCallback
 from .checkpoint import SAVE_DTYPES, LoopState, discard, load_init, resume, save_drafter
 from .config import build_drafter, drafter_config, target_text_config, train_settings
-from .data import Sequence, load_or_regenerate
+from .data import Sequence, load_fixed, load_or_regenerate
 from .features import FeatureStore, StoreSet
 from .loop import Trainee, make_optimizer, train_loop
 from .vocab import token_counts
@@ -73,8 +73,9 @@ def prepare_data(
     model: nn.Module, tokenizer: Any, target_dir: Path, args: TrainingArgs, log
 ) -> TrainingData:
     """Regenerate (or reload) the responses to every prompts file, once per regeneration
-    temperature (greedy and sampled answers to the same prompts); keep sequences with at least
-    one full block. Each (file, temperature) is a part of its own (one feature store each)."""
+    temperature (greedy and sampled answers to the same prompts), and read the fixed-text
+    files; keep sequences with at least one full block. Each (file, temperature) and each
+    fixed-text file is a part of its own (one feature store each)."""
     t0 = time.perf_counter()
     seqs, parts = [], []
     for prompts, temp, seed in args.parts:
@@ -98,6 +99,16 @@ def prepare_data(
         part = [
             q for q in part if min(len(q.ids), args.max_length) - len(q.prompt) >= args.block_size
         ]
+        seqs += part
+        parts.append((data_file, len(part)))
+    for path in args.fixed:  # fixed text: tokenized, not answered
+        part, data_file = load_fixed(
+            tokenizer, path, args.cache_dir / "data", max(16, args.max_length - args.block_size - 1)
+        )
+        part = [
+            q for q in part if min(len(q.ids), args.max_length) - len(q.prompt) >= args.block_size
+        ]
+        log(f"fixed text: {len(part)} sequences, {sum(len(q.response) for q in part):,} tokens")
         seqs += part
         parts.append((data_file, len(part)))
     seconds = time.perf_counter() - t0
@@ -291,6 +302,7 @@ def run_summary(
         "prompts": str(args.prompts),
         "sequences": len(data.seqs),
         "response_tokens": data.response_tokens,
+        "fixed_text": [str(f) for f in args.fixed],
         "regeneration": {
             "max_new_tokens": args.max_new_tokens,
             "temps": args.data_temps,
