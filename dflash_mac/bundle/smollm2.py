@@ -684,8 +684,11 @@ def drafter_args(
     draft_vocab: int | None = None,
     layer_init: str = "random",
     steps: int | None = None,
+    layers: int = 1,
+    anchors: int = 48,
 ):
-    """The recipe (MODEL_CARD.md): one layer over five target layers, block 8, KL + CE."""
+    """The recipe (MODEL_CARD.md): one layer over five target layers, block 8, KL + CE
+    (`layers` and `anchors` per sequence differ only in A/Bs)."""
     from dflash_mac.train import TrainingArgs
 
     init = out / arch if more and (out / arch / "config.json").exists() else None
@@ -698,7 +701,7 @@ def drafter_args(
         out_dir=out / arch,
         arch=arch,
         block_size=8,
-        num_layers=1,
+        num_layers=layers,
         mask_token_id=MASK_ID,
         max_new_tokens=256,
         # greedy answers only: on two cores the sampled pass did not fit (a batch holding a long
@@ -707,7 +710,7 @@ def drafter_args(
         gen_batch_size=48,
         lr=2e-3,
         batch_size=4,
-        anchors=48,  # with the target's side cached a step costs about its blocks: more steps
+        anchors=anchors,  # with the target's side cached a step costs about its blocks
         max_length=2048,
         loss="mix",
         kl_temperatures=[RECOMMENDED_TEMP, 1.0],
@@ -766,13 +769,17 @@ def stage_drafter(
     draft_vocab: int | None = None,
     layer_init: str = "random",
     steps: int | None = None,
+    layers: int = 1,
+    anchors: int = 48,
 ) -> None:
     from dflash_mac.train import train_drafter
     from dflash_mac.train.command import ProgressReporter
 
     stage_prompts(cache)
     stage_fixed(cache)
-    args = drafter_args(cache, out, arch, minutes, more, seed, draft_vocab, layer_init, steps)
+    args = drafter_args(
+        cache, out, arch, minutes, more, seed, draft_vocab, layer_init, steps, layers, anchors
+    )
     restore_answers(args.cache_dir)
     summary = train_drafter(args, ProgressReporter(console))
     console.log(json.dumps({k: summary[k] for k in ("steps", "epochs", "final_loss")}))
@@ -827,6 +834,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--steps", type=int, default=None, help="a fixed step count instead of --minutes"
     )
+    ap.add_argument("--layers", type=int, default=1, help="a new drafter's decoder layers (A/Bs)")
+    ap.add_argument(
+        "--anchors", type=int, default=48, help="blocks per sequence a step, at most (A/Bs)"
+    )
     args = ap.parse_args(argv)
     args.cache.mkdir(parents=True, exist_ok=True)
     for st in STAGES if args.stage == "all" else (args.stage,):
@@ -850,6 +861,8 @@ def main(argv: list[str] | None = None) -> None:
                 args.draft_vocab,
                 args.layer_init,
                 args.steps,
+                args.layers,
+                args.anchors,
             )
 
 
