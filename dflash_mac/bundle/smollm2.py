@@ -582,6 +582,7 @@ def stage_answers(cache: Path, out: Path, minutes: float, name: str = "prompts2"
         args = drafter_args(cache, out, "dflash2", 0.0)
         sampled = name in SAMPLED_SETS
         args.extra_prompts, args.sampled_prompts = ([], [shard]) if sampled else ([shard], [])
+        args.fixed = []  # the shard's answers are the last part
         restore_answers(args.cache_dir)
         data = prepare_data(target, tokenizer, resolve(args.target), args, console.log)
         file, n = data.parts[-1]
