@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_mac.api import PromptError, fit_max_tokens, reasoning_args
-from dflash_mac.policy import BlockChoice
-from dflash_mac.registry import load_registry
-from dflash_mac.stats import DecodeStats
+from dflash_mac.engine.stats import DecodeStats
+from dflash_mac.loading.registry import load_registry
+from dflash_mac.sizing.choice import BlockChoice
 
 
 @dataclass
@@ -185,7 +185,7 @@ class Backend:
             kwargs["block_size"] = self.block
         yield from self.session.stream(prompt, should_stop=should_stop, **kwargs)
         if (tuning := getattr(self.session, "tuning", None)) is not None:
-            from dflash_mac.policy import save_acceptance
+            from dflash_mac.sizing.files import save_acceptance
 
             save_acceptance(self.session.pair, tuning)
 
@@ -228,7 +228,6 @@ def load_backend(opts: ChatOptions, status: Status | None = None) -> Backend:
     `auto` has none on this machine (once), and open a session (runs in a worker; `status`
     hears each step)."""
     from dflash_mac.cli.terminal import ranked_loader
-    from dflash_mac.policy import load_tuning
     from dflash_mac.prepare import (
         calibrate,
         calibration_steps,
@@ -237,6 +236,7 @@ def load_backend(opts: ChatOptions, status: Status | None = None) -> Backend:
         prepare,
     )
     from dflash_mac.session import Session
+    from dflash_mac.sizing.files import load_tuning
 
     prepared = prepare(
         opts.model,

@@ -6,17 +6,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .autoblock import AutoTuning
-from .constraints import Grammar, json_grammar
-from .cycle import TokenLogprob
-from .decode import DecodeState, GenerationConfig, GenerationEvent, speculative_stream
+from .engine.constraints import Grammar, json_grammar
+from .engine.cycle import TokenLogprob
+from .engine.decode import DecodeState, GenerationConfig, GenerationEvent, speculative_stream
+from .engine.stats import DecodeStats
+from .engine.think import REASONING_CHOICES
+from .engine.verify import SamplingParams
 from .errors import PromptError  # noqa: F401  (re-exported)
 from .pair import Pair
-from .policy import BlockChoice, block_size_for, load_tuning
-from .sampling import SamplingParams
 from .settings import check_request
-from .stats import DecodeStats
-from .think import REASONING_CHOICES
+from .sizing.choice import BlockChoice, block_size_for
+from .sizing.files import load_tuning
+from .sizing.tuning import AutoTuning
 
 
 def reasoning_args(tokenizer: Any, reasoning: str | None) -> dict:

@@ -16,10 +16,10 @@ from . import calibrate as calibration
 from .api import reasoning_args
 from .draft_vocab import apply_draft_vocab
 from .errors import PromptError
-from .loading import load, quantize_drafter
+from .loading.loader import load, quantize_drafter
+from .loading.registry import pair_for, thinking_warning
 from .pair import Pair
-from .policy import BlockChoice, block_size_for
-from .registry import pair_for, thinking_warning
+from .sizing.choice import BlockChoice, block_size_for
 
 Loader = Callable[[str | os.PathLike | None, str | os.PathLike | None], Pair]
 

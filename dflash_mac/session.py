@@ -9,12 +9,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .api import PromptError, prompt_ids, stream_generate
-from .autoblock import AutoTuning
-from .decode import GenerationEvent
+from .engine.decode import GenerationEvent
 from .pair import Pair
-from .policy import load_tuning
-from .prefix_disk import DiskTier
-from .prompt_cache import PromptCache, common_prefix
+from .prefix.cache import PromptCache, common_prefix
+from .prefix.disk import DiskTier
+from .sizing.files import load_tuning
+from .sizing.tuning import AutoTuning
 
 __all__ = ["Session", "common_prefix"]
 

@@ -6,13 +6,13 @@ Light on purpose (no mlx-lm, no model code): the command line refuses a bad `--s
 
 from __future__ import annotations
 
-from .autoblock import MAX_TREE_BUDGET
 from .errors import PromptError
+from .models.distribution import SamplingParams
 from .models.penalties import Penalties
-from .sampling import SamplingParams
 
 AUTO = "auto"
 MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
+MAX_TREE_BUDGET = 64  # `--tree-budget` at most (a verify of 65 tokens)
 
 
 def parse_block_size(value: int | str | None) -> int | None:

@@ -25,9 +25,9 @@ from textual.app import App, ComposeResult
 from textual.widgets import Collapsible, Input, Static
 
 from dflash_mac.api import PromptError
-from dflash_mac.loading import BUNDLED_DRAFT, BUNDLED_TARGET, LoadError
-from dflash_mac.stats import DecodeStats
-from dflash_mac.think import ThinkSplitter, split_think
+from dflash_mac.engine.stats import DecodeStats
+from dflash_mac.engine.think import ThinkSplitter, split_think
+from dflash_mac.loading.loader import BUNDLED_DRAFT, BUNDLED_TARGET, LoadError
 
 SIZE = (120, 40)
 

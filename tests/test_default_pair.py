@@ -13,12 +13,12 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from dflash_mac.api import prompt_ids
-from dflash_mac.decode import GenerationConfig, speculative_stream
+from dflash_mac.engine.decode import GenerationConfig, speculative_stream
 from dflash_mac.errors import LoadError
-from dflash_mac.loading import load
-from dflash_mac.policy import BlockChoice
-from dflash_mac.registry import load_registry
-from dflash_mac.sources import fetch_pypi
+from dflash_mac.loading.loader import load
+from dflash_mac.loading.registry import load_registry
+from dflash_mac.loading.sources import fetch_pypi
+from dflash_mac.sizing.choice import BlockChoice
 
 pytestmark = pytest.mark.slow  # the real 135M target
 

@@ -8,7 +8,7 @@ import pytest
 from mlx import nn
 from mlx.utils import tree_flatten
 
-from dflash_mac import hooks
+from dflash_mac.target import hooks
 
 
 class Tag:

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from dflash_mac.suffix import ALPHA, MAX_MATCH, MIN_MATCH, MIN_PROB, SuffixMemory
+from dflash_mac.drafting.suffix import ALPHA, MAX_MATCH, MIN_MATCH, MIN_PROB, SuffixMemory
 
 
 def brute_match(answers: list[list[int]], context: list[int]) -> tuple[int, list[tuple]]:

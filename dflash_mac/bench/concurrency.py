@@ -25,12 +25,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dflash_mac.autoblock import AutoTuning
-from dflash_mac.batch_loop import BatchEngine, BatchRequest
-from dflash_mac.decode import DecodeState, GenerationConfig, speculative_stream
+from dflash_mac.batching.scheduler import BatchEngine, BatchRequest
+from dflash_mac.engine.decode import DecodeState, GenerationConfig, speculative_stream
+from dflash_mac.engine.verify import SamplingParams
 from dflash_mac.pair import Pair
-from dflash_mac.policy import BlockChoice
-from dflash_mac.sampling import SamplingParams
+from dflash_mac.sizing.choice import BlockChoice
+from dflash_mac.sizing.tuning import AutoTuning
 
 WARMUP_TOKENS = 24
 

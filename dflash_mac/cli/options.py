@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from dflash_mac.autoblock import MAX_TREE_BUDGET
+from dflash_mac.settings import MAX_TREE_BUDGET
 
 MODEL_HELP = (
     "Target model: local folder, Hugging Face id or pair name from `dflash-mac models` "
@@ -135,7 +135,7 @@ def check_max_kv_size(value: int | None) -> int | None:
     """`--max-kv-size N` checked while the options are parsed (before any slow work)."""
     if value is None:
         return None
-    from dflash_mac.kvwindow import check_max_kv_size as check
+    from dflash_mac.target.kvwindow import check_max_kv_size as check
 
     return check(value)
 

@@ -12,12 +12,11 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
 from dflash_mac.api import GenerationResult, stream_generate
-from dflash_mac.autoblock import AutoTuning
 from dflash_mac.cli.console import err, warn_line
 from dflash_mac.distributed.group import world
-from dflash_mac.loading import load
+from dflash_mac.loading.loader import load
+from dflash_mac.loading.registry import default_download, default_sources
 from dflash_mac.pair import Pair
-from dflash_mac.policy import cost_curve_path, load_tuning
 from dflash_mac.prepare import (
     Loader,
     Prepared,
@@ -27,7 +26,8 @@ from dflash_mac.prepare import (
     needs_calibration,
     prepare,
 )
-from dflash_mac.registry import default_download, default_sources
+from dflash_mac.sizing.files import cost_curve_path, load_tuning
+from dflash_mac.sizing.tuning import AutoTuning
 
 
 def load_pair(
@@ -179,7 +179,7 @@ def blocks_line(s: Any) -> str:
 
 
 def print_stats(pair: Pair, result: GenerationResult, console: Console = err) -> None:
-    from dflash_mac.platform import blas_in_use, device_name
+    from dflash_mac.host import blas_in_use, device_name
 
     s = result.stats
     blas = blas_in_use()

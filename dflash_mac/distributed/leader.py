@@ -23,7 +23,7 @@ from typing import Any
 import mlx.core as mx
 from mlx import nn
 
-from .. import hooks
+from ..target import hooks
 from .group import CAPACITY, HEADER, Cmd, Header, count_collectives, packet
 from .watchdog import Watchdog
 
@@ -95,7 +95,7 @@ class Leader:
         """Broadcast the packet, then run `call` (the target's own forward) on its tokens."""
         if cache is None:
             raise ValueError("a distributed target runs with a cache.")
-        from ..hybrid import armed
+        from ..target.hybrid import armed
 
         self.watchdog.arm()  # re-armed by every forward; disarmed when the request ends
         slot, now, n = self.slot(cache), cache_length(cache), inputs.shape[-1]

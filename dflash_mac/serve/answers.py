@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import logging
 
-from dflash_mac.prefix_disk import DiskTier
-from dflash_mac.suffix import SuffixMemory
+from dflash_mac.drafting.suffix import SuffixMemory
+from dflash_mac.prefix.disk import DiskTier
 
 FILE = "answers.jsonl"
 log = logging.getLogger("dflash_mac.serve")

@@ -17,12 +17,12 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from dflash_mac.autoblock import AutoTuning
+from dflash_mac.loading.registry import BUNDLED_TARGET, load_registry
 from dflash_mac.pair import Pair
-from dflash_mac.policy import BlockChoice, block_size_for
-from dflash_mac.prefix_disk import DiskTier
-from dflash_mac.registry import BUNDLED_TARGET, load_registry
+from dflash_mac.prefix.disk import DiskTier
 from dflash_mac.session import Session
+from dflash_mac.sizing.choice import BlockChoice, block_size_for
+from dflash_mac.sizing.tuning import AutoTuning
 
 from .answers import KeptAnswers
 from .anthropic import AnthropicRoutes, error_body

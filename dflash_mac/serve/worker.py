@@ -19,13 +19,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash_mac.api import PromptError, fit_max_tokens, make_config
-from dflash_mac.batch import batch_reason
-from dflash_mac.batch_loop import BatchEngine, BatchRequest
+from dflash_mac.batching.ragged import batch_reason
+from dflash_mac.batching.scheduler import BatchEngine, BatchRequest
 from dflash_mac.distributed.group import lost_peer_message
+from dflash_mac.engine.think import prompt_opens_think
 from dflash_mac.models.penalties import check_bias_token
-from dflash_mac.policy import AUTO, BlockChoice, block_size_for, save_acceptance
 from dflash_mac.session import Session
-from dflash_mac.think import prompt_opens_think
+from dflash_mac.settings import AUTO
+from dflash_mac.sizing.choice import BlockChoice, block_size_for
+from dflash_mac.sizing.files import save_acceptance
 
 from .logprobs import entries
 from .metrics import Metrics, summary

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dflash_mac.random_pair import (
+from dflash_mac.loading.random_pair import (
     CHATML,
     SPECIALS,
     build_random_pair,

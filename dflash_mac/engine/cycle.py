@@ -16,21 +16,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .capture import FeatureCapture, queues_layers
-from .constraints import Constraint, Grammar
-from .copydraft import CopyIndex, CopyPolicy, CopyRates
-from .models.penalties import Penalties, PenaltyContext, draft_sequential
-from .pair import Pair
-from .sampling import (
-    SamplingParams,
-    accept_greedy,
-    accept_sampled,
-    probabilities,
-    sample,
-    sample_logits,
-)
-from .suffix import SuffixMemory
-from .tree import (
+from ..drafting.copies import CopyIndex, CopyPolicy, CopyRates
+from ..drafting.suffix import SuffixMemory
+from ..drafting.tree import (
     DraftTree,
     chain_depth,
     graft,
@@ -40,6 +28,18 @@ from .tree import (
     supports,
     verify_logits,
     walk,
+)
+from ..models.penalties import Penalties, PenaltyContext, draft_sequential
+from ..pair import Pair
+from ..target.capture import FeatureCapture, queues_layers
+from .constraints import Constraint, Grammar
+from .verify import (
+    SamplingParams,
+    accept_greedy,
+    accept_sampled,
+    probabilities,
+    sample,
+    sample_logits,
 )
 
 TREE_K = 8  # a DFlash 1 tree node's children at most (DFlash 2: its selector's candidates)

@@ -8,7 +8,7 @@ import json
 import struct
 from pathlib import Path
 
-from .platform import data_dir
+from ..host import data_dir
 
 FORMAT = "dflash-mac-prefix/1"
 SUFFIX = ".safetensors"

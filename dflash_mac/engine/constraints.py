@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
-from .errors import PromptError
+from ..errors import PromptError
 
 # compact JSON: no free whitespace, which a small model can loop on until max_tokens
 JSON_OPTIONS = {"whitespace_flexible": False}

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from . import cache_rows
-from .decode import DecodeState
-from .pair import Pair
-from .prefix_disk import DiskTier
-from .prefix_tree import PrefixTree, SpanRecorder, usable
-from .rollback import RollbackError
+from ..engine.decode import DecodeState
+from ..pair import Pair
+from ..target.rollback import RollbackError
+from . import rows
+from .disk import DiskTier
+from .tree import PrefixTree, SpanRecorder, usable
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -75,10 +75,8 @@ class PromptCache:
         probe = self.fresh()
         # a target sharded over ranks keeps its other ranks' caches in step through forward
         # passes: a state rebuilt from rows on rank 0 alone would leave them behind
-        self.shared = pair.mirror is None and cache_rows.cacheable(
-            probe.target_cache, probe.draft_cache
-        )
-        self.hybrid = cache_rows.has_recurrent(probe.target_cache)
+        self.shared = pair.mirror is None and rows.cacheable(probe.target_cache, probe.draft_cache)
+        self.hybrid = rows.has_recurrent(probe.target_cache)
         self.tree = PrefixTree()
         self.whole = StateLRU(self)  # rotating windows only
         self.disk = disk if self.shared else None
@@ -137,9 +135,9 @@ class PromptCache:
         nodes = [n for n in path if n.span.start < keep]
         parts = [n.span if n.end <= keep else n.span.part(n.span.start, keep) for n in nodes]
         recurrent = next((n.span.recurrent for n in nodes if n.end == keep), None)
-        cache_rows.restore_target(state.target_cache, [p.target for p in parts], recurrent)
+        rows.restore_target(state.target_cache, [p.target for p in parts], recurrent)
         pieces = [(p.start, p.drafter) for p in parts]
-        cache_rows.restore_drafter(state.draft_cache, pieces, keep)
+        rows.restore_drafter(state.draft_cache, pieces, keep)
         state.ids = list(ids[:keep])
         mx.eval([c.state for c in state.target_cache + state.draft_cache if not c.empty()])
         return state, keep, source

@@ -13,7 +13,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from .models.dflash import ContextCache
+from ..models.dflash import ContextCache
 
 Rows = list[mx.array]  # one layer's arrays over a span of positions ([B, H, n, D] each)
 

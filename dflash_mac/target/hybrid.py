@@ -24,8 +24,8 @@ from mlx.nn.layers.distributed import sum_gradients
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.gated_delta import compute_g, gated_delta_update, normalize_qk
 
+from ..errors import RollbackError
 from . import hooks
-from .errors import RollbackError
 from .structure import decoder_layers
 
 STRATEGIES = ("replay", "rerun")

@@ -27,10 +27,10 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from .pair import Pair
-from .policy import pair_file
-from .prefix_files import FORMAT, SUFFIX, cache_root, read_header
-from .prefix_tree import Node, Span
+from ..pair import Pair
+from ..sizing.files import pair_file
+from .files import FORMAT, SUFFIX, cache_root, read_header
+from .tree import Node, Span
 
 log = logging.getLogger("dflash_mac.prompt_cache")
 BLOCK = 256  # files end at every multiple of this many positions: prefixes found on disk

@@ -37,8 +37,24 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from .autoblock import AutoTuning
-from .batch import (
+from ..drafting.copies import CopyIndex, CopyPolicy
+from ..engine.constraints import Constraint
+from ..engine.cycle import DraftContext, TokenLogprob, first_token, read_logprobs
+from ..engine.decode import (
+    DecodeState,
+    GenerationConfig,
+    GenerationEvent,
+    Resume,
+    speculative_stream,
+)
+from ..engine.stats import StatsRecorder
+from ..engine.textstream import TextStream
+from ..pair import Pair
+from ..sizing.batch_rule import BatchBlockRule
+from ..sizing.sizer import BatchSizer
+from ..sizing.tuning import AutoTuning
+from ..target.capture import FeatureCapture, queues_layers
+from .ragged import (
     RowDraft,
     accept_rows,
     forward_rows,
@@ -46,15 +62,6 @@ from .batch import (
     ragged_hooks,
     split_rows,
 )
-from .batch_rule import BatchBlockRule
-from .capture import FeatureCapture, queues_layers
-from .constraints import Constraint
-from .copydraft import CopyIndex, CopyPolicy
-from .cycle import DraftContext, TokenLogprob, first_token, read_logprobs
-from .decode import DecodeState, GenerationConfig, GenerationEvent, Resume, speculative_stream
-from .pair import Pair
-from .stats import StatsRecorder
-from .textstream import TextStream
 
 
 @dataclass
@@ -156,7 +163,7 @@ class Solo:
     its own state, text and statistics: one cycle per `step`, until it ends or, once
     `handing_back` is set, until the cycle boundary where the batch takes it back."""
 
-    def __init__(self, pair: Pair, r: BatchRequest, tuning: AutoTuning, rule: BatchBlockRule):
+    def __init__(self, pair: Pair, r: BatchRequest, tuning: AutoTuning, rule: BatchSizer):
         r.ctx.flush()  # features the batch left waiting go in before the loop's own
         self.r, self.rule, self.handing_back = r, rule, False
         self.cycles = 0  # cycles run alone
@@ -196,7 +203,7 @@ class BatchEngine:
         auto: bool = True,
         prefill_chunk: int = 512,
         prior: dict[tuple[int, int], float] | None = None,
-        rule: BatchBlockRule | None = None,
+        rule: BatchSizer | None = None,
         solo: AutoTuning | None = None,
     ):
         """`prior`: the saved cost curve's batched cycles ((B, bs) -> one-row plain steps);

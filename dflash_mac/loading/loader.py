@@ -12,10 +12,11 @@ import mlx.core as mx
 from mlx import nn
 from mlx.utils import tree_flatten, tree_map
 
+from ..errors import LoadError  # noqa: F401  (re-exported)
+from ..models.config import ConfigError, DraftConfig
+from ..pair import Mirror
+from ..target.structure import decoder_layers, target_head
 from . import gguf
-from .errors import LoadError  # noqa: F401  (re-exported)
-from .models.config import ConfigError, DraftConfig
-from .pair import Mirror
 from .registry import default_sources, load_registry, resolve_pair
 from .sources import (  # noqa: F401  (re-exported: the names loading always had)
     BUNDLED_DRAFT,
@@ -28,7 +29,6 @@ from .sources import (  # noqa: F401  (re-exported: the names loading always had
     missing_folder,
     offline_message,
 )
-from .structure import decoder_layers, target_head
 
 
 @dataclass
@@ -139,10 +139,10 @@ def load_weights(folder: Path) -> dict[str, mx.array]:
 
 def build_drafter(cfg: DraftConfig) -> nn.Module:
     if cfg.is_dflash2:
-        from .models.dflash2 import DFlash2DraftModel
+        from ..models.dflash2 import DFlash2DraftModel
 
         return DFlash2DraftModel(cfg)
-    from .models.dflash import DFlashDraftModel
+    from ..models.dflash import DFlashDraftModel
 
     return DFlashDraftModel(cfg)
 

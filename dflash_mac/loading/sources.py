@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import models as _models_pkg
-from .errors import LoadError
-from .platform import data_dir, write_atomic
+from .. import models as _models_pkg
+from ..errors import LoadError
+from ..host import data_dir, write_atomic
 
 PACKAGE_MODELS = Path(_models_pkg.__file__).resolve().parent
 BUNDLED_TARGET = PACKAGE_MODELS / "bundled" / "target"

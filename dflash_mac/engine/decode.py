@@ -7,25 +7,27 @@ import random
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
-from .autoblock import AutoTuning, BlockController, tree_arms
-from .capture import FeatureCapture, queues_layers
+from ..drafting.copies import CopyPolicy
+from ..models.penalties import Penalties
+from ..pair import Mirror, Pair
+from ..sizing.choice import BlockChoice, block_size_for
+from ..sizing.controller import tree_arms
+from ..sizing.sizer import BlockSizer
+from ..sizing.tuning import AutoTuning
+from ..target.capture import FeatureCapture, queues_layers
+from ..target.kvwindow import bound_context, target_cache
+from ..target.rollback import TargetRollback, trim_caches
 from .constraints import Constraint, Grammar
-from .copydraft import CopyPolicy
 from .cycle import CyclePipeline, TokenLogprob, trees_allowed
-from .kvwindow import bound_context, target_cache
-from .models.penalties import Penalties
-from .pair import Mirror, Pair
-from .policy import BlockChoice, block_size_for
-from .prefix_tree import SpanRecorder
-from .rollback import TargetRollback, trim_caches
-from .sampling import SamplingParams
 from .stats import DecodeStats, StatsRecorder
 from .textstream import TextStream
+from .verify import SamplingParams
 
 
 @dataclass
@@ -92,6 +94,17 @@ class Resume:
     con: Constraint | None = None  # the grammar's state after the last committed token
 
 
+class Recorder(Protocol):
+    """What the prompt cache records of a request while it prefills (`prefix.tree.SpanRecorder`;
+    prefix/ builds on the engine, which imports nothing of it)."""
+
+    max_chunk: int  # the longest prefill chunk whose drafter rows all stay in its window
+
+    def chunk(self, ids: list[int], target_cache: list[Any], draft_cache: list[Any]) -> None:
+        """Record the positions after the last recorded one up to len(ids), all just written."""
+        ...
+
+
 class DecodeState:
     """Target cache, drafter context cache and the ids they hold (kept by sessions).
 
@@ -109,7 +122,7 @@ class DecodeState:
             bound_context(self.draft_cache, max_kv_size)
         self.max_kv_size = max_kv_size
         self.ids: list[int] = []
-        self.record: SpanRecorder | None = None  # what the prompt cache keeps of this request
+        self.record: Recorder | None = None  # what the prompt cache keeps of this request
 
     def trim_to(self, n: int) -> None:
         """Keep the first `n` cached positions in both caches."""
@@ -161,7 +174,7 @@ def speculative_stream(
     state: DecodeState | None = None,
     should_stop: Callable[[], bool] | None = None,
     tuning: AutoTuning | None = None,
-    controller: BlockController | None = None,
+    controller: BlockSizer | None = None,
     resume: Resume | None = None,
     hand_back: Callable[[], bool] | None = None,
 ) -> Iterator[GenerationEvent]:
@@ -169,7 +182,8 @@ def speculative_stream(
     agreeing prefix, commit it, roll the rest back, yield what was committed.
 
     `cfg.block` fixes each cycle's size, or with `auto` caps what the controller picks each
-    cycle (`controller`, else one of `tuning`: what `auto` learnt, continued across requests).
+    cycle (`controller`, else one of `tuning`: what `auto` learnt, continued across requests;
+    a request that copies also asks it how long a copy runs: `sizing.sizer.CopySizer`).
     With `resume` the request goes on from its committed tokens (no prefill); once `hand_back()`
     says so, the loop ends after a cycle without a last event, the caches holding prompt + every
     committed token but the last (the batch engine takes the request back)."""

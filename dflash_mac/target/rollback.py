@@ -7,7 +7,7 @@ from typing import Any
 
 from mlx import nn
 
-from .errors import RollbackError
+from ..errors import RollbackError
 from .kvwindow import WindowKVCache
 
 

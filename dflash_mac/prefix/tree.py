@@ -17,8 +17,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import cache_rows as rows
-from .cache_rows import Rows
+from . import rows
+from .rows import Rows
 
 
 @dataclass

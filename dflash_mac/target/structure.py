@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from mlx import nn
 
-from .models.dflash import TargetHead
+from ..models.dflash import TargetHead
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

@@ -21,11 +21,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .autoblock import AutoTuning, CostCurve
-from .pair import Pair
-from .platform import data_dir, machine_key, write_atomic
-from .registry import PairEntry, load_registry, pair_for
-from .settings import AUTO, parse_block_size
+from ..host import data_dir, machine_key, write_atomic
+from ..loading.registry import PairEntry, load_registry, pair_for
+from ..pair import Pair
+from ..settings import AUTO, parse_block_size
+from .controller import AutoTuning, CostCurve
 
 QUANTIZED_MAX_BLOCK = 5  # for quantized pairs the registry does not list
 LONG_CONTEXT = 1024  # contexts from here on get their own `auto` controller

@@ -22,8 +22,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from .errors import PromptError, UserError
-from .models.dflash import ContextCache
+from ..errors import PromptError, UserError
+from ..models.dflash import ContextCache
 
 KEEP = 4  # first positions always kept (mlx-lm's make_prompt_cache: keep=4)
 SLACK = 128  # rows kept behind the window: a rollback may reach this far (blocks are <= 16)

@@ -32,8 +32,8 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .copydraft import CopyRates
-from .suffix import SuffixMemory
+from ..drafting.copies import CopyRates
+from ..drafting.suffix import SuffixMemory
 
 # A generic prior: a drafting cycle costs a one-token step, plus the drafter pass and the extra
 # verify width. Replaced by the measured curve when one is saved for the pair and machine.
@@ -378,7 +378,6 @@ class TreeAcceptance:
 # reports 1.3x and more; the guess only decides whether trees get tried, then they are measured)
 TREE_GUESS = 1.3
 TREES = (4, 8, 16)  # node budgets `auto` weighs (docs/design.md §6)
-MAX_TREE_BUDGET = 64  # `--tree-budget` at most (a verify of 65 tokens)
 
 
 def tree_arms(tree: int | None) -> tuple[tuple[int, ...], bool]:

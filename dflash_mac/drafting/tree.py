@@ -34,7 +34,7 @@ import mlx.core as mx
 from mlx import nn
 from mlx_lm.models.cache import KVCache
 
-from . import hooks
+from ..target import hooks
 
 EPS = 1e-6  # a child scores strictly below its parent, so ties cannot break ancestor closure
 

@@ -15,7 +15,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from .errors import LoadError
+from ..errors import LoadError
 from .sources import (  # noqa: F401
     BUNDLED_DRAFT,
     BUNDLED_TARGET,

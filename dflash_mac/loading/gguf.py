@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import LoadError
+from ..errors import LoadError
 
 GROUP_SIZE = 32  # every GGUF block type MLX keeps quantized has 32 weights per block
 # GGUF architecture -> mlx-lm model_type; llama.cpp stores llama-family q/k rows permuted.

@@ -11,7 +11,11 @@ the block), and every `REVISIT` cycles the runner-up is timed again so the costs
 machine. With a measured curve by batch size (`bench --cost-curve`, `prior`: a cycle's cost in
 one-row plain steps by (B, bs)), only the plain batched step is timed at a new B: the other
 sizes start at that time scaled by the curve, and are timed once they are chosen (or revisited
-as the runner-up). Pure Python."""
+as the runner-up). Pure Python.
+
+`BatchBlockRule` is a `sizer.BatchSizer`, not the one-request `sizer.BlockSizer`: a batch's
+size is chosen for its rows and their room and fed back with every row's acceptance at once
+(sizer.py says what each loop asks)."""
 
 from __future__ import annotations
 

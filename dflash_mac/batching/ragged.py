@@ -22,12 +22,9 @@ import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
-from . import hooks
-from .cycle import logprob_rows
-from .decode import DecodeState
-from .models.penalties import PenaltyContext, draft_sequential
-from .pair import Pair
-from .sampling import (
+from ..engine.cycle import logprob_rows
+from ..engine.decode import DecodeState
+from ..engine.verify import (
     SamplingParams,
     accept_greedy,
     accept_sampled,
@@ -36,7 +33,10 @@ from .sampling import (
     sample_logits,
     scatter_candidates,
 )
-from .structure import decoder_layers
+from ..models.penalties import PenaltyContext, draft_sequential
+from ..pair import Pair
+from ..target import hooks
+from ..target.structure import decoder_layers
 
 ATTENTION_KINDS = ("llama", "qwen2", "qwen3", "mistral")
 ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads", "n_kv_heads")
