@@ -34,7 +34,8 @@ class ChatOptions:
     chat_template: str | None = None  # a template that replaces the model's (its text)
     max_kv_size: int | None = None  # the target's rotating window (None: unbounded)
     draft_vocab: int | None = None  # a K-row drafter head (draft_vocab.py)
-    suffix: bool | None = None  # suffix drafting from this chat's earlier answers (suffix.py)
+    # suffix drafting from this chat's earlier answers (drafting/suffix.py)
+    suffix: bool | None = None
 
     def generation_kwargs(self) -> dict:
         return {
@@ -119,7 +120,7 @@ class Backend:
     last: tuple[str, list[int]] | None = None  # text and ids of the last finished turn
     pending: tuple[str, list[int]] | None = None  # text and ids of the turn being generated
     context: int = 0  # the model's context in tokens (0: unknown, no window management)
-    block: Any = None  # the block-size choice resolved at load (`policy.BlockChoice`)
+    block: Any = None  # the block-size choice resolved at load (`sizing.choice.BlockChoice`)
 
     def render(self, messages: list[dict], system: str | None, reasoning: str | None) -> str:
         full = ([{"role": "system", "content": system}] if system else []) + messages

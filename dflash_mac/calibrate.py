@@ -11,7 +11,7 @@ a short warm-up round (each kind of cycle once: its first run pays for MLX's com
 prompt of `context` tokens that is cut back after every run; the median is kept, and the
 ratios are made non-decreasing in bs (a wider verify never costs less: a dip is noise). The
 whole curve is timed greedy and again at T = 0.7 (`measure_both`);
-both are saved where `auto` reads its prior (`policy.cost_curve_path`).
+both are saved where `auto` reads its prior (`sizing.files.cost_curve_path`).
 
 `dflash-mac bench --cost-curve` measures the full curve (`reps` 12) and, where the pair batches,
 greedy batched cycles of 2, 4 and 8 rows (`measure_batches`: the prior of `BatchBlockRule`).
@@ -289,9 +289,9 @@ def measure_batches(
     cycles: int = BATCH_CYCLES,
     progress: Progress | None = None,
 ) -> dict:
-    """Median seconds of a greedy batched cycle (`batch_loop.BatchEngine`, every row on the same
-    prompt of `context` tokens) of B rows at each block size the batch rule weighs, and its
-    ratio to a one-row plain step (`plain_seconds`): ``{"batches": {B: {bs: ratio}},
+    """Median seconds of a greedy batched cycle (`batching.scheduler.BatchEngine`, every row on
+    the same prompt of `context` tokens) of B rows at each block size the batch rule weighs, and
+    its ratio to a one-row plain step (`plain_seconds`): ``{"batches": {B: {bs: ratio}},
     "batch_seconds": ...}``. The first two cycles of each (B, bs) compile and are not kept."""
     ids = prompt_ids(pair.drafter.config.vocab_size, context)
     seconds: dict[str, dict[str, float]] = {}
@@ -413,7 +413,7 @@ def missing(pair: Pair, bs_max: int) -> bool:
 
 
 def busy(data: dict) -> list[str]:
-    """Why a saved curve reads as timed on a busy machine (`autoblock.noise`, greedy and
+    """Why a saved curve reads as timed on a busy machine (`sizing.cost.noise`, greedy and
     sampled); `auto` ignores such a curve."""
     sampled = data.get("sampled")
     return noise(data) + [f"sampled: {n}" for n in noise(sampled) if isinstance(sampled, dict)]

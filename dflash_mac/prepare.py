@@ -3,7 +3,7 @@ quantize the drafter and cut its head to a draft vocabulary if asked, resolve th
 once, check the thinking mode, and say what the user should know as plain sentences. Front
 ends style the sentences (the terminal in yellow, the chat as toasts, the server in its log),
 run `calibrate` where `needs_calibration` says so (after their own inputs are checked), then
-`policy.load_tuning`."""
+`sizing.files.load_tuning`."""
 
 from __future__ import annotations
 

@@ -57,7 +57,7 @@ def check_request(
     """The request's sampling and penalties, or PromptError with one sentence."""
     if max_tokens < 1:
         raise PromptError(f"--max-tokens must be at least 1 (got {max_tokens}).")
-    parse_block_size(block_size)  # resolved against the pair later (`policy.block_size_for`)
+    parse_block_size(block_size)  # resolved against the pair later (`sizing.choice.block_size_for`)
     if seed is not None and not 0 <= seed < 2**64:
         raise PromptError(f"--seed must be between 0 and 2**64 - 1 (got {seed}).")
     if tree is not None and not 0 <= tree <= MAX_TREE_BUDGET:

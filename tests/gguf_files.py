@@ -159,7 +159,8 @@ def write_gguf(
 
 
 def hf_config(arch: str, vocab: int) -> dict:
-    """The mlx-lm config.json of the same model, written independently of dflash_mac.gguf."""
+    """The mlx-lm config.json of the same model, written independently of
+    dflash_mac.loading.gguf."""
     return {
         "model_type": arch,
         "hidden_size": HIDDEN,

@@ -1,4 +1,4 @@
-"""`--block-size auto` (dflash_mac/autoblock.py) and the pipelined cycle: the controller's
+"""`--block-size auto` (dflash_mac/sizing/) and the pipelined cycle: the controller's
 choices on synthetic inputs, and exact greedy output whatever sizes it picks."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Continuous batching (batch.py, batch_loop.py): every row decodes exactly as it would alone.
+"""Continuous batching (batching/ragged.py, batching/scheduler.py): every row decodes exactly as
+it would alone.
 
 Each engine path runs on a worker thread (serve's set-up); the reference BLAS is row-invariant,
 so a batched row's logits equal the row's own bitwise and greedy tokens are identical."""

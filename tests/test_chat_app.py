@@ -83,7 +83,7 @@ def stats_text(widget: AssistantMessage) -> str:
 
 
 def test_think_splitter_handles_tags_cut_between_chunks():
-    """The chat app uses the server's splitter (dflash_mac/think.py)."""
+    """The chat app uses the server's splitter (dflash_mac/engine/think.py)."""
     s = ThinkSplitter()
     parts = [
         s.feed(c) for c in ["<thi", "nk>plan it", "</th", "ink>\n\nThe answer", " <think> stays"]

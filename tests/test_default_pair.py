@@ -55,7 +55,8 @@ def test_dflash_equals_the_targets_greedy_decoding(target_file):
 
     total = 0
     with ThreadPoolExecutor(1) as worker:  # engine paths off the loading thread, as in serve
-        for prompt, tree in zip(PROMPTS, (0, 4)):  # a chain, then trees of 4 nodes (tree.py)
+        # a chain, then trees of 4 nodes (drafting/tree.py)
+        for prompt, tree in zip(PROMPTS, (0, 4)):
             ids = prompt_ids(pair.tokenizer, [{"role": "user", "content": prompt}])
             ref, got, drafted = worker.submit(both, ids, 24, tree).result()
             assert got == ref, (prompt, pair.tokenizer.decode(ref), pair.tokenizer.decode(got))

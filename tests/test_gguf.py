@@ -1,4 +1,4 @@
-"""GGUF targets (dflash_mac/gguf.py): weights against the gguf package's own dequantization,
+"""GGUF targets (dflash_mac/loading/gguf.py): weights against the gguf package's own dequantization,
 the tokenizer from the metadata, greedy decoding against mlx-lm on a converted folder, and
 broken files as one sentence."""
 

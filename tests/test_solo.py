@@ -1,5 +1,6 @@
-"""A lone request in the batch engine runs as alone (`batch_loop.Solo`): the one-request loop's
-cycles on its own state, handed back to the batch at a cycle boundary when another arrives."""
+"""A lone request in the batch engine runs as alone (`batching.scheduler.Solo`): the one-request
+loop's cycles on its own state, handed back to the batch at a cycle boundary when another
+arrives."""
 
 from __future__ import annotations
 

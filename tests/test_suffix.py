@@ -1,4 +1,4 @@
-"""The suffix memory (suffix.py) against brute force: longest match, continuation counts,
+"""The suffix memory (drafting/suffix.py) against brute force: longest match, continuation counts,
 eviction, and what it keeps between processes."""
 
 from __future__ import annotations

@@ -7,11 +7,11 @@
    tokens in all, in one packed pass (so a long prompt does not stall the others for its whole
    prefill, and prompts that arrive together share the pass) and, for each request whose
    prompt is done, its first token;
-4. runs one batched DFlash cycle of every decoding row (batch.py): one drafter pass, one
+4. runs one batched DFlash cycle of every decoding row (batching/ragged.py): one drafter pass, one
    verify, each row's own acceptance and rollback; finished rows leave at once.
 
 A row whose last tokens repeat earlier text (an edit repeating its file) verifies a copy of
-what followed there instead (copydraft.py), with its own `CopyPolicy`, in the same pass as the
+what followed there instead (drafting/copies.py), with its own `CopyPolicy`, in the same pass as the
 others' blocks: rows of different lengths are packed into one sequence (`forward_rows`), so a
 long copy costs its own tokens, not a padding of every row to its length.
 
@@ -151,7 +151,7 @@ class Step:
     reason: str  # why the rule chose its size
     widths: list[int]  # the positions each row ran (bs, or its copy + 1 in a packed pass)
     copied: list[int]  # each row's copied drafts (0: none)
-    suffixed: list[bool]  # each row's copy came from earlier answers (suffix.py)
+    suffixed: list[bool]  # each row's copy came from earlier answers (drafting/suffix.py)
 
     @property
     def asked(self) -> list[mx.array]:
@@ -344,7 +344,8 @@ class BatchEngine:
         self.prefilling.remove(r)
         cfg = r.cfg
         drafts_from_text = cfg.copies or (cfg.suffixes and self.answers is not None)
-        if drafts_from_text and cfg.penalties is None and r.con is None:  # as alone (cycle.py)
+        # as alone (engine/cycle.py)
+        if drafts_from_text and cfg.penalties is None and r.con is None:
             r.index = CopyIndex(r.ids, memory=self._memory(r), local=cfg.copies)
         r.anchor, lps = first_token(
             last, r.ids, cfg.sampling, r.key(), cfg.penalties, r.con, cfg.logprobs

@@ -5,7 +5,7 @@ that arrive together, a wave when the one before it has finished, so the rows co
 work (with one prompt for N = 1 that row measured one answer):
 
 - batched DFlash: each wave through the engine `serve --max-batch N` runs
-  (`batch_loop.BatchEngine`, one engine for the whole bench, its block rule learning per N);
+  (`batching.scheduler.BatchEngine`, one engine for the whole bench, its block rule learning per N);
 - DFlash one at a time: the P requests served in turn (`speculative_stream`, `auto`), as
   `--max-batch 1` serves them; one run per setting, its first-token times read per wave (a
   request's first token waits for the ones before it in its wave);

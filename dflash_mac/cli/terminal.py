@@ -76,7 +76,7 @@ def progress_bar(description: str, total: int) -> Iterator[Callable[[], None]]:
 def calibrate_auto(prepared: Prepared) -> AutoTuning:
     """Before the first `--block-size auto` run of a pair on this machine: measure its quick
     cost curve once and save it (calibrate.py), with a progress bar and one short line (`-v`
-    statistics give the file); then what `auto` starts from (`policy.load_tuning`). Call it
+    statistics give the file); then what `auto` starts from (`sizing.files.load_tuning`). Call it
     after the command's inputs are checked: a typo must not wait for it."""
     if needs_calibration(prepared):
         with progress_bar(calibration_title(prepared), calibration_steps()) as step:
@@ -100,7 +100,8 @@ def load_ranked(group: Any, model: str | None, draft: str | None) -> Pair:
 
 
 def ranked_loader() -> Loader:
-    """How this process loads a pair: sharded under `dflash-mac launch`, else `loading.load`."""
+    """How this process loads a pair: sharded under `dflash-mac launch`, else
+    `loading.loader.load`."""
     group = world()
     if group is None:
         return load

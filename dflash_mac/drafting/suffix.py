@@ -5,7 +5,7 @@ context usually goes on the way it went on then.
 
 `SuffixMemory` is the global index over earlier answers (per pair, bounded by tokens, least
 recently used answers dropped first). This request's own prompt and answer are `CopyIndex`'s
-(copydraft.py), which also follows an aligned source through edits; the memory is asked only
+(drafting/copies.py), which also follows an aligned source through edits; the memory is asked only
 where that index has nothing. A proposal is verified like a copy: greedy output is unchanged,
 and sampled, q puts all its mass on each proposed token, so the rejection sampler keeps the
 target's distribution.

@@ -14,7 +14,7 @@ candidates in one target pass instead of one chain.
   greedy and sampled (it accepts with probability Σ_children p(c) at a node).
 - `keep_path` moves the accepted path's cache rows to the front of the verified span, so the
   trim that follows leaves the cache of a plain decode of that path.
-- `graft` adds a copied continuation (copydraft.py) as one more branch, verified in the same
+- `graft` adds a copied continuation (drafting/copies.py) as one more branch, verified in the same
   pass: it goes on below the deepest node that spells its first tokens. The copy's nodes that
   repeat those stay in the verify but never match, so siblings still hold distinct tokens.
 

@@ -223,8 +223,8 @@ def trees_allowed(
     grammar: Grammar | None,
     logprobs: int | None,
 ) -> bool:
-    """Whether a request's cycles may be trees: the target takes them in one process (tree.py)
-    and no penalties, grammar or logprobs bind the drafts to one chain."""
+    """Whether a request's cycles may be trees: the target takes them in one process
+    (drafting/tree.py) and no penalties, grammar or logprobs bind the drafts to one chain."""
     bound = penalties is not None or grammar is not None or logprobs is not None
     return not bound and pair.mirror is None and supports(pair.target, cache)
 
@@ -245,11 +245,11 @@ class Cycle:
     # [accepted, bonus, drafts..., logprob rows...]: what the host reads, computed with the
     # queued work (a new op at read time would wait behind whatever was queued after this cycle)
     outcome: mx.array | None = None
-    copied: bool = False  # drafts copied from earlier text (copydraft.py), not drafted
-    tree: DraftTree | None = None  # a tree of drafts (tree.py; `drafts` are its nodes)
+    copied: bool = False  # drafts copied from earlier text (drafting/copies.py), not drafted
+    tree: DraftTree | None = None  # a tree of drafts (drafting/tree.py; `drafts` are its nodes)
     start: int = 0  # a tree's first verified cache position
     copy: tuple[int, ...] = ()  # a copy grafted onto the tree as one more branch
-    suffixed: bool = False  # its copy (or graft) came from earlier answers (suffix.py)
+    suffixed: bool = False  # its copy (or graft) came from earlier answers (drafting/suffix.py)
 
     @property
     def width(self) -> int:
@@ -290,7 +290,8 @@ class CyclePipeline:
     for the committed tokens' alone) adds each committed position's log-probabilities to the
     outcome the host reads: still one sync per cycle. `tree()` gives the node budget of the
     next drafting cycle (0: a chain; called right after `size`): a tree is drafted and verified
-    where the target takes trees (tree.py) and no penalties, grammar or logprobs bind it."""
+    where the target takes trees (drafting/tree.py) and no penalties, grammar or logprobs bind
+    it."""
 
     def __init__(
         self,
@@ -540,7 +541,7 @@ class CyclePipeline:
 
     def verify_tree(self, c: Cycle) -> tuple[mx.array, mx.array, mx.array]:
         """One target pass over the tree; (accepted depth, bonus token, path [P]), lazily:
-        the walk follows the target's argmax, or a draw from p at each node (tree.py)."""
+        the walk follows the target's argmax, or a draw from p at each node (drafting/tree.py)."""
         c.start = self.state.target_cache[0].offset
         cache = self.state.target_cache
         logits = verify_logits(self.pair.target, c.tree, cache, self.ropes)  # [1+B, V]

@@ -45,12 +45,12 @@ class GenerationConfig:
     penalties: Penalties | None = None  # None: no penalties, no cost
     logprobs: int | None = None  # None: none; k: each committed token's and the top k
     grammar: Grammar | None = None  # structured output (constraints.py); None: free text
-    # copy drafting where the last tokens repeat earlier text (copydraft.py); None: on, but
+    # copy drafting where the last tokens repeat earlier text (drafting/copies.py); None: on, but
     # not at a fixed block of 1, which is plain decoding (True there: copies only)
     copy: bool | None = None
-    tree: int | None = None  # tree drafting (tree.py): None `auto`, 0 chains only, N nodes
-    # suffix drafting from earlier answers (suffix.py, `AutoTuning.answers`); None: wherever
-    # copies run
+    tree: int | None = None  # tree drafting (drafting/tree.py): None `auto`, 0 chains only, N nodes
+    # suffix drafting from earlier answers (drafting/suffix.py, `AutoTuning.answers`); None:
+    # wherever copies run
     suffix: bool | None = None
 
     @property
@@ -109,7 +109,7 @@ class DecodeState:
     """Target cache, drafter context cache and the ids they hold (kept by sessions).
 
     `max_kv_size`: the target keeps a rotating window of that many positions, as mlx-lm's
-    (`kvwindow.py`), and the drafter's context is bounded alike; None: unbounded."""
+    (`target/kvwindow.py`), and the drafter's context is bounded alike; None: unbounded."""
 
     def __init__(self, pair: Pair, max_kv_size: int | None = None):
         if max_kv_size is None:

@@ -95,10 +95,11 @@ class DecodeStats:
     parallel: str = ""  # tensor | pipeline ("" in one process)
     collectives_per_cycle: int = 0  # per target forward, counted in its graph at start-up
     collective_ms_per_cycle: float = 0.0  # that many all_sums, timed by a start-up probe
-    copied: tuple[bool, ...] = ()  # per cycle: its drafts were copied (copydraft.py)
-    # per cycle: its copy came from earlier answers (suffix.py), not this request's own text
+    copied: tuple[bool, ...] = ()  # per cycle: its drafts were copied (drafting/copies.py)
+    # per cycle: its copy came from earlier answers (drafting/suffix.py), not this request's own
+    # text
     suffixed: tuple[bool, ...] = ()
-    trees: tuple[int, ...] = ()  # per cycle: its tree's node budget (0: a chain; tree.py)
+    trees: tuple[int, ...] = ()  # per cycle: its tree's node budget (0: a chain; drafting/tree.py)
     widths: tuple[int, ...] = ()  # per cycle: positions its verify checked (anchor + drafts)
 
     @property

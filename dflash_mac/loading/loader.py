@@ -40,7 +40,8 @@ class LoadedPair:
     tokenizer: Any
     model_id: str
     draft_id: str
-    block_size: int  # the largest block it drafts by default; requests resolve theirs (policy.py)
+    # the largest block it drafts by default; requests resolve theirs (sizing/choice.py)
+    block_size: int
     target_config: dict
     generation_config: dict = field(default_factory=dict)  # the target's sampling defaults
     mirror: Mirror | None = None  # a target sharded over several ranks (distributed/leader.py)

@@ -1,8 +1,8 @@
 """The prompt cache: every request reuses the longest prefix any earlier request cached.
 
-Caches that can be cut by position live in a radix tree of token spans (`prefix_tree.py`),
+Caches that can be cut by position live in a radix tree of token spans (`prefix/tree.py`),
 bounded by bytes and by conversations (leaves), with an optional disk tier under it
-(`prefix_disk.py`) that survives restarts. A request gets a fresh `DecodeState` rebuilt from
+(`prefix/disk.py`) that survives restarts. A request gets a fresh `DecodeState` rebuilt from
 the tree, records what its prefill and decoding write (`SpanRecorder`), and gives it back to
 the tree at the end. Rotating windows (`--max-kv-size`) cannot be cut by position, and a
 target sharded over ranks must keep its ranks in step: their states are kept whole in a small

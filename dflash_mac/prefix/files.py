@@ -1,5 +1,5 @@
 """The prompt cache's files on disk as `dflash-mac cache` reads them: where they live, a
-file's header and a pair folder's totals, without MLX (`prefix_disk.py` writes and loads
+file's header and a pair folder's totals, without MLX (`prefix/disk.py` writes and loads
 them)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The rows of a decode state's caches, cut out by position and put back: what the prefix tree
-(`prefix_tree.py`) keeps for each span of tokens.
+(`prefix/tree.py`) keeps for each span of tokens.
 
 Attention caches (the target's `KVCache`, the drafter's `ContextCache`) hold one row per
 position on axis 2 and can be cut anywhere. Recurrent caches (the GatedDeltaNet layers of

@@ -1,4 +1,4 @@
-"""The server's earlier answers (suffix drafting, `suffix.py`) kept across restarts beside
+"""The server's earlier answers (suffix drafting, `drafting/suffix.py`) kept across restarts beside
 the prompt cache's disk tier: read at start, written at shutdown. Without a disk tier they
 live as long as the process, and the start-up note says so."""
 

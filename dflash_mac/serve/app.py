@@ -79,9 +79,9 @@ def create_app(
     `auto` up to the pair's default size). Browser pages from `cors_origins` (`cors.py`) may
     call every route; each request gets its log line (`requestlog.py`). `max_kv_size`: each
     cached conversation keeps a rotating window of that many target positions;
-    `prompt_cache_disk_bytes` > 0: cached prefixes also go to disk (`prefix_disk.py`) and are
+    `prompt_cache_disk_bytes` > 0: cached prefixes also go to disk (`prefix/disk.py`) and are
     read back after a restart. `max_batch` > 1: up to that many requests decode together
-    (continuous batching, `batch_loop.py`). `suffix`: drafts from earlier answers (None:
+    (continuous batching, `batching/scheduler.py`). `suffix`: drafts from earlier answers (None:
     wherever copies run), which a disk tier keeps across restarts (`answers.py`)."""
     if isinstance(pair_or_session, Session):
         session = pair_or_session

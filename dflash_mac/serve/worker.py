@@ -2,8 +2,8 @@
 
 All MLX work (tokenizing, prefill, decode) runs on this thread, in arrival order; request
 handlers talk to it through `Job` queues on the event loop. With `max_batch` > 1 (and a pair
-that batches, `batch.batch_reason`) up to that many requests decode together in one
-`batch_loop.BatchEngine` (structured output included: its rows take plain steps)."""
+that batches, `batching.ragged.batch_reason`) up to that many requests decode together in one
+`batching.scheduler.BatchEngine` (structured output included: its rows take plain steps)."""
 
 from __future__ import annotations
 
@@ -136,7 +136,8 @@ class Worker:
             return None
         block = self.block.size if self.block else pair.block_size
         auto = self.block is None or self.block.auto
-        tuning = self.session.tuning  # a lone request runs alone with it (`batch_loop.Solo`)
+        # a lone request runs alone with it (`batching.scheduler.Solo`)
+        tuning = self.session.tuning
         return BatchEngine(pair, max_batch, block, auto=auto, prior=tuning.batch_prior, solo=tuning)
 
     def batch_stats(self) -> dict | None:

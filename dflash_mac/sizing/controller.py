@@ -129,7 +129,7 @@ class BlockController:
         self.calibrate_from = 3 if timed and not cost.calibrated else None
         self.neighbour_countdown = self.NEIGHBOUR_EVERY
         self.last = Decision(1 if plain_first else bs_max, "start")
-        self.memory: str | None = None  # where its acceptance is remembered (policy.py)
+        self.memory: str | None = None  # where its acceptance is remembered (files.py)
         self.copy_rates = CopyRates()  # what its requests' copies got (they go on from it)
 
     def start_from(self, state: object, lower: bool = False) -> bool:

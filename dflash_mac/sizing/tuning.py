@@ -20,7 +20,7 @@ class AutoTuning:
     by setting, and the cost models and controllers that requests continue.
 
     Owned by whoever serves the requests (a session, the bench, a command) and passed to the
-    stream; front ends load and save it (`policy.load_tuning`, `policy.save_acceptance`).
+    stream; front ends load and save it (`files.load_tuning`, `files.save_acceptance`).
     Greedy and sampled requests keep apart cost models: a sampled cycle draws its drafts and
     verifies by rejection, so greedy timings would make sampled drafting look cheaper than it
     is. Requests with the same sampling setting and context band (short, or from 1,024, 2,048,
@@ -41,7 +41,7 @@ class AutoTuning:
     guess: float | None = None  # the drafter's measured acceptance (None: the generic guess)
     cost_models: dict[tuple[bool, int], CostModel] = field(default_factory=dict)  # (sampled, band)
     controllers: dict[tuple, BlockController] = field(default_factory=dict)
-    # earlier answers, for suffix drafting (suffix.py): what the session's requests said
+    # earlier answers, for suffix drafting (drafting/suffix.py): what the session's requests said
     answers: SuffixMemory = field(default_factory=SuffixMemory)
 
     @property

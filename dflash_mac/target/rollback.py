@@ -29,8 +29,9 @@ class TargetRollback:
 
     Trimmable caches (attention, a `kvwindow.WindowKVCache` too) are trimmed; the GatedDeltaNet
     caches of hybrid targets are restored by replaying the recurrence over the accepted steps
-    (dflash_mac/hybrid.py). Use: `with rb.hooks(): ... rb.before_verify(); target(block, cache);
-    rb.rollback(rejected, acc)`. No host sync: everything stays lazy on the caller's stream."""
+    (dflash_mac/target/hybrid.py). Use: `with rb.hooks(): ... rb.before_verify();
+    target(block, cache); rb.rollback(rejected, acc)`. No host sync: everything stays lazy on the
+    caller's stream."""
 
     def __init__(self, model: nn.Module, cache: list[Any], strategy: str = "replay"):
         self.cache = cache

@@ -1,5 +1,5 @@
-"""Tiny random model pairs for the tests: the product's random pairs (`random_pair.py`) under
-their test names, plus a tool-calling chat template."""
+"""Tiny random model pairs for the tests: the product's random pairs (`loading/random_pair.py`)
+under their test names, plus a tool-calling chat template."""
 
 from __future__ import annotations
 

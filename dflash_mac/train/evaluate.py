@@ -9,9 +9,9 @@ and the teacher-forced average ``1 - TV(p_T, q)`` per block position (`tv_agreem
 acceptance probability of a draft whose predecessors were accepted; τ is also reported by
 prompt-length bucket (``--long-prompts`` adds long prompts).
 
-Greedy DFlash (`dflash_mac.decode.speculative_stream`) against the same process's plain target
-decoding (mlx-lm `generate_step`, no hooks), both warmed up, same prompts and max tokens, both
-stopping at EOS. Decode speed counts the tokens after the first over the time after the first
+Greedy DFlash (`dflash_mac.engine.decode.speculative_stream`) against the same process's plain
+target decoding (mlx-lm `generate_step`, no hooks), both warmed up, same prompts and max tokens,
+both stopping at EOS. Decode speed counts the tokens after the first over the time after the first
 (prefill excluded on both sides). Every prompt's committed ids must equal the baseline's.
 """
 
