@@ -5,10 +5,11 @@ the engine (dflash_mac's own folders and the modules at its top) → distributed
 engine from above, through `pair.Mirror`) → front ends (cli, serve, bench, app, train, bundle,
 testing). Every import counts, including those inside functions.
 
-Inside the engine layer the folders have floors of their own (docs/architecture.md): target/
-(the mlx-lm target's parts, hooks, captures, rollback) under loading/ and drafting/, those under
-sizing/ (pure Python), sizing/ under engine/ (the decode loop), engine/ under batching/ and
-prefix/, and those under the modules at the top (api, session, prepare, calibrate, ...).
+Inside the engine layer the folders have floors of their own (docs/architecture.md): the leaves
+at the top of dflash_mac (pair, settings, errors, host) under everything, target/ (the mlx-lm
+target's parts, hooks, captures, rollback) under loading/ and drafting/, those under sizing/
+(pure Python), sizing/ under engine/ (the decode loop), engine/ under batching/ and prefix/, and
+those under the modules at the top that front ends call (api, session, prepare, calibrate, ...).
 Collapsed to folders (each module at the top its own node) the graph has no cycle."""
 
 from __future__ import annotations
@@ -27,14 +28,20 @@ FOLDERS = {
 }
 FRONT_ENDS = ("__main__", "entry", "cli", "serve", "bench", "app", "train", "bundle", "testing")
 # what each engine folder may not reach, directly or through other modules: what sits above it
-# (or beside it: loading and drafting know nothing of each other)
+# (or beside it: loading and drafting know nothing of each other, nor batching and prefix), and
+# the modules at the top of dflash_mac that front ends call (`TOP`)
 ABOVE = {
     "target": ("loading", "drafting", "sizing", "engine", "batching", "prefix"),
     "loading": ("drafting", "sizing", "engine", "batching", "prefix"),
     "drafting": ("loading", "sizing", "engine", "batching", "prefix"),
     "sizing": ("target", "engine", "batching", "prefix"),
     "engine": ("batching", "prefix"),
+    "batching": ("prefix",),
+    "prefix": ("batching",),
 }
+TOP = ("api", "session", "prepare", "calibrate", "draft_vocab", "answers", "prompts")
+# the modules at the top that every folder may use: they import only each other and models/
+LEAVES = ("pair", "settings", "errors", "host")
 
 
 def modules() -> dict[str, Path]:
@@ -236,11 +243,25 @@ def test_engine_folders_reach_nothing_above_them(graph):
     through another module: loading/ none of the loop, sizing/ none of the engine that consults
     it (the calibration that drives the loop lives above both: dflash_mac/calibrate.py)."""
     found = []
+    top = {f"dflash_mac.{m}" for m in TOP}
     for folder, above in ABOVE.items():
         for src in sorted(n for n in graph if in_folder(n, folder)):
             reach = reachable(graph, src)
-            hits = sorted(d for d in reach if any(in_folder(d, a) for a in above))
+            hits = sorted(d for d in reach if any(in_folder(d, a) for a in above) or d in top)
             found += [" → ".join(import_path(graph, src, d)) for d in hits[:1]]
+    assert found == []
+
+
+def test_leaves_import_only_leaves_and_models(graph):
+    """pair, settings, errors and host sit under every folder: they import nothing else of ours
+    but models/ (settings takes `SamplingParams` from models/distribution.py, not the engine)."""
+    leaves = {f"dflash_mac.{m}" for m in LEAVES}
+    found = [
+        f"{src} imports {dst}"
+        for src in sorted(leaves)
+        for dst in sorted(graph[src])
+        if dst not in leaves and not dst.startswith("dflash_mac.models")
+    ]
     assert found == []
 
 
