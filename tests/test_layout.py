@@ -8,9 +8,10 @@ testing). Every import counts, including those inside functions.
 Inside the engine layer the folders have floors of their own (docs/architecture.md): the leaves
 at the top of dflash_mac (pair, settings, errors, host) under everything, target/ (the mlx-lm
 target's parts, hooks, captures, rollback) under loading/ and drafting/, those under sizing/
-(pure Python), sizing/ under engine/ (the decode loop), engine/ under batching/ and prefix/, and
-those under the modules at the top that front ends call (api, session, prepare, calibrate, ...).
-Collapsed to folders (each module at the top its own node) the graph has no cycle."""
+(no MLX of its own), sizing/ under engine/ (the decode loop), engine/ under batching/ and
+prefix/, and those under the modules at the top that front ends call (api, session, prepare,
+calibrate, ...). Collapsed to folders (each module at the top its own node) the graph has no
+cycle."""
 
 from __future__ import annotations
 

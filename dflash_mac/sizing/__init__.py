@@ -2,6 +2,7 @@
 cap), `auto`'s online controller (controller.py) from what cycles cost (cost.py) and commit
 (acceptance.py), what it keeps between requests (tuning.py), one block size for a batch
 (batch_rule.py), the interfaces the loops ask of them (sizer.py), and their files in the data
-directory (files.py). Pure Python: nothing here imports the engine, which consults it
+directory (files.py). Decisions from numbers: no module here imports MLX itself (choice.py
+and files.py take the `Pair` they are handed) and none reaches the engine, which consults it
 (tests/test_layout.py); the calibration that times the cost curve runs the engine and lives
-above it (dflash_mac/calibrate.py)."""
+above both (dflash_mac/calibrate.py)."""

@@ -9,8 +9,9 @@ sizes (calibrate.py) each implement. Typing only: the loops take any object of t
   `ScriptedSizes` implement it.
 - `CopySizer`: a `BlockSizer` that also prices copies: how long a copy runs (`copy_length`)
   and whether a doubtful one rides on the cycle's tree (`graft_pays`). The loop asks these only
-  when the request copies (`GenerationConfig.copies`); `BlockController` implements them,
-  `ScriptedSizes` (whose measurement copies nothing) does not.
+  when a cycle has a copy to verify (copy or suffix drafting: `GenerationConfig.copies`,
+  `suffixes`); `BlockController` implements them, `ScriptedSizes` (whose measurement runs with
+  copies off) does not.
 - `BatchSizer`: the batch scheduler's (`batching/scheduler.py`). It is not a `BlockSizer`: a
   batch's cycle has one block size for all its rows, chosen for the number of rows and the room
   they have left (`choose(batch, room)` gives a size, not a `Decision`: no trees, no copies),
