@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_mac.api import PromptError, fit_max_tokens, reasoning_args
-from dflash_mac.policy import BlockChoice
-from dflash_mac.registry import load_registry
-from dflash_mac.stats import DecodeStats
+from dflash_mac.engine.stats import DecodeStats
+from dflash_mac.loading.registry import load_registry
+from dflash_mac.sizing.choice import BlockChoice
 
 
 @dataclass
@@ -34,7 +34,8 @@ class ChatOptions:
     chat_template: str | None = None  # a template that replaces the model's (its text)
     max_kv_size: int | None = None  # the target's rotating window (None: unbounded)
     draft_vocab: int | None = None  # a K-row drafter head (draft_vocab.py)
-    suffix: bool | None = None  # suffix drafting from this chat's earlier answers (suffix.py)
+    # suffix drafting from this chat's earlier answers (drafting/suffix.py)
+    suffix: bool | None = None
 
     def generation_kwargs(self) -> dict:
         return {
@@ -119,7 +120,7 @@ class Backend:
     last: tuple[str, list[int]] | None = None  # text and ids of the last finished turn
     pending: tuple[str, list[int]] | None = None  # text and ids of the turn being generated
     context: int = 0  # the model's context in tokens (0: unknown, no window management)
-    block: Any = None  # the block-size choice resolved at load (`policy.BlockChoice`)
+    block: Any = None  # the block-size choice resolved at load (`sizing.choice.BlockChoice`)
 
     def render(self, messages: list[dict], system: str | None, reasoning: str | None) -> str:
         full = ([{"role": "system", "content": system}] if system else []) + messages
@@ -185,7 +186,7 @@ class Backend:
             kwargs["block_size"] = self.block
         yield from self.session.stream(prompt, should_stop=should_stop, **kwargs)
         if (tuning := getattr(self.session, "tuning", None)) is not None:
-            from dflash_mac.policy import save_acceptance
+            from dflash_mac.sizing.files import save_acceptance
 
             save_acceptance(self.session.pair, tuning)
 
@@ -228,7 +229,6 @@ def load_backend(opts: ChatOptions, status: Status | None = None) -> Backend:
     `auto` has none on this machine (once), and open a session (runs in a worker; `status`
     hears each step)."""
     from dflash_mac.cli.terminal import ranked_loader
-    from dflash_mac.policy import load_tuning
     from dflash_mac.prepare import (
         calibrate,
         calibration_steps,
@@ -237,6 +237,7 @@ def load_backend(opts: ChatOptions, status: Status | None = None) -> Backend:
         prepare,
     )
     from dflash_mac.session import Session
+    from dflash_mac.sizing.files import load_tuning
 
     prepared = prepare(
         opts.model,

@@ -19,8 +19,8 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
 from textual.widgets import Footer, Header, Label, ProgressBar, Static
 
+from dflash_mac.engine.stats import DecodeStats
 from dflash_mac.errors import is_user_error
-from dflash_mac.stats import DecodeStats
 
 from .backend import Backend, ChatOptions, load_backend, turn_stats
 from .engine_thread import EngineThread

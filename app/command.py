@@ -5,8 +5,8 @@ from __future__ import annotations
 import typer
 
 from dflash_mac.cli import options
+from dflash_mac.engine.think import REASONING_CHOICES
 from dflash_mac.errors import PromptError
-from dflash_mac.think import REASONING_CHOICES
 
 
 def chat(
@@ -72,7 +72,7 @@ def chat(
 def check_pair(model: str | None, draft: str | None) -> None:
     """Resolve the pair from its configs (no weights) so that a bad --model or --draft is the
     whole sentence and exit 1 on the terminal, before the screen starts."""
-    from dflash_mac.loading import PairSpec
+    from dflash_mac.loading.loader import PairSpec
 
     PairSpec.resolve(model, draft)
 

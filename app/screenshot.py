@@ -40,7 +40,7 @@ async def shoot(out: Path, model: str | None, draft: str | None, max_tokens: int
 
 
 def main() -> None:
-    from dflash_mac.loading import BUNDLED_DRAFT
+    from dflash_mac.loading.loader import BUNDLED_DRAFT
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", nargs="?", default="docs/chat.svg")
@@ -52,7 +52,7 @@ def main() -> None:
         os.environ["DFLASH_MAC_HOME"] = home
         model, draft = args.model, args.draft
         if model is None and not (BUNDLED_DRAFT / "config.json").exists():
-            from dflash_mac.random_pair import build_random_pair
+            from dflash_mac.loading.random_pair import build_random_pair
 
             model, draft = map(str, build_random_pair(Path(home) / "tiny"))
         asyncio.run(shoot(Path(args.out), model, draft, args.max_tokens))

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_mac.platform import data_dir
+from dflash_mac.host import data_dir
 
 DB_NAME = "chats.sqlite3"
 SCHEMA = """
@@ -129,7 +129,7 @@ class Store:
 
     def export_markdown(self, chat_id: int) -> str:
         """The conversation as a Markdown document."""
-        from dflash_mac.think import split_think
+        from dflash_mac.engine.think import split_think
 
         from .text import close_fences
 

@@ -1,5 +1,5 @@
 """Text helpers for the chat app: control characters, fence repair, unfenced code detection
-(<think> splitting is dflash_mac/think.py, shared with the server)."""
+(<think> splitting is dflash_mac/engine/think.py, shared with the server)."""
 
 from __future__ import annotations
 

@@ -13,8 +13,8 @@ from textual.widget import Widget
 from textual.widgets import Collapsible, Markdown, Static, TextArea
 from textual.widgets.markdown import MarkdownFence
 
-from dflash_mac.stats import DecodeStats
-from dflash_mac.think import ThinkSplitter, split_think
+from dflash_mac.engine.stats import DecodeStats
+from dflash_mac.engine.think import ThinkSplitter, split_think
 
 from .backend import EngineInfo, block_label
 from .text import printable, repair_markdown

@@ -12,7 +12,7 @@ from typing import Any
 __version__ = "0.1.0"
 __all__ = ["__version__", "generate", "load", "stream_generate"]
 
-_LAZY = {"generate": ".api", "stream_generate": ".api", "load": ".loading"}
+_LAZY = {"generate": ".api", "stream_generate": ".api", "load": ".loading.loader"}
 
 
 def __getattr__(name: str) -> Any:

@@ -6,17 +6,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .autoblock import AutoTuning
-from .constraints import Grammar, json_grammar
-from .cycle import TokenLogprob
-from .decode import DecodeState, GenerationConfig, GenerationEvent, speculative_stream
+from .engine.constraints import Grammar, json_grammar
+from .engine.cycle import TokenLogprob
+from .engine.decode import DecodeState, GenerationConfig, GenerationEvent, speculative_stream
+from .engine.stats import DecodeStats
+from .engine.think import REASONING_CHOICES
+from .engine.verify import SamplingParams
 from .errors import PromptError  # noqa: F401  (re-exported)
 from .pair import Pair
-from .policy import BlockChoice, block_size_for, load_tuning
-from .sampling import SamplingParams
 from .settings import check_request
-from .stats import DecodeStats
-from .think import REASONING_CHOICES
+from .sizing.choice import BlockChoice, block_size_for
+from .sizing.files import load_tuning
+from .sizing.tuning import AutoTuning
 
 
 def reasoning_args(tokenizer: Any, reasoning: str | None) -> dict:
@@ -97,10 +98,10 @@ def make_config(
     `logprobs`: each committed token's log-probability and the top `logprobs` (0..20) on the
     events; `json_schema`: the answer is JSON valid against this schema (a dict, or a grammar
     compiled once with `constraints.json_grammar`); `copy`: copy drafting where the last tokens
-    repeat earlier text (`copydraft.py`; None: on unless `block_size` is 1, plain decoding;
-    True at 1: copies and plain steps only); `tree`: tree drafting (`tree.py`): None lets `auto`
-    weigh trees, 0 drafts chains only, N drafts trees of N nodes; `suffix`: drafts from the
-    session's earlier answers (`suffix.py`; None: wherever copies run)."""
+    repeat earlier text (`drafting/copies.py`; None: on unless `block_size` is 1, plain decoding;
+    True at 1: copies and plain steps only); `tree`: tree drafting (`drafting/tree.py`): None
+    lets `auto` weigh trees, 0 drafts chains only, N drafts trees of N nodes; `suffix`: drafts
+    from the session's earlier answers (`drafting/suffix.py`; None: wherever copies run)."""
     chosen = isinstance(block_size, BlockChoice)  # already resolved against the pair
     sp, pen = check_request(
         max_tokens, None if chosen else block_size, temp, top_p, top_k, min_p, seed,
@@ -177,7 +178,7 @@ def stream_generate(
 
     `block_size`: an integer, "auto" / None, or a `BlockChoice` a front end resolved once.
     `tuning`: what `--block-size auto` learnt so far, continued (a session's); without it `auto`
-    starts from what is saved for the pair on this machine (`policy.load_tuning`).
+    starts from what is saved for the pair on this machine (`sizing.files.load_tuning`).
     `max_kv_size`: a rotating window of that many target positions, as mlx-lm's (a `state`
     brings its own)."""
     template_keys = ("system", "ignore_chat_template", "reasoning", "chat_template_args")

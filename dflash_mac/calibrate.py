@@ -11,7 +11,7 @@ a short warm-up round (each kind of cycle once: its first run pays for MLX's com
 prompt of `context` tokens that is cut back after every run; the median is kept, and the
 ratios are made non-decreasing in bs (a wider verify never costs less: a dip is noise). The
 whole curve is timed greedy and again at T = 0.7 (`measure_both`);
-both are saved where `auto` reads its prior (`policy.cost_curve_path`).
+both are saved where `auto` reads its prior (`sizing.files.cost_curve_path`).
 
 `dflash-mac bench --cost-curve` measures the full curve (`reps` 12) and, where the pair batches,
 greedy batched cycles of 2, 4 and 8 rows (`measure_batches`: the prior of `BatchBlockRule`).
@@ -36,17 +36,19 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from .autoblock import TREES, ContextCost, Decision, noise
-from .batch import batch_reason
-from .batch_loop import BatchEngine, BatchRequest
-from .batch_rule import BatchBlockRule
-from .copydraft import CopyRates
-from .cycle import propose, trees_allowed
-from .decode import DecodeState, GenerationConfig, speculative_stream
+from .batching.ragged import batch_reason
+from .batching.scheduler import BatchEngine, BatchRequest
+from .drafting.copies import CopyRates
+from .engine.cycle import propose, trees_allowed
+from .engine.decode import DecodeState, GenerationConfig, speculative_stream
+from .engine.verify import SamplingParams
+from .host import write_atomic
 from .pair import Pair
-from .platform import write_atomic
-from .policy import BlockChoice, cost_curve_path
-from .sampling import SamplingParams
+from .sizing.batch_rule import BatchBlockRule
+from .sizing.choice import BlockChoice
+from .sizing.controller import TREES, Decision
+from .sizing.cost import ContextCost, noise
+from .sizing.files import cost_curve_path
 
 BATCHES = (2, 4, 8)  # rows of the batched cycles `bench --cost-curve` times (serve --max-batch)
 BATCH_CYCLES = 6  # steady batched cycles timed per (rows, block size)
@@ -68,9 +70,10 @@ Arm = tuple[int, int]  # (block size, tree budget; 0: a chain)
 
 
 class ScriptedSizes:
-    """A block-size controller for the measurement: the cycles of a script, one per cycle,
-    keeping the times of the steady cycles of each kind (what the loop's cost model learns
-    from: a plain step amid plain steps, a drafting cycle after a drafting one)."""
+    """A block-size controller for the measurement (a `sizing.sizer.BlockSizer`): the cycles
+    of a script, one per cycle, keeping the times of the steady cycles of each kind (what the
+    loop's cost model learns from: a plain step amid plain steps, a drafting cycle after a
+    drafting one). It prices no copies: the measurement copies nothing."""
 
     def __init__(self, arms: list[Arm]):
         self.script, self.next = arms, 0
@@ -262,7 +265,8 @@ def measure_contexts(
 
 @dataclass
 class TimedRule(BatchBlockRule):
-    """A fixed block size whose every cycle time is kept (the batched measurement's)."""
+    """A fixed block size whose every cycle time is kept (the batched measurement's
+    `sizing.sizer.BatchSizer`)."""
 
     samples: list[float] = field(default_factory=list)
 
@@ -285,9 +289,9 @@ def measure_batches(
     cycles: int = BATCH_CYCLES,
     progress: Progress | None = None,
 ) -> dict:
-    """Median seconds of a greedy batched cycle (`batch_loop.BatchEngine`, every row on the same
-    prompt of `context` tokens) of B rows at each block size the batch rule weighs, and its
-    ratio to a one-row plain step (`plain_seconds`): ``{"batches": {B: {bs: ratio}},
+    """Median seconds of a greedy batched cycle (`batching.scheduler.BatchEngine`, every row on
+    the same prompt of `context` tokens) of B rows at each block size the batch rule weighs, and
+    its ratio to a one-row plain step (`plain_seconds`): ``{"batches": {B: {bs: ratio}},
     "batch_seconds": ...}``. The first two cycles of each (B, bs) compile and are not kept."""
     ids = prompt_ids(pair.drafter.config.vocab_size, context)
     seconds: dict[str, dict[str, float]] = {}
@@ -409,7 +413,7 @@ def missing(pair: Pair, bs_max: int) -> bool:
 
 
 def busy(data: dict) -> list[str]:
-    """Why a saved curve reads as timed on a busy machine (`autoblock.noise`, greedy and
+    """Why a saved curve reads as timed on a busy machine (`sizing.cost.noise`, greedy and
     sampled); `auto` ignores such a curve."""
     sampled = data.get("sampled")
     return noise(data) + [f"sampled: {n}" for n in noise(sampled) if isinstance(sampled, dict)]

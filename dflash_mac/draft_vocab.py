@@ -22,11 +22,11 @@ import numpy as np
 
 from .answers import regenerate
 from .errors import UserError
+from .host import data_dir
 from .pair import Pair
-from .platform import data_dir
-from .policy import slug, target_key
 from .prompts import STARTER_PROMPTS
 from .settings import MIN_DRAFT_VOCAB
+from .sizing.files import slug, target_key
 
 TOP_K = 32  # the target's top ids whose probability mass counts at each answer position
 MAX_TOKENS = 96  # per starter answer

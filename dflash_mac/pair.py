@@ -1,7 +1,7 @@
-"""What the engine needs from a loaded pair (`loading.LoadedPair` is the real one; tests build
-their own): a target, a bound drafter, a tokenizer, a few derived facts, and the mirror of a
-target sharded over several ranks (distribution plugs in from above: the engine imports nothing
-of dflash_mac/distributed/)."""
+"""What the engine needs from a loaded pair (`loading.loader.LoadedPair` is the real one; tests
+build their own): a target, a bound drafter, a tokenizer, a few derived facts, and the mirror of
+a target sharded over several ranks (distribution plugs in from above: the engine imports
+nothing of dflash_mac/distributed/)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ quantize the drafter and cut its head to a draft vocabulary if asked, resolve th
 once, check the thinking mode, and say what the user should know as plain sentences. Front
 ends style the sentences (the terminal in yellow, the chat as toasts, the server in its log),
 run `calibrate` where `needs_calibration` says so (after their own inputs are checked), then
-`policy.load_tuning`."""
+`sizing.files.load_tuning`."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from . import calibrate as calibration
 from .api import reasoning_args
 from .draft_vocab import apply_draft_vocab
 from .errors import PromptError
-from .loading import load, quantize_drafter
+from .loading.loader import load, quantize_drafter
+from .loading.registry import pair_for, thinking_warning
 from .pair import Pair
-from .policy import BlockChoice, block_size_for
-from .registry import pair_for, thinking_warning
+from .sizing.choice import BlockChoice, block_size_for
 
 Loader = Callable[[str | os.PathLike | None, str | os.PathLike | None], Pair]
 

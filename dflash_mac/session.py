@@ -1,6 +1,6 @@
 """Multi-turn sessions with prefix reuse: only the uncached suffix of a new prompt is prefilled.
 
-A session keeps an LRU of decode states (`prompt_cache.PromptCache`), one per conversation
+A session keeps an LRU of decode states (`prefix.cache.PromptCache`), one per conversation
 by default one, so several conversations can each keep their own prefix."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .api import PromptError, prompt_ids, stream_generate
-from .autoblock import AutoTuning
-from .decode import GenerationEvent
+from .engine.decode import GenerationEvent
 from .pair import Pair
-from .policy import load_tuning
-from .prefix_disk import DiskTier
-from .prompt_cache import PromptCache, common_prefix
+from .prefix.cache import PromptCache, common_prefix
+from .prefix.disk import DiskTier
+from .sizing.files import load_tuning
+from .sizing.tuning import AutoTuning
 
 __all__ = ["Session", "common_prefix"]
 
@@ -25,7 +25,7 @@ class Session:
     A prompt that extends cached ids prefills only its new suffix; an edit, regenerate or
     system-prompt change falls back to the longest common prefix (trim) or a fresh prefill.
     `cache_size` / `cache_bytes` bound how many states (conversations) are kept;
-    `max_kv_size` gives each a rotating window (`kvwindow.py`).
+    `max_kv_size` gives each a rotating window (`target/kvwindow.py`).
     Not thread-safe: serve one request at a time."""
 
     def __init__(

@@ -6,13 +6,13 @@ Light on purpose (no mlx-lm, no model code): the command line refuses a bad `--s
 
 from __future__ import annotations
 
-from .autoblock import MAX_TREE_BUDGET
 from .errors import PromptError
+from .models.distribution import SamplingParams
 from .models.penalties import Penalties
-from .sampling import SamplingParams
 
 AUTO = "auto"
 MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
+MAX_TREE_BUDGET = 64  # `--tree-budget` at most (a verify of 65 tokens)
 
 
 def parse_block_size(value: int | str | None) -> int | None:
@@ -57,7 +57,7 @@ def check_request(
     """The request's sampling and penalties, or PromptError with one sentence."""
     if max_tokens < 1:
         raise PromptError(f"--max-tokens must be at least 1 (got {max_tokens}).")
-    parse_block_size(block_size)  # resolved against the pair later (`policy.block_size_for`)
+    parse_block_size(block_size)  # resolved against the pair later (`sizing.choice.block_size_for`)
     if seed is not None and not 0 <= seed < 2**64:
         raise PromptError(f"--seed must be between 0 and 2**64 - 1 (got {seed}).")
     if tree is not None and not 0 <= tree <= MAX_TREE_BUDGET:

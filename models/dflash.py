@@ -199,8 +199,8 @@ class ContextCache:
 
 
 def independent_expansion(logits: mx.array, k: int) -> Callable:
-    """`expand(t, parents [M])` for a draft tree (dflash_mac/tree.py) from per-position logits
-    `[P, V]`: position t's top k tokens by log q, whatever the parent, as (tokens [M, k],
+    """`expand(t, parents [M])` for a draft tree (dflash_mac/drafting/tree.py) from per-position
+    logits `[P, V]`: position t's top k tokens by log q, whatever the parent, as (tokens [M, k],
     log q [M, k])."""
     logits = logits.astype(mx.float32)
     logq = logits - mx.logsumexp(logits, axis=-1, keepdims=True)

@@ -1,7 +1,7 @@
 """Sampling distributions shared by the target (p) and the drafter (q): the request's
 transforms (temperature, top-k, top-p, min-p), drawing, and DFlash 2's candidate scatter.
 
-A leaf: the drafters (models/) and the engine (dflash_mac/sampling.py) both use it."""
+A leaf: the drafters (models/) and the engine (dflash_mac/engine/verify.py) both use it."""
 
 from __future__ import annotations
 

@@ -23,12 +23,12 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from dflash_mac.capture import FeatureCapture
-from dflash_mac.cycle import propose
-from dflash_mac.decode import GenerationConfig, speculative_stream
-from dflash_mac.loading import load
-from dflash_mac.policy import BlockChoice
-from dflash_mac.sampling import SamplingParams
+from dflash_mac.engine.cycle import propose
+from dflash_mac.engine.decode import GenerationConfig, speculative_stream
+from dflash_mac.engine.verify import SamplingParams
+from dflash_mac.loading.loader import load
+from dflash_mac.sizing.choice import BlockChoice
+from dflash_mac.target.capture import FeatureCapture
 from dflash_mac.train.data import encode_prompts, read_prompts
 from dflash_mac.train.evaluate import baseline_run
 

@@ -16,11 +16,11 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from dflash_mac.capture import FeatureCapture
-from dflash_mac.cycle import propose
-from dflash_mac.decode import DecodeState, prefill
-from dflash_mac.loading import load
-from dflash_mac.sampling import SamplingParams
+from dflash_mac.engine.cycle import propose
+from dflash_mac.engine.decode import DecodeState, prefill
+from dflash_mac.engine.verify import SamplingParams
+from dflash_mac.loading.loader import load
+from dflash_mac.target.capture import FeatureCapture
 
 
 def us(f: Callable[[], object], reps: int = 300) -> float:

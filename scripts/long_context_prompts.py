@@ -15,9 +15,9 @@ import mlx.core as mx
 
 from dflash_mac.api import prompt_ids
 from dflash_mac.bundle import corpus
-from dflash_mac.loading import load
-from dflash_mac.registry import load_registry
-from dflash_mac.sources import fetch_pypi
+from dflash_mac.loading.loader import load
+from dflash_mac.loading.registry import load_registry
+from dflash_mac.loading.sources import fetch_pypi
 
 ASK = "Explain what this module does, function by function."
 

@@ -25,10 +25,10 @@ import mlx.core as mx
 from mlx_lm.utils import load as mlx_load
 
 from dflash_mac.api import prompt_ids
-from dflash_mac.decode import GenerationConfig, speculative_stream
-from dflash_mac.loading import BUNDLED_TARGET, cast_floats, load
-from dflash_mac.policy import BlockChoice
+from dflash_mac.engine.decode import GenerationConfig, speculative_stream
+from dflash_mac.loading.loader import BUNDLED_TARGET, cast_floats, load
 from dflash_mac.prompts import read_prompt_file
+from dflash_mac.sizing.choice import BlockChoice
 
 DRAFT = BUNDLED_TARGET.parent / "dflash"
 PROMPTS = BUNDLED_TARGET.parent / "eval_prompts.jsonl"

@@ -8,8 +8,8 @@ from dataclasses import dataclass, replace
 
 from dflash_mac.app.backend import Backend, EngineInfo
 
-from dflash_mac.decode import GenerationEvent
-from dflash_mac.stats import DecodeStats
+from dflash_mac.engine.decode import GenerationEvent
+from dflash_mac.engine.stats import DecodeStats
 
 ANSWER = [
     ("Here is a function:\n\n", 0),

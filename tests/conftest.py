@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_mac.loading import load
+from dflash_mac.loading.loader import load
 from dflash_mac.testing.tiny import build_tiny_pair
 
 

@@ -11,7 +11,7 @@ gguf = __import__("pytest").importorskip("gguf", reason="the gguf package (test 
 from gguf.quants import dequantize, quantize  # noqa: E402
 from transformers.convert_slow_tokenizer import bytes_to_unicode  # noqa: E402
 
-from dflash_mac.random_pair import CHATML  # noqa: E402
+from dflash_mac.loading.random_pair import CHATML  # noqa: E402
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r"]
@@ -159,7 +159,8 @@ def write_gguf(
 
 
 def hf_config(arch: str, vocab: int) -> dict:
-    """The mlx-lm config.json of the same model, written independently of dflash_mac.gguf."""
+    """The mlx-lm config.json of the same model, written independently of
+    dflash_mac.loading.gguf."""
     return {
         "model_type": arch,
         "hidden_size": HIDDEN,
@@ -212,7 +213,7 @@ def write_drafter_for(folder: Path, block_size: int = 4, seed: int = 0) -> Path:
     from dflash_mac.models.config import DraftConfig
     from dflash_mac.models.dflash import DFlashDraftModel
 
-    from dflash_mac.random_pair import draft_config, save_model
+    from dflash_mac.loading.random_pair import draft_config, save_model
 
     tcfg = hf_config("llama", len(vocabulary()[0]))
     tcfg.update(head_dim=HIDDEN // HEADS)

@@ -1,4 +1,4 @@
-"""`--block-size auto` (dflash_mac/autoblock.py) and the pipelined cycle: the controller's
+"""`--block-size auto` (dflash_mac/sizing/) and the pipelined cycle: the controller's
 choices on synthetic inputs, and exact greedy output whatever sizes it picks."""
 
 from __future__ import annotations
@@ -13,20 +13,16 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from dflash_mac.autoblock import (
-    Acceptance,
-    AutoTuning,
-    BlockController,
-    ContextCost,
-    CostCurve,
-    CostModel,
-    Decision,
-)
-from dflash_mac.copydraft import CopyRates
-from dflash_mac.cycle import DraftContext
-from dflash_mac.decode import DecodeState, GenerationConfig, speculative_stream
-from dflash_mac.policy import BlockChoice, block_size_for, parse_block_size
-from dflash_mac.sampling import SamplingParams
+from dflash_mac.drafting.copies import CopyRates
+from dflash_mac.engine.cycle import DraftContext
+from dflash_mac.engine.decode import DecodeState, GenerationConfig, speculative_stream
+from dflash_mac.engine.verify import SamplingParams
+from dflash_mac.settings import parse_block_size
+from dflash_mac.sizing.acceptance import Acceptance
+from dflash_mac.sizing.choice import BlockChoice, block_size_for
+from dflash_mac.sizing.controller import BlockController, Decision
+from dflash_mac.sizing.cost import ContextCost, CostCurve, CostModel
+from dflash_mac.sizing.tuning import AutoTuning
 from dflash_mac.testing.oracle import OracleDrafter, with_drafter
 
 BS = 8
@@ -287,7 +283,7 @@ def test_auto_runs_on_a_worker_thread(tiny_pair, refs):
 def test_cost_curve_is_measured_saved_and_used_by_auto(tiny_pair, tmp_path, monkeypatch):
     from dflash_mac.bench.costcurve import render
     from dflash_mac.calibrate import measure, save
-    from dflash_mac.policy import cost_curve_path, load_tuning
+    from dflash_mac.sizing.files import cost_curve_path, load_tuning
 
     monkeypatch.setenv("DFLASH_MAC_HOME", str(tmp_path))
     pair = tiny_pair
@@ -314,7 +310,7 @@ def test_sampled_requests_use_the_sampled_curve_and_own_timings(tiny_pair, tmp_p
     as their prior and keep their own measurements (greedy timings do not leak into them)."""
     from dflash_mac.bench.costcurve import render
     from dflash_mac.calibrate import measure_both, save
-    from dflash_mac.policy import cost_curve_path, load_tuning
+    from dflash_mac.sizing.files import cost_curve_path, load_tuning
 
     monkeypatch.setenv("DFLASH_MAC_HOME", str(tmp_path))
     pair = tiny_pair
@@ -451,23 +447,23 @@ def test_plain_first_drafts_only_once_probes_pay():
 def test_long_contexts_get_their_own_controller(tiny_pair, monkeypatch):
     from dataclasses import replace
 
-    from dflash_mac import policy
+    from dflash_mac.sizing import files
 
     entry = replace(_entry(), long_context_tokens=None)
-    monkeypatch.setattr(policy, "registry_entry", lambda pair: entry)
-    tuning = policy.load_tuning(tiny_pair)
+    monkeypatch.setattr(files, "registry_entry", lambda pair: entry)
+    tuning = files.load_tuning(tiny_pair)
     short = tuning.controller(BS, ("s",), 100)
     assert tuning.controller(BS, ("s",), 900) is short
-    long = tuning.controller(BS, ("s",), policy.LONG_CONTEXT)
+    long = tuning.controller(BS, ("s",), files.LONG_CONTEXT)
     assert long is not short and not long.fallback  # its own, but not known to lose
     entry = replace(entry, long_context_tokens=500)  # the registry: the drafter loses from 500
-    tuning = policy.load_tuning(tiny_pair)
+    tuning = files.load_tuning(tiny_pair)
     assert not tuning.controller(BS, ("s",), 499).fallback
     ctl = tuning.controller(BS, ("s",), 500)
     assert ctl.fallback and ctl.choose().size == 1
     assert tuning.controller(BS, ("s",), 800, timed=False).fallback  # seeded too
     entry = replace(entry, long_context_tokens=3500)  # past the long band's start (1,024)
-    tuning = policy.load_tuning(tiny_pair)
+    tuning = files.load_tuning(tiny_pair)
     long = tuning.controller(BS, ("s",), 2000)
     assert long is not tuning.controller(BS, ("s",), 100) and not long.fallback
     losing = tuning.controller(BS, ("s",), 4000)  # after a long one: its own, plain first
@@ -500,7 +496,7 @@ def test_a_long_context_times_its_own_plain_step_and_sees_dear_cycles():
 
 
 def _entry():
-    from dflash_mac.registry import load_registry
+    from dflash_mac.loading.registry import load_registry
 
     return load_registry().get("tiny-code")
 
@@ -508,12 +504,10 @@ def _entry():
 def test_a_long_prompt_on_a_losing_pair_decodes_plain_and_exact(tiny_pair, refs, monkeypatch):
     from dataclasses import replace
 
-    from dflash_mac import policy
+    from dflash_mac.sizing import files
 
-    monkeypatch.setattr(
-        policy, "registry_entry", lambda p: replace(_entry(), long_context_tokens=4)
-    )
-    tuning = policy.load_tuning(tiny_pair)
+    monkeypatch.setattr(files, "registry_entry", lambda p: replace(_entry(), long_context_tokens=4))
+    tuning = files.load_tuning(tiny_pair)
     for ids, ref in refs:
         cfg = GenerationConfig(48, use_eos=False)
         tokens, stats = tokens_of(tiny_pair, ids, cfg, tuning=tuning)
@@ -526,7 +520,7 @@ def test_cost_curve_times_plain_steps_as_a_pipelined_run(tiny_pair, monkeypatch)
     ahead of their syncs (the plain decoding a drafting cycle replaces), every size in each
     round, and every round starts from the prompt again."""
     from dflash_mac import calibrate
-    from dflash_mac.cycle import CyclePipeline
+    from dflash_mac.engine.cycle import CyclePipeline
 
     starts = []
     real = CyclePipeline.start
@@ -757,7 +751,7 @@ def test_a_new_process_starts_from_the_acceptance_earlier_ones_saw(
     """`auto` remembers each setting's acceptance in the data directory: a fresh controller
     (another process) starts from it instead of the generic guess. Seeded requests neither
     read nor write it."""
-    from dflash_mac.policy import acceptance_path, load_tuning, save_acceptance
+    from dflash_mac.sizing.files import acceptance_path, load_tuning, save_acceptance
 
     monkeypatch.setenv("DFLASH_MAC_HOME", str(tmp_path))
     ids, ref = refs[0]
@@ -860,7 +854,7 @@ def test_bench_cost_curve_times_long_contexts_and_auto_takes_the_fit(
     bands from then on."""
     from dflash_mac.bench.costcurve import render
     from dflash_mac.calibrate import contexts_for, measure, measure_contexts, save
-    from dflash_mac.policy import cost_curve_path, load_tuning
+    from dflash_mac.sizing.files import cost_curve_path, load_tuning
 
     monkeypatch.setenv("DFLASH_MAC_HOME", str(tmp_path))
     pair = tiny_pair
@@ -912,8 +906,8 @@ def test_copy_rates_are_remembered_between_processes(tiny_pair, tmp_path, monkey
     """What a setting's copies got (`CopyRates`) is saved with its acceptance: a new process
     starts its copies from it. Another setting, a memory from before copy rates were kept and
     a malformed one start from the defaults."""
-    from dflash_mac.copydraft import CopyRates
-    from dflash_mac.policy import acceptance_path, load_tuning, save_acceptance
+    from dflash_mac.drafting.copies import CopyRates
+    from dflash_mac.sizing.files import acceptance_path, load_tuning, save_acceptance
 
     monkeypatch.setenv("DFLASH_MAC_HOME", str(tmp_path))
     bs, sampled = tiny_pair.block_size, (0.7, 1.0, 0, 0.0)

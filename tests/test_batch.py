@@ -1,4 +1,5 @@
-"""Continuous batching (batch.py, batch_loop.py): every row decodes exactly as it would alone.
+"""Continuous batching (batching/ragged.py, batching/scheduler.py): every row decodes exactly as
+it would alone.
 
 Each engine path runs on a worker thread (serve's set-up); the reference BLAS is row-invariant,
 so a batched row's logits equal the row's own bitwise and greedy tokens are identical."""
@@ -19,14 +20,14 @@ from test_dflash2 import d2_pair, small_d2_pair  # noqa: F401  (fixtures)
 from test_penalties import BIAS, PEN, exact_penalised_joint
 from test_sampling import PROMPT, chi_square_p, exact_joint, small_pair  # noqa: F401  (fixture)
 
-from dflash_mac import batch
 from dflash_mac.api import make_config
-from dflash_mac.batch import batch_reason, forward_rows, ragged_hooks
-from dflash_mac.batch_loop import BatchEngine, BatchRequest
-from dflash_mac.batch_rule import BatchBlockRule
-from dflash_mac.decode import DecodeState, GenerationConfig, speculative_stream
-from dflash_mac.policy import BlockChoice
-from dflash_mac.sampling import SamplingParams
+from dflash_mac.batching import ragged
+from dflash_mac.batching.ragged import batch_reason, forward_rows, ragged_hooks
+from dflash_mac.batching.scheduler import BatchEngine, BatchRequest
+from dflash_mac.engine.decode import DecodeState, GenerationConfig, speculative_stream
+from dflash_mac.engine.verify import SamplingParams
+from dflash_mac.sizing.batch_rule import BatchBlockRule
+from dflash_mac.sizing.choice import BlockChoice
 from dflash_mac.testing.lossy import accepting_every_draft
 from dflash_mac.testing.oracle import OracleDrafter, with_drafter
 
@@ -363,8 +364,9 @@ def test_a_measured_curve_by_batch_size_spares_the_rule_its_timing():
 
 def test_the_cost_curve_times_batched_cycles_and_serve_takes_them(tiny_pair, on_thread, tmp_path):
     from dflash_mac import calibrate
-    from dflash_mac.autoblock import AutoTuning, CostCurve
     from dflash_mac.bench.costcurve import render
+    from dflash_mac.sizing.cost import CostCurve
+    from dflash_mac.sizing.tuning import AutoTuning
 
     def run():
         return calibrate.measure_batches(tiny_pair, 4, 0.01, batches=(2, 4), context=16, cycles=2)
@@ -407,10 +409,10 @@ def test_a_lossy_batched_rule_is_detected(small_pair, on_thread, monkeypatch):  
     """The chi-square check has teeth: accepting every draft in the batch fails it."""
     sp = SamplingParams(temperature=1.0)
     joint = exact_joint(small_pair, sp)
-    real = batch.accept_sampled
+    real = ragged.accept_sampled
     accept_all = accepting_every_draft(real)
 
-    monkeypatch.setattr(batch, "accept_sampled", accept_all)
+    monkeypatch.setattr(ragged, "accept_sampled", accept_all)
     samples = on_thread(lambda: batch_samples(small_pair, sp, 600))
     assert chi_square_p(samples, joint) < 1e-6
 
@@ -431,10 +433,10 @@ def test_one_at_a_time_read_as_waves_times_each_wave_from_its_arrival():
 
 
 def test_bench_concurrency_runs_three_ways_and_checks_greedy_identity(tiny_pair, on_thread):
-    from dflash_mac.autoblock import AutoTuning
     from dflash_mac.bench.command import parse_levels
     from dflash_mac.bench.concurrency import concurrency_markdown, measure_concurrency, validate
     from dflash_mac.bench.inputs import BenchError
+    from dflash_mac.sizing.tuning import AutoTuning
 
     ids = [tiny_pair.tokenizer.encode(p) for p in PROMPTS[:2]]
     settings = [("greedy", SamplingParams())]
@@ -714,10 +716,10 @@ def test_a_lossy_batched_copy_rule_is_detected(small_pair, on_thread, monkeypatc
     """Accepting every copied token fails the same test (at block 1 every draft is a copy)."""
     sp = SamplingParams(temperature=1.0)
     joint = exact_joint(small_pair, sp, prompt=PERIODIC)
-    real = batch.accept_sampled
+    real = ragged.accept_sampled
     accept_all = accepting_every_draft(real)
 
-    monkeypatch.setattr(batch, "accept_sampled", accept_all)
+    monkeypatch.setattr(ragged, "accept_sampled", accept_all)
     samples, copies = on_thread(lambda: copy_batch_samples(small_pair, sp, 600, [BlockChoice(1)]))
     assert copies >= 150
     assert chi_square_p(samples, joint) < 1e-6

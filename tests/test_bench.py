@@ -16,7 +16,6 @@ import pytest
 from mlx_lm.generate import generate_step
 from typer.testing import CliRunner
 
-from dflash_mac import cycle as engine
 from dflash_mac.api import prompt_ids
 from dflash_mac.bench import agent as agent_bench
 from dflash_mac.bench import agent_loop, concurrency, summary
@@ -27,9 +26,8 @@ from dflash_mac.bench import run as bench
 from dflash_mac.bench.inputs import BenchError, BenchPrompt
 from dflash_mac.bench.run import BenchConfig, Run
 from dflash_mac.cli import app
-from dflash_mac.loading import BUNDLED_DRAFT
-from dflash_mac.sampling import SamplingParams
-from dflash_mac.stats import (
+from dflash_mac.engine import cycle as engine
+from dflash_mac.engine.stats import (
     DecodeStats,
     drafting,
     histogram,
@@ -37,6 +35,8 @@ from dflash_mac.stats import (
     position_acceptance,
     survival,
 )
+from dflash_mac.engine.verify import SamplingParams
+from dflash_mac.loading.loader import BUNDLED_DRAFT
 from dflash_mac.testing.oracle import OracleDrafter, with_drafter
 
 # -- synthetic data ---------------------------------------------------------------------
@@ -778,7 +778,7 @@ def test_runs_stop_at_the_end_of_the_context(tiny_pair):
 def test_cli_runs_openblas_on_every_core_unless_told_otherwise(monkeypatch, tmp_path):
     """The OpenBLAS re-exec asks for one thread per core (measured faster on a 2-core Xeon),
     unless the user chose a thread count."""
-    from dflash_mac import platform as plat
+    from dflash_mac import host as plat
 
     lib = tmp_path / "libopenblas.so.0"
     lib.write_bytes(b"")

@@ -10,12 +10,12 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from dflash_mac.autoblock import AutoTuning
 from dflash_mac.bench import agent_loop
 from dflash_mac.bench.inputs import BenchError
 from dflash_mac.cli import app
+from dflash_mac.engine.stats import DecodeStats
 from dflash_mac.errors import is_user_error
-from dflash_mac.stats import DecodeStats
+from dflash_mac.sizing.tuning import AutoTuning
 
 # two short traces (the tiny pair's tokenizer has one token per byte)
 SMALL = {

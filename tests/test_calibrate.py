@@ -12,8 +12,9 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from dflash_mac import calibrate
-from dflash_mac.decode import GenerationConfig, speculative_stream
-from dflash_mac.policy import BlockChoice, cost_curve_path, load_tuning
+from dflash_mac.engine.decode import GenerationConfig, speculative_stream
+from dflash_mac.sizing.choice import BlockChoice
+from dflash_mac.sizing.files import cost_curve_path, load_tuning
 from dflash_mac.testing.oracle import with_drafter
 
 
@@ -64,8 +65,9 @@ def test_measured_ratios_never_fall_with_the_block_size(pair):
 
 
 def test_the_curve_times_tree_cycles_and_auto_takes_them(pair, tmp_path):
-    from dflash_mac.autoblock import TREES, CostCurve, tree_curve
     from dflash_mac.bench.costcurve import render
+    from dflash_mac.sizing.controller import TREES
+    from dflash_mac.sizing.cost import CostCurve, tree_curve
 
     curve = calibrate.measure(pair, max_bs=4, context=16, reps=2)
     assert set(curve["trees"]) == {str(b) for b in TREES} and curve["tree_depth"] == 3
@@ -152,7 +154,7 @@ def test_a_curve_that_cannot_be_saved_is_one_sentence_and_generation_goes_on(pai
 def test_a_curve_measured_under_another_blas_is_not_taken(pair, monkeypatch):
     """A first run before OpenBLAS was installed timed a block-8 verify at ~9 plain steps with
     the reference BLAS; under OpenBLAS that curve priced every draft and copy out for good."""
-    import dflash_mac.platform as machine
+    import dflash_mac.host as machine
 
     monkeypatch.setattr(machine, "device_name", lambda: "cpu")
     monkeypatch.setattr(machine, "blas_in_use", lambda: "reference BLAS (MLX wheel)")
@@ -182,7 +184,7 @@ IDLE = {
 
 
 def test_a_curve_timed_on_a_busy_machine_is_told_from_a_steady_one():
-    from dflash_mac.autoblock import noise
+    from dflash_mac.sizing.cost import noise
 
     assert noise(IDLE) == [] and noise(IDLE | {"trees": {}}) == []
     assert noise(BUSY) == [

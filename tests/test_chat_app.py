@@ -25,9 +25,9 @@ from textual.app import App, ComposeResult
 from textual.widgets import Collapsible, Input, Static
 
 from dflash_mac.api import PromptError
-from dflash_mac.loading import BUNDLED_DRAFT, BUNDLED_TARGET, LoadError
-from dflash_mac.stats import DecodeStats
-from dflash_mac.think import ThinkSplitter, split_think
+from dflash_mac.engine.stats import DecodeStats
+from dflash_mac.engine.think import ThinkSplitter, split_think
+from dflash_mac.loading.loader import BUNDLED_DRAFT, BUNDLED_TARGET, LoadError
 
 SIZE = (120, 40)
 
@@ -83,7 +83,7 @@ def stats_text(widget: AssistantMessage) -> str:
 
 
 def test_think_splitter_handles_tags_cut_between_chunks():
-    """The chat app uses the server's splitter (dflash_mac/think.py)."""
+    """The chat app uses the server's splitter (dflash_mac/engine/think.py)."""
     s = ThinkSplitter()
     parts = [
         s.feed(c) for c in ["<thi", "nk>plan it", "</th", "ink>\n\nThe answer", " <think> stays"]

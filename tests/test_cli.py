@@ -23,8 +23,8 @@ from typer.testing import CliRunner
 from dflash_mac import cli
 from dflash_mac.cli import convert
 from dflash_mac.cli import models as manage
-from dflash_mac.loading import BUNDLED_DRAFT, BUNDLED_TARGET, LoadError
-from dflash_mac.registry import load_registry, parse_registry, thinking_warning
+from dflash_mac.loading.loader import BUNDLED_DRAFT, BUNDLED_TARGET, LoadError
+from dflash_mac.loading.registry import load_registry, parse_registry, thinking_warning
 
 pytestmark = pytest.mark.slow  # starts the installed command in subprocesses
 
@@ -131,7 +131,7 @@ def test_help_models_and_pull_import_no_mlx():
     loaded = set(ast.literal_eval(out.strip()))
     assert not any(m == "mlx" or m.startswith(("mlx.", "mlx_lm")) for m in loaded), loaded
     commands = {module for module, _, _ in cli.LAZY_COMMANDS.values()}
-    assert not loaded & (commands | {"dflash_mac.api", "dflash_mac.loading"}), loaded
+    assert not loaded & (commands | {"dflash_mac.api", "dflash_mac.loading.loader"}), loaded
     assert "dflash_mac.cli" in loaded  # the negative control: the listing does see our modules
     code = (
         "import sys\nfrom dflash_mac.cli import models as manage\nmanage.models_report()\n"
@@ -324,7 +324,7 @@ def test_generate_prints_a_summary_line_and_json_names_the_pair():
 
 
 def test_block_size_above_the_trained_block_is_clamped(tiny_pair):
-    from dflash_mac.policy import block_size_for
+    from dflash_mac.sizing.choice import block_size_for
 
     trained = tiny_pair.drafter.config.block_size
     clamped = block_size_for(tiny_pair, 999)

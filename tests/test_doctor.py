@@ -13,11 +13,12 @@ import mlx.core as mx
 import pytest
 from typer.testing import CliRunner
 
-from dflash_mac import cli, loading
+from dflash_mac import cli
 from dflash_mac.cli import checks, doctor, machine, selftest
 from dflash_mac.cli.checks import FAIL, PASS, WARN
 from dflash_mac.cli.machine import Facts
-from dflash_mac.registry import load_registry
+from dflash_mac.loading import loader as loading
+from dflash_mac.loading.registry import load_registry
 
 runner = CliRunner()
 GB = 10**9
@@ -180,7 +181,7 @@ def test_selftest_tau_is_the_drafters_whatever_the_cost_curve(monkeypatch, tmp_p
     did in the suite: block 8 = 5.5 plain steps) must not turn the self-test into plain steps:
     its τ reports the drafter (it read 1.07 under `auto`), and it leaves no acceptance memory."""
     from dflash_mac.calibrate import save
-    from dflash_mac.policy import acceptance_path, cost_curve_path
+    from dflash_mac.sizing.files import acceptance_path, cost_curve_path
 
     monkeypatch.setenv("DFLASH_MAC_HOME", str(tmp_path))
     pair, _ = selftest.load_selftest_pair(str(tmp_path))
@@ -193,11 +194,11 @@ def test_selftest_tau_is_the_drafters_whatever_the_cost_curve(monkeypatch, tmp_p
 
 LAZY = """
 from mlx.utils import tree_map
-from dflash_mac import loading
+from dflash_mac.loading import loader
 from dflash_mac.cli import selftest
 
 def lazy_loader(tmp):
-    pair = loading.load()
+    pair = loader.load()
     # Weights left lazy on this thread, as load() left the fp32 cast before the fix.
     pair.target.update(tree_map(lambda p: p * 1, pair.target.parameters()))
     return pair, True
@@ -291,7 +292,7 @@ def test_facts_of_this_machine():
 def test_the_default_pair_is_sized_at_its_gguf_files_context_once_pulled(tmp_path, monkeypatch):
     from gguf_files import CONTEXT, write_gguf
 
-    from dflash_mac.sources import PypiSource
+    from dflash_mac.loading.sources import PypiSource
 
     entry = load_registry().get("smollm2-135m")
     monkeypatch.setenv("DFLASH_MAC_HOME", str(tmp_path))
@@ -305,7 +306,7 @@ def test_the_default_pair_is_sized_at_its_gguf_files_context_once_pulled(tmp_pat
 def test_a_linux_machine_without_openblas_gets_one_line_with_the_command(mac, monkeypatch):
     """Issue 55: without OpenBLAS `make run` decoded at 8.0 tok/s against 18.4 and nothing said
     why; every command now starts with one line naming the install command doctor gives."""
-    from dflash_mac import platform as plat
+    from dflash_mac import host as plat
 
     monkeypatch.setattr(plat.sys, "platform", "linux")
     monkeypatch.delenv("DFLASH_MAC_BLAS", raising=False)

@@ -7,8 +7,8 @@ import mlx.core as mx
 from dflash_mac.models.dflash import ContextCache
 from mlx_lm.generate import generate_step
 
-from dflash_mac.decode import DecodeState, GenerationConfig, speculative_stream
-from dflash_mac.policy import BlockChoice
+from dflash_mac.engine.decode import DecodeState, GenerationConfig, speculative_stream
+from dflash_mac.sizing.choice import BlockChoice
 
 
 def run(pair, ids, n, bs=5):

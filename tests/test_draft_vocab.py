@@ -19,12 +19,12 @@ from test_dflash2 import (
 from test_greedy_exact import PROMPTS, baseline, run
 from test_sampling import V, chi_square_p, dflash_samples, exact_joint, small_pair  # noqa: F401
 
-from dflash_mac.capture import FeatureCapture
 from dflash_mac.draft_vocab import coverage, rank
-from dflash_mac.loading import load_drafter
-from dflash_mac.policy import BlockChoice
-from dflash_mac.sampling import SamplingParams
-from dflash_mac.structure import target_head
+from dflash_mac.engine.verify import SamplingParams
+from dflash_mac.loading.loader import load_drafter
+from dflash_mac.sizing.choice import BlockChoice
+from dflash_mac.target.capture import FeatureCapture
+from dflash_mac.target.structure import target_head
 from dflash_mac.testing.lossy import accepting_every_draft
 from dflash_mac.testing.oracle import with_drafter
 from dflash_mac.testing.subset import copy_drafter, subset_copy
@@ -79,7 +79,7 @@ def test_subset_head_is_the_full_heads_rows(tiny_pair):
 def test_a_whole_vocabulary_subset_drafts_what_the_drafter_drafts(tiny_pair, arch):
     """A draft vocabulary holding every id (in another order) gives the same drafts, greedy
     and sampled, bit for bit: the subset path changes nothing but the rows it computes."""
-    from dflash_mac.cycle import propose
+    from dflash_mac.engine.cycle import propose
 
     pair = tiny_pair if arch == "dflash" else make_d2_pair(tiny_pair)
     perm = list(np.random.default_rng(1).permutation(pair.drafter.config.vocab_size))
@@ -152,7 +152,7 @@ def test_sampling_through_a_subset_is_lossless(small_pair, small_d2_pair, which)
 @pytest.mark.slow
 def test_a_lossy_rule_through_a_subset_is_detected(small_pair):  # noqa: F811
     """Negative control: accepting every draft of the subset drafter fails the same test."""
-    import dflash_mac.cycle as engine
+    import dflash_mac.engine.cycle as engine
 
     pair = small_subset(small_pair)
     sp = SamplingParams(temperature=1.0)

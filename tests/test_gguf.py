@@ -1,4 +1,4 @@
-"""GGUF targets (dflash_mac/gguf.py): weights against the gguf package's own dequantization,
+"""GGUF targets (dflash_mac/loading/gguf.py): weights against the gguf package's own dequantization,
 the tokenizer from the metadata, greedy decoding against mlx-lm on a converted folder, and
 broken files as one sentence."""
 
@@ -23,9 +23,9 @@ from gguf_files import (
 from mlx import nn
 from mlx_lm.generate import generate_step
 
-from dflash_mac import gguf
 from dflash_mac.errors import LoadError
-from dflash_mac.loading import PairSpec, resolve
+from dflash_mac.loading import gguf
+from dflash_mac.loading.loader import PairSpec, resolve
 
 QTYPES = ["Q4_0", "Q4_1", "Q8_0", "F16"]
 
@@ -140,7 +140,7 @@ def test_a_missing_gguf_is_named_as_a_file(tmp_path):
 
 
 def test_pair_spec_reads_the_gguf_config_before_any_weight(tmp_path):
-    from dflash_mac.random_pair import draft_config
+    from dflash_mac.loading.random_pair import draft_config
 
     path = tmp_path / "m.gguf"
     write_gguf(path)

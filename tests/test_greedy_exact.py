@@ -9,10 +9,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from dflash_mac.decode import DecodeState, GenerationConfig, speculative_stream
-from dflash_mac.policy import BlockChoice
+from dflash_mac.engine.decode import DecodeState, GenerationConfig, speculative_stream
+from dflash_mac.engine.textstream import TextStream
+from dflash_mac.sizing.choice import BlockChoice
 from dflash_mac.testing.oracle import OracleDrafter, with_drafter
-from dflash_mac.textstream import TextStream
 
 PROMPTS = [
     "def add(a, b):",
@@ -200,7 +200,7 @@ def test_rollback_state_equals_fresh_prefill(tiny_pair, cases):
 def test_interleaved_streams_share_hooks(tiny_pair, cases):
     """Two live generations on the same target instance, advanced alternately, each equal their
     own baseline; no hook is left afterwards."""
-    from dflash_mac.hooks import is_hooked
+    from dflash_mac.target.hooks import is_hooked
 
     (ids_a, ref_a), (ids_b, ref_b) = cases[5], cases[6]
     a = speculative_stream(
@@ -225,10 +225,11 @@ def test_layer_queueing_keeps_tokens_and_unhooks(tiny_pair, cases, monkeypatch):
     """Queueing every target layer as it is built (the CPU default) changes no token; the hook
     queues exactly the layers' outputs, nested captures keep their own setting, and leaving
     restores every layer."""
-    from dflash_mac import capture, cycle, decode
-    from dflash_mac.capture import FeatureCapture, layer_queue
-    from dflash_mac.hooks import is_hooked
-    from dflash_mac.structure import decoder_layers
+    from dflash_mac.engine import cycle, decode
+    from dflash_mac.target import capture
+    from dflash_mac.target.capture import FeatureCapture, layer_queue
+    from dflash_mac.target.hooks import is_hooked
+    from dflash_mac.target.structure import decoder_layers
 
     ids, ref = cases[3]
     for queued in (True, False):

@@ -1,4 +1,4 @@
-"""The one per-instance hook helper (dflash_mac/hooks.py): wraps one instance, nests, shares,
+"""The one per-instance hook helper (dflash_mac/target/hooks.py): wraps one instance, nests, shares,
 and restores the instance exactly (class, attributes, parameter paths)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from mlx import nn
 from mlx.utils import tree_flatten
 
-from dflash_mac import hooks
+from dflash_mac.target import hooks
 
 
 class Tag:

@@ -15,15 +15,15 @@ from mlx_lm.models import qwen3_5
 from mlx_lm.models.cache import ArraysCache, KVCache
 from scipy.stats import chisquare
 
-from dflash_mac import hooks, hybrid
-from dflash_mac.copydraft import CopyRates
-from dflash_mac.decode import DecodeState, GenerationConfig, speculative_stream
-from dflash_mac.loading import LoadedPair, load
-from dflash_mac.policy import BlockChoice
-from dflash_mac.rollback import RollbackError, TargetRollback
-from dflash_mac.sampling import SamplingParams, probabilities
+from dflash_mac.drafting.copies import CopyRates
+from dflash_mac.engine.decode import DecodeState, GenerationConfig, speculative_stream
+from dflash_mac.engine.verify import SamplingParams, probabilities
+from dflash_mac.loading.loader import LoadedPair, load
 from dflash_mac.session import Session
-from dflash_mac.structure import target_head
+from dflash_mac.sizing.choice import BlockChoice
+from dflash_mac.target import hooks, hybrid
+from dflash_mac.target.rollback import RollbackError, TargetRollback
+from dflash_mac.target.structure import target_head
 from dflash_mac.testing.oracle import OracleDrafter, with_drafter
 from dflash_mac.testing.tiny import draft_config
 from dflash_mac.testing.tiny_hybrid import (
@@ -321,7 +321,7 @@ class Sizes:
         self.copy_rates = CopyRates()
 
     def choose(self):
-        from dflash_mac.autoblock import Decision
+        from dflash_mac.sizing.controller import Decision
 
         self.last = Decision(self.sizes[self.i % len(self.sizes)], "scripted")
         self.i += 1

@@ -10,11 +10,11 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from dflash_mac.api import generate
-from dflash_mac.decode import DecodeState, GenerationConfig, speculative_stream
+from dflash_mac.engine.decode import DecodeState, GenerationConfig, speculative_stream
 from dflash_mac.errors import PromptError, RollbackError, UserError
-from dflash_mac.kvwindow import KEEP, SLACK, WindowKVCache, check_max_kv_size
-from dflash_mac.policy import BlockChoice
 from dflash_mac.session import Session
+from dflash_mac.sizing.choice import BlockChoice
+from dflash_mac.target.kvwindow import KEEP, SLACK, WindowKVCache, check_max_kv_size
 from dflash_mac.testing.oracle import OracleDrafter, with_drafter
 
 LONG = "def fibonacci(n):\n    if n < 2:\n        return n\n"  # 49 byte tokens

@@ -1,9 +1,17 @@
 """The package's import graph: no cycles, and dependencies point one way.
 
 Layers, bottom up: metal_kernels (imports nothing of ours) → models (may use metal_kernels) →
-the engine (the modules at the top of dflash_mac/) → distributed (plugs into the engine from
-above, through `pair.Mirror`) → front ends (cli, serve, bench, app, train, bundle, testing).
-Every import counts, including those inside functions."""
+the engine (dflash_mac's own folders and the modules at its top) → distributed (plugs into the
+engine from above, through `pair.Mirror`) → front ends (cli, serve, bench, app, train, bundle,
+testing). Every import counts, including those inside functions.
+
+Inside the engine layer the folders have floors of their own (docs/architecture.md): the leaves
+at the top of dflash_mac (pair, settings, errors, host) under everything, target/ (the mlx-lm
+target's parts, hooks, captures, rollback) under loading/ and drafting/, those under sizing/
+(no MLX of its own), sizing/ under engine/ (the decode loop), engine/ under batching/ and
+prefix/, and those under the modules at the top that front ends call (api, session, prepare,
+calibrate, ...). Collapsed to folders (each module at the top its own node) the graph has no
+cycle."""
 
 from __future__ import annotations
 
@@ -20,6 +28,21 @@ FOLDERS = {
     "app": "dflash_mac.app",
 }
 FRONT_ENDS = ("__main__", "entry", "cli", "serve", "bench", "app", "train", "bundle", "testing")
+# what each engine folder may not reach, directly or through other modules: what sits above it
+# (or beside it: loading and drafting know nothing of each other, nor batching and prefix), and
+# the modules at the top of dflash_mac that front ends call (`TOP`)
+ABOVE = {
+    "target": ("loading", "drafting", "sizing", "engine", "batching", "prefix"),
+    "loading": ("drafting", "sizing", "engine", "batching", "prefix"),
+    "drafting": ("loading", "sizing", "engine", "batching", "prefix"),
+    "sizing": ("target", "engine", "batching", "prefix"),
+    "engine": ("batching", "prefix"),
+    "batching": ("prefix",),
+    "prefix": ("batching",),
+}
+TOP = ("api", "session", "prepare", "calibrate", "draft_vocab", "answers", "prompts")
+# the modules at the top that every folder may use: they import only each other and models/
+LEAVES = ("pair", "settings", "errors", "host")
 
 
 def modules() -> dict[str, Path]:
@@ -59,6 +82,17 @@ def imports_of(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     return found
 
 
+def external_imports(path: Path) -> set[str]:
+    """The absolute modules a file imports (ours and others'), at any depth of its code."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module)
+    return found
+
+
 def layer(name: str) -> int:
     parts = name.split(".")
     if parts[1:2] == ["metal_kernels"]:
@@ -69,16 +103,16 @@ def layer(name: str) -> int:
         return 3
     if len(parts) > 1 and parts[1] in FRONT_ENDS:
         return 4
-    return 2  # the engine: dflash_mac/*.py
+    return 2  # the engine: dflash_mac's own folders (target, loading, sizing, ...) and top
 
 
 LAYER_NAMES = ["metal_kernels", "models", "the engine", "distributed", "a front end"]
 # what loading may not reach, directly or through another module: the decode loop and above
 NOT_FROM_LOADING = (
-    "dflash_mac.capture",
-    "dflash_mac.decode",
-    "dflash_mac.policy",
-    "dflash_mac.autoblock",
+    "dflash_mac.target.capture",
+    "dflash_mac.engine.decode",
+    "dflash_mac.sizing.choice",
+    "dflash_mac.sizing.controller",
     "dflash_mac.calibrate",
     "dflash_mac.session",
     "dflash_mac.api",
@@ -159,6 +193,18 @@ def test_engine_imports_nothing_of_distributed(graph):
     assert found == []
 
 
+def reachable(graph: dict[str, set[str]], src: str) -> set[str]:
+    """Every module `src` imports, directly or through others."""
+    seen: set[str] = set()
+    todo = [src]
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen - {src}
+
+
 def import_path(graph: dict[str, set[str]], src: str, dst: str) -> list[str] | None:
     """The shortest chain of imports from `src` to `dst`, or None."""
     came: dict[str, str] = {src: ""}
@@ -177,14 +223,97 @@ def import_path(graph: dict[str, set[str]], src: str, dst: str) -> list[str] | N
     return None
 
 
+def in_folder(name: str, folder: str) -> bool:
+    return name.startswith(f"dflash_mac.{folder}.")
+
+
 def test_loading_imports_nothing_of_the_decode_loop(graph):
     """Loading a pair needs none of the decode loop, directly or through another module."""
     found = [
         " → ".join(path)
+        for src in sorted(graph)
+        if in_folder(src, "loading")
         for dst in NOT_FROM_LOADING
-        if (path := import_path(graph, "dflash_mac.loading", dst))
+        if (path := import_path(graph, src, dst))
     ]
     assert found == []
+
+
+def test_engine_folders_reach_nothing_above_them(graph):
+    """Each engine folder reaches nothing of the folders above it (`ABOVE`), directly or
+    through another module: loading/ none of the loop, sizing/ none of the engine that consults
+    it (the calibration that drives the loop lives above both: dflash_mac/calibrate.py)."""
+    found = []
+    top = {f"dflash_mac.{m}" for m in TOP}
+    for folder, above in ABOVE.items():
+        for src in sorted(n for n in graph if in_folder(n, folder)):
+            reach = reachable(graph, src)
+            hits = sorted(d for d in reach if any(in_folder(d, a) for a in above) or d in top)
+            found += [" → ".join(import_path(graph, src, d)) for d in hits[:1]]
+    assert found == []
+
+
+def test_leaves_import_only_leaves_and_models(graph):
+    """pair, settings, errors and host sit under every folder: they import nothing else of ours
+    but models/ (settings takes `SamplingParams` from models/distribution.py, not the engine)."""
+    leaves = {f"dflash_mac.{m}" for m in LEAVES}
+    found = [
+        f"{src} imports {dst}"
+        for src in sorted(leaves)
+        for dst in sorted(graph[src])
+        if dst not in leaves and not dst.startswith("dflash_mac.models")
+    ]
+    assert found == []
+
+
+def test_sizing_imports_no_mlx_itself(graph):
+    """sizing/ decides from numbers: none of its modules imports MLX or mlx-lm itself."""
+    found = [
+        f"{src} imports {ext}"
+        for src, path in sorted(modules().items())
+        if in_folder(src, "sizing")
+        for ext in sorted(external_imports(path))
+        if ext.split(".")[0] in ("mlx", "mlx_lm")
+    ]
+    assert found == []
+
+
+def test_the_engine_reads_no_file_of_sizing(graph):
+    """`auto`'s files (sizing/files.py) are the front ends' to load and save: nothing in the
+    decode loop or the batch scheduler reaches them (the engine reads no file while it
+    decodes)."""
+    found = [
+        " → ".join(import_path(graph, src, "dflash_mac.sizing.files"))
+        for src in sorted(graph)
+        if in_folder(src, "engine") or in_folder(src, "batching")
+        if "dflash_mac.sizing.files" in reachable(graph, src)
+    ]
+    assert found == []
+
+
+def folder_of(name: str) -> str:
+    """A module's folder below dflash_mac (`dflash_mac.engine`, `dflash_mac.models`, ...); a
+    module at the top of dflash_mac is its own node."""
+    return ".".join(name.split(".")[:2])
+
+
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The import graph collapsed to folders (`folder_of`), without self-edges."""
+    out: dict[str, set[str]] = {}
+    for src, dsts in graph.items():
+        a = folder_of(src)
+        out.setdefault(a, set())
+        out[a] |= {b for d in dsts if (b := folder_of(d)) != a}
+    return out
+
+
+def test_folders_form_no_cycle(graph):
+    """Issue 54: folders that show the design. No two folders (nor a folder and a module at the
+    top) import each other, even through different modules: the engine consults sizing/, so
+    the calibration that drives the engine is no part of sizing/; prefix/ builds on the
+    engine, so the engine types the prompt cache's recorder itself (`decode.Recorder`)."""
+    cycle = find_cycle(folder_graph(graph))
+    assert cycle is None, "folder cycle: " + " → ".join(cycle)
 
 
 def test_the_checker_sees_cycles_and_upward_imports():
@@ -193,15 +322,24 @@ def test_the_checker_sees_cycles_and_upward_imports():
     assert find_cycle(planted) == ["dflash_mac.a", "dflash_mac.b", "dflash_mac.a"]
     assert (
         layer("dflash_mac.models.dflash")
-        < layer("dflash_mac.sampling")
+        < layer("dflash_mac.engine.verify")
         < layer("dflash_mac.distributed.leader")
         < layer("dflash_mac.serve.app")
     )
-    chain = {"dflash_mac.loading": {"dflash_mac.x"}, "dflash_mac.x": {"dflash_mac.decode"}}
-    assert import_path(chain, "dflash_mac.loading", "dflash_mac.decode") == [
-        "dflash_mac.loading",
-        "dflash_mac.x",
-        "dflash_mac.decode",
+    loader, decode = "dflash_mac.loading.loader", "dflash_mac.engine.decode"
+    chain = {loader: {"dflash_mac.x"}, "dflash_mac.x": {decode}}
+    assert import_path(chain, loader, decode) == [loader, "dflash_mac.x", decode]
+    assert reachable(chain, loader) == {"dflash_mac.x", decode}
+    # modules that form no cycle, in folders that do
+    split = {
+        "dflash_mac.engine.decode": {"dflash_mac.sizing.choice"},
+        "dflash_mac.sizing.calibrate": {"dflash_mac.engine.cycle"},
+    }
+    assert find_cycle(split) is None
+    assert find_cycle(folder_graph(split)) == [
+        "dflash_mac.engine",
+        "dflash_mac.sizing",
+        "dflash_mac.engine",
     ]
 
 

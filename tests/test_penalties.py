@@ -13,9 +13,9 @@ from test_dflash2 import d2_pair, small_d2_pair  # noqa: F401  (fixtures)
 from test_greedy_exact import PROMPTS
 from test_sampling import PROMPT, V, chi_square_p, small_pair  # noqa: F401  (fixture)
 
-import dflash_mac.cycle as engine
+import dflash_mac.engine.cycle as engine
 from dflash_mac.api import PromptError, generate, make_config
-from dflash_mac.sampling import SamplingParams, probabilities
+from dflash_mac.engine.verify import SamplingParams, probabilities
 from dflash_mac.serve.schema import APIError, parse_chat
 from dflash_mac.session import Session
 
@@ -267,7 +267,7 @@ def test_penalised_propose_and_verify_are_lazy(tiny_pair, d2_pair, monkeypatch, 
     """No eval while drafting from the penalised q or penalising the verify logits: the cycle
     keeps its one host sync."""
     pair = tiny_pair if drafter == "dflash" else d2_pair
-    from dflash_mac.capture import FeatureCapture
+    from dflash_mac.target.capture import FeatureCapture
 
     cache = pair.drafter.make_cache()
     ids = pair.tokenizer.encode(PROMPTS[0])

@@ -1,4 +1,4 @@
-"""The block-size policy (dflash_mac/policy.py): one rule for every front end."""
+"""The block-size policy (dflash_mac/sizing/choice.py): one rule for every front end."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from dflash_mac.policy import BlockChoice, block_size_for
-from dflash_mac.registry import load_registry
+from dflash_mac.loading.registry import load_registry
+from dflash_mac.sizing.choice import BlockChoice, block_size_for
 
 
 def fake_pair(trained: int, quantized: bool, model_id: str = "org/Unknown", draft_id: str = "x"):

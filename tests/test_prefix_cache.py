@@ -13,12 +13,12 @@ import pytest
 from mlx_lm.models.cache import ArraysCache
 
 from dflash_mac.api import generate
-from dflash_mac.decode import DecodeState, GenerationConfig, speculative_stream
-from dflash_mac.loading import load
-from dflash_mac.policy import BlockChoice
-from dflash_mac.prefix_disk import DiskTier, decode, encode
-from dflash_mac.prefix_tree import PrefixTree, Span
+from dflash_mac.engine.decode import DecodeState, GenerationConfig, speculative_stream
+from dflash_mac.loading.loader import load
+from dflash_mac.prefix.disk import DiskTier, decode, encode
+from dflash_mac.prefix.tree import PrefixTree, Span
 from dflash_mac.session import Session
+from dflash_mac.sizing.choice import BlockChoice
 from dflash_mac.testing.tiny_hybrid import build_tiny_hybrid_pair
 
 N = 12

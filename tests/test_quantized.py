@@ -12,9 +12,9 @@ from typer.testing import CliRunner
 
 from dflash_mac.cli import app
 from dflash_mac.cli.terminal import load_pair
-from dflash_mac.decode import GenerationConfig, speculative_stream
-from dflash_mac.loading import LoadError, load, quantize_drafter
-from dflash_mac.policy import BlockChoice, block_size_for
+from dflash_mac.engine.decode import GenerationConfig, speculative_stream
+from dflash_mac.loading.loader import LoadError, load, quantize_drafter
+from dflash_mac.sizing.choice import BlockChoice, block_size_for
 from dflash_mac.testing.oracle import OracleDrafter, with_drafter
 from dflash_mac.testing.tiny_hybrid import build_tiny_hybrid_pair
 

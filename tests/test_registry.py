@@ -7,11 +7,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from dflash_mac import loading, prepare, registry
+from dflash_mac import prepare
 from dflash_mac.cli import terminal as frontends
 from dflash_mac.errors import PromptError
-from dflash_mac.loading import BUNDLED_DRAFT, BUNDLED_TARGET, LoadError
-from dflash_mac.registry import (
+from dflash_mac.loading import loader, registry
+from dflash_mac.loading.loader import BUNDLED_DRAFT, BUNDLED_TARGET, LoadError
+from dflash_mac.loading.registry import (
     RegistryError,
     load_registry,
     parse_registry,
@@ -230,13 +231,13 @@ def test_unknown_target_without_draft_is_a_clear_error(tmp_path):
 
 
 def test_load_and_load_pair_use_draft_auto(tiny_dirs, monkeypatch, capsys):
-    """`loading.load(model)` and `frontends.load_pair(model, None)` find the drafter."""
+    """`loader.load(model)` and `frontends.load_pair(model, None)` find the drafter."""
     tdir, ddir = tiny_dirs
     reg = reg_of({**GOOD, "thinking": True})
     monkeypatch.setattr(registry, "load_registry", lambda: reg)
     hub = {"org/Toy-1B": tdir, "mlx-community/Toy-1B-4bit": tdir, "lab/Toy-1B-DFlash": ddir}
-    monkeypatch.setattr(loading, "download", lambda name, **kw: hub[name])
-    pair = loading.load("toy")
+    monkeypatch.setattr(loader, "download", lambda name, **kw: hub[name])
+    pair = loader.load("toy")
     assert (pair.model_id, pair.draft_id) == ("mlx-community/Toy-1B-4bit", "lab/Toy-1B-DFlash")
     with pytest.raises(PromptError, match="no thinking switch"):  # only the error, no warning
         frontends.load_pair("org/Toy-1B", None, reasoning="off")
@@ -247,7 +248,7 @@ def test_load_and_load_pair_use_draft_auto(tiny_dirs, monkeypatch, capsys):
     warnings = capsys.readouterr().err
     assert warnings.count("trained with thinking on") == 1
     with pytest.raises(LoadError, match="no known DFlash drafter"):
-        loading.load(tdir)
+        loader.load(tdir)
 
 
 def tok(template: str = "") -> SimpleNamespace:

@@ -12,15 +12,15 @@ from dflash_mac.models.dflash import DFlashDraftModel
 from mlx_lm.models import qwen3
 from scipy.stats import chisquare
 
-from dflash_mac.loading import LoadedPair
-from dflash_mac.sampling import (
+from dflash_mac.engine.verify import (
     SamplingParams,
     accept_sample_match,
     accept_sampled,
     probabilities,
 )
+from dflash_mac.loading.loader import LoadedPair
 from dflash_mac.session import Session
-from dflash_mac.structure import target_head
+from dflash_mac.target.structure import target_head
 from dflash_mac.testing.lossy import accepting_every_draft
 from dflash_mac.testing.tiny import draft_config, target_config
 
@@ -129,7 +129,7 @@ def test_a_lossy_rule_is_detected(small_pair):
     """The chi-square check has teeth: accepting every draft (no rejection) fails it."""
     sp = SamplingParams(temperature=1.0)
     joint = exact_joint(small_pair, sp)
-    import dflash_mac.cycle as engine
+    import dflash_mac.engine.cycle as engine
 
     real = engine.accept_sampled
     accept_all = accepting_every_draft(real)
@@ -148,7 +148,7 @@ def test_rejection_accepts_more_than_sample_and_match(small_pair):
     sp = SamplingParams(temperature=1.0)
     pair = small_pair
     cache = pair.drafter.make_cache()
-    from dflash_mac.capture import FeatureCapture
+    from dflash_mac.target.capture import FeatureCapture
 
     with FeatureCapture(pair.target, pair.layer_ids) as cap:
         pair.target(mx.array([PROMPT]))

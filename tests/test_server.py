@@ -12,7 +12,7 @@ import pytest
 from servers import running
 
 from dflash_mac.api import generate
-from dflash_mac.loading import BUNDLED_DRAFT, load
+from dflash_mac.loading.loader import BUNDLED_DRAFT, load
 from dflash_mac.serve.app import create_app
 
 KEY = "test-key"

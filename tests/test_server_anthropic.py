@@ -13,7 +13,7 @@ import pytest
 from servers import running
 from test_server_tools import CALL_TEXT, CHATML_TOOLS, pieces_of, scripted  # noqa: F401
 
-from dflash_mac.loading import load
+from dflash_mac.loading.loader import load
 from dflash_mac.serve.anthropic import apply_thinking
 from dflash_mac.serve.app import create_app
 from dflash_mac.serve.schema import GenRequest

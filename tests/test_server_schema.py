@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from dflash_mac.engine.think import ThinkSplitter, prompt_opens_think
 from dflash_mac.serve.schema import APIError, parse_chat, parse_completion
-from dflash_mac.think import ThinkSplitter, prompt_opens_think
 
 MSG = [{"role": "user", "content": "hi"}]
 

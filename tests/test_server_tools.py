@@ -12,7 +12,7 @@ import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from servers import running
 
-from dflash_mac.loading import load
+from dflash_mac.loading.loader import load
 from dflash_mac.serve.app import create_app
 from dflash_mac.serve.tools import ToolStream, ToolSupport
 from dflash_mac.testing.tiny import (

@@ -1,5 +1,6 @@
-"""A lone request in the batch engine runs as alone (`batch_loop.Solo`): the one-request loop's
-cycles on its own state, handed back to the batch at a cycle boundary when another arrives."""
+"""A lone request in the batch engine runs as alone (`batching.scheduler.Solo`): the one-request
+loop's cycles on its own state, handed back to the batch at a cycle boundary when another
+arrives."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ import pytest
 from test_batch import CHUNK, PROMPTS, V_TINY, alone, batched, config, on_thread  # noqa: F401
 from test_sampling import PROMPT, chi_square_p, exact_joint, small_pair  # noqa: F401
 
-from dflash_mac import cycle
 from dflash_mac.api import make_config
-from dflash_mac.autoblock import AutoTuning
-from dflash_mac.batch_loop import BatchEngine
-from dflash_mac.policy import BlockChoice
-from dflash_mac.sampling import SamplingParams
+from dflash_mac.batching.scheduler import BatchEngine
+from dflash_mac.engine import cycle
+from dflash_mac.engine.verify import SamplingParams
+from dflash_mac.sizing.choice import BlockChoice
+from dflash_mac.sizing.tuning import AutoTuning
 from dflash_mac.testing.lossy import accepting_every_draft
 from dflash_mac.testing.oracle import OracleDrafter, with_drafter
 

@@ -17,10 +17,10 @@ from test_greedy_exact import PROMPTS
 from test_penalties import processors
 from test_sampling import PROMPT, V, chi_square_p, small_pair  # noqa: F401  (fixture)
 
-import dflash_mac.cycle as engine
+import dflash_mac.engine.cycle as engine
 from dflash_mac.api import PromptError, generate, make_config
-from dflash_mac.constraints import JSON_OPTIONS, first_line, json_grammar
-from dflash_mac.sampling import SamplingParams, probabilities
+from dflash_mac.engine.constraints import JSON_OPTIONS, first_line, json_grammar
+from dflash_mac.engine.verify import SamplingParams, probabilities
 from dflash_mac.session import Session
 from dflash_mac.testing.oracle import OracleDrafter, with_drafter
 

@@ -1,4 +1,4 @@
-"""The suffix memory (suffix.py) against brute force: longest match, continuation counts,
+"""The suffix memory (drafting/suffix.py) against brute force: longest match, continuation counts,
 eviction, and what it keeps between processes."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from dflash_mac.suffix import ALPHA, MAX_MATCH, MIN_MATCH, MIN_PROB, SuffixMemory
+from dflash_mac.drafting.suffix import ALPHA, MAX_MATCH, MIN_MATCH, MIN_PROB, SuffixMemory
 
 
 def brute_match(answers: list[list[int]], context: list[int]) -> tuple[int, list[tuple]]:

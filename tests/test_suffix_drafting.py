@@ -12,11 +12,11 @@ from dflash_mac.models.distribution import SamplingParams
 from test_sampling import chi_square_p, exact_joint, small_pair  # noqa: F401  (fixture)
 
 from dflash_mac.api import generate, make_config
-from dflash_mac.autoblock import AutoTuning
-from dflash_mac.batch_loop import BatchEngine, BatchRequest
-from dflash_mac.decode import DecodeState
-from dflash_mac.policy import block_size_for
+from dflash_mac.batching.scheduler import BatchEngine, BatchRequest
+from dflash_mac.engine.decode import DecodeState
 from dflash_mac.session import Session
+from dflash_mac.sizing.choice import block_size_for
+from dflash_mac.sizing.tuning import AutoTuning
 from dflash_mac.testing.lossy import accepting_every_draft
 
 SRC = "def add(a, b):\n    return a + b\n"
@@ -167,7 +167,7 @@ def test_sampled_suffix_drafts_keep_the_target_distribution(small_pair):  # noqa
 @pytest.mark.slow
 def test_a_lossy_suffix_rule_is_detected(small_pair, monkeypatch):  # noqa: F811
     """Accepting every proposed token (no rejection) must fail the same test."""
-    import dflash_mac.cycle as engine
+    import dflash_mac.engine.cycle as engine
 
     monkeypatch.setattr(engine, "accept_sampled", accepting_every_draft(engine.accept_sampled))
     sp = SamplingParams(temperature=1.0)

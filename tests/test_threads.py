@@ -12,14 +12,14 @@ import sys
 
 import pytest
 
-from dflash_mac.loading import BUNDLED_DRAFT, BUNDLED_TARGET
+from dflash_mac.loading.loader import BUNDLED_DRAFT, BUNDLED_TARGET
 
 pytestmark = pytest.mark.slow  # every case runs in a fresh interpreter
 
 SCRIPT = r"""
 import json, sys, threading
 from dflash_mac.api import generate
-from dflash_mac.loading import load, quantize_drafter
+from dflash_mac.loading.loader import load, quantize_drafter
 
 target, draft, bits = sys.argv[1], sys.argv[2], int(sys.argv[3])
 pair = load(target, draft)  # main thread, default dtype (fp32 cast on the CPU)

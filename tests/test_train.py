@@ -11,8 +11,8 @@ import pytest
 from dflash_mac.models.config import DraftConfig
 from dflash_mac.models.dflash import DFlashDraftModel
 
-from dflash_mac.loading import load
-from dflash_mac.structure import target_head
+from dflash_mac.loading.loader import load
+from dflash_mac.target.structure import target_head
 from dflash_mac.testing.tiny import draft_config
 from dflash_mac.train import TrainError, TrainingArgs, TrainingCallback, train_drafter
 from dflash_mac.train.batches import target_features

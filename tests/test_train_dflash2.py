@@ -12,8 +12,8 @@ from dflash_mac.models.dflash2 import DFlash2DraftModel
 from test_dflash2 import d2_config, randomize
 from test_train import _train, prompts_file  # noqa: F401  (fixture)
 
-from dflash_mac.loading import load
-from dflash_mac.structure import target_head
+from dflash_mac.loading.loader import load
+from dflash_mac.target.structure import target_head
 from dflash_mac.train.batches import target_features
 from dflash_mac.train.blocks import block_inputs, position_weights
 from dflash_mac.train.dflash2_loss import selector_loss, train_hidden2

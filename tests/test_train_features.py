@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from test_train import _train, prompts_file  # noqa: F401  (fixture)
 
-from dflash_mac.structure import target_head
+from dflash_mac.target.structure import target_head
 from dflash_mac.train.args import TrainSettings
 from dflash_mac.train.batches import make_batch, target_forward
 from dflash_mac.train.data import Sequence

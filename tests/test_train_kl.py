@@ -14,8 +14,8 @@ from dflash_mac.models.distribution import SamplingParams, scatter_candidates
 from test_dflash2 import d2_config, randomize
 from test_train import _train, prompts_file  # noqa: F401  (fixture)
 
-from dflash_mac.loading import load
-from dflash_mac.structure import target_head
+from dflash_mac.loading.loader import load
+from dflash_mac.target.structure import target_head
 from dflash_mac.train import TrainError, TrainingArgs
 from dflash_mac.train.batches import target_features
 from dflash_mac.train.dflash2_loss import selector_q

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from mlx import nn
 
-from dflash_mac.structure import decoder_layers, text_model
+from dflash_mac.target.structure import decoder_layers, text_model
 from dflash_mac.train import TrainError, TrainingArgs
 from dflash_mac.train.args import TrainSettings
 from dflash_mac.train.config import LAYER_WEIGHTS, build_drafter, drafter_config

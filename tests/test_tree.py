@@ -18,11 +18,12 @@ from mlx_lm.models.cache import make_prompt_cache
 from test_sampling import chi_square_p, exact_joint, small_pair  # noqa: F401  (fixture)
 
 from dflash_mac.api import generate
-from dflash_mac.autoblock import TREES, BlockController, CostCurve, CostModel, tree_arms
-from dflash_mac.capture import FeatureCapture
+from dflash_mac.drafting.tree import DraftTree, graft, grow, keep_path, verify_logits, walk
 from dflash_mac.session import Session
+from dflash_mac.sizing.controller import TREES, BlockController, tree_arms
+from dflash_mac.sizing.cost import CostCurve, CostModel
+from dflash_mac.target.capture import FeatureCapture
 from dflash_mac.testing.oracle import OracleDrafter, with_drafter
-from dflash_mac.tree import DraftTree, graft, grow, keep_path, verify_logits, walk
 
 # log q of 3 candidates (tokens 10+i at position t) at each of 3 positions, whatever the parent
 LOGQ = [[-0.1, -2.5, -3.0], [-0.7, -0.8, -4.0], [-0.05, -3.5, -4.5]]
@@ -299,7 +300,7 @@ def test_sampled_trees_keep_the_target_distribution(small_pair):  # noqa: F811
 def test_a_lossy_tree_walk_is_detected(small_pair, monkeypatch):  # noqa: F811
     """Descending into the drafter's first child whatever the target drew must fail the same
     test (the power check)."""
-    import dflash_mac.cycle as engine
+    import dflash_mac.engine.cycle as engine
 
     real = engine.walk
 
@@ -337,7 +338,7 @@ def grafted_samples(pair, sp, n) -> tuple[list[tuple], int]:
 @pytest.mark.slow
 def test_sampled_trees_with_grafted_copies_keep_the_target_distribution(small_pair, monkeypatch):  # noqa: F811, E501
     sp = SamplingParams(temperature=1.0)
-    import dflash_mac.cycle as engine
+    import dflash_mac.engine.cycle as engine
 
     real, grafted = engine.graft, []
 
@@ -355,7 +356,7 @@ def test_sampled_trees_with_grafted_copies_keep_the_target_distribution(small_pa
 @pytest.mark.slow
 def test_a_grafted_copy_taken_whatever_the_target_drew_is_detected(small_pair, monkeypatch):  # noqa: F811
     """Descending into the copy's branch whatever the target drew must fail the same test."""
-    import dflash_mac.cycle as engine
+    import dflash_mac.engine.cycle as engine
 
     real = engine.walk
 
@@ -443,8 +444,8 @@ def test_rope_modules_are_each_models_own_and_found_once():
 
     from mlx_lm.models import qwen3
 
-    from dflash_mac.random_pair import target_config
-    from dflash_mac.tree import ropes
+    from dflash_mac.drafting.tree import ropes
+    from dflash_mac.loading.random_pair import target_config
 
     def model():
         return qwen3.Model(qwen3.ModelArgs.from_dict(target_config(vocab=8, hidden=16, layers=2)))

@@ -17,10 +17,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dflash_mac.api import prompt_ids
-from dflash_mac.autoblock import AutoTuning
 from dflash_mac.pair import Pair
-from dflash_mac.prefix_disk import DiskTier, fingerprint
+from dflash_mac.prefix.disk import DiskTier, fingerprint
 from dflash_mac.session import Session
+from dflash_mac.sizing.tuning import AutoTuning
 
 
 @dataclass

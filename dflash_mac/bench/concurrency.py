@@ -5,7 +5,7 @@ that arrive together, a wave when the one before it has finished, so the rows co
 work (with one prompt for N = 1 that row measured one answer):
 
 - batched DFlash: each wave through the engine `serve --max-batch N` runs
-  (`batch_loop.BatchEngine`, one engine for the whole bench, its block rule learning per N);
+  (`batching.scheduler.BatchEngine`, one engine for the whole bench, its block rule learning per N);
 - DFlash one at a time: the P requests served in turn (`speculative_stream`, `auto`), as
   `--max-batch 1` serves them; one run per setting, its first-token times read per wave (a
   request's first token waits for the ones before it in its wave);
@@ -25,12 +25,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dflash_mac.autoblock import AutoTuning
-from dflash_mac.batch_loop import BatchEngine, BatchRequest
-from dflash_mac.decode import DecodeState, GenerationConfig, speculative_stream
+from dflash_mac.batching.scheduler import BatchEngine, BatchRequest
+from dflash_mac.engine.decode import DecodeState, GenerationConfig, speculative_stream
+from dflash_mac.engine.verify import SamplingParams
 from dflash_mac.pair import Pair
-from dflash_mac.policy import BlockChoice
-from dflash_mac.sampling import SamplingParams
+from dflash_mac.sizing.choice import BlockChoice
+from dflash_mac.sizing.tuning import AutoTuning
 
 WARMUP_TOKENS = 24
 

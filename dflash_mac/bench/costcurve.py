@@ -4,7 +4,7 @@ measures the quick curve front ends save at the first use of `--block-size auto`
 
 from __future__ import annotations
 
-from dflash_mac.autoblock import ContextCost, CostCurve
+from dflash_mac.sizing.cost import ContextCost, CostCurve
 
 
 def render(curve: dict, width: int = 40) -> str:

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from dflash_mac.errors import PromptError
+from dflash_mac.loading.sources import PACKAGE_MODELS
 from dflash_mac.prompts import read_prompt_file
 from dflash_mac.settings import AUTO
-from dflash_mac.sources import PACKAGE_MODELS
 
 SUITES = ("code", "math", "chat", "long", "edit")
 # `--suite all`; `long` (1,000-1,900 tokens) and `edit` (copy-heavy rewrites) run alone

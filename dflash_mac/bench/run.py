@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_mac.api import check_context
-from dflash_mac.autoblock import AutoTuning
+from dflash_mac.drafting.suffix import SuffixMemory
+from dflash_mac.engine.stats import drafter_cycles, drafting, histogram
 from dflash_mac.pair import Pair
-from dflash_mac.policy import AUTO
-from dflash_mac.stats import drafter_cycles, drafting, histogram
-from dflash_mac.suffix import SuffixMemory
+from dflash_mac.settings import AUTO
+from dflash_mac.sizing.tuning import AutoTuning
 
 from .inputs import BenchPrompt
 
@@ -181,8 +181,8 @@ def run_baseline(
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
 
-    from dflash_mac.capture import layer_queue
-    from dflash_mac.hooks import is_hooked
+    from dflash_mac.target.capture import layer_queue
+    from dflash_mac.target.hooks import is_hooked
 
     # (a distributed target's leader hook mirrors every forward: the baseline's too)
     assert not is_hooked(pair.target, ignore=pair.mirror), "the baseline runs unhooked"

@@ -41,11 +41,11 @@ def random_pair(name: str, dtype: str = "bf16"):
     from mlx import nn
     from mlx_lm.models import qwen3
 
-    from dflash_mac.loading import LoadedPair, materialize
+    from dflash_mac.loading.loader import LoadedPair, materialize
+    from dflash_mac.loading.random_pair import draft_config, target_config
     from dflash_mac.models.config import DraftConfig
     from dflash_mac.models.dflash import DFlashDraftModel
-    from dflash_mac.random_pair import draft_config, target_config
-    from dflash_mac.structure import target_head
+    from dflash_mac.target.structure import target_head
 
     check_shape(name)
     if dtype not in DTYPES:

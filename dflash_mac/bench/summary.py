@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import random
 
-from dflash_mac.policy import AUTO
-from dflash_mac.stats import (
+from dflash_mac.engine.stats import (
     drafter_cycles,
     drafting,
     histogram,
@@ -15,6 +14,7 @@ from dflash_mac.stats import (
     position_acceptance,
     survival,
 )
+from dflash_mac.settings import AUTO
 
 from .run import Run
 

@@ -10,8 +10,8 @@ from rich.table import Table
 from rich.text import Text
 
 from dflash_mac.cli.terminal import bars
-from dflash_mac.policy import AUTO
-from dflash_mac.stats import drafting, histogram
+from dflash_mac.engine.stats import drafting, histogram
+from dflash_mac.settings import AUTO
 
 from .inputs import BenchPrompt, readable_id, size_label, size_order
 from .report import eta_note, plain_note

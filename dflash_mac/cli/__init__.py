@@ -14,8 +14,8 @@ from rich.console import Console
 from typer.core import TyperCommand, TyperGroup
 
 from dflash_mac import __version__
+from dflash_mac.engine.think import REASONING_CHOICES
 from dflash_mac.errors import INTERRUPTED, is_user_error
-from dflash_mac.think import REASONING_CHOICES
 
 from . import options
 
@@ -320,7 +320,7 @@ def check_settings(max_tokens: int, block_size: str | None, settings: dict) -> N
 def check_pair_names(model: str | None, draft: str | None) -> None:
     """A --model / --draft the registry cannot resolve (a path that does not exist, a target
     with no known drafter) gets its sentence now, before the slow imports."""
-    from dflash_mac.registry import resolve_pair
+    from dflash_mac.loading.registry import resolve_pair
 
     resolve_pair(model, draft)
 
@@ -352,7 +352,7 @@ def run_generation(
     max_kv_size: int | None = None,
 ):
     """Stream the answer (to stdout unless `echo` is off), then remember what `auto` saw."""
-    from dflash_mac.policy import save_acceptance
+    from dflash_mac.sizing.files import save_acceptance
 
     from .terminal import stream_to_terminal
 
@@ -400,7 +400,7 @@ def main() -> None:
     # transformers' tokenizer warns about long inputs itself; our context rule says it better
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if needs_blas(sys.argv[1:]):
-        from dflash_mac.platform import maybe_reexec_with_openblas, slow_blas_note
+        from dflash_mac.host import maybe_reexec_with_openblas, slow_blas_note
 
         # Ctrl-C stays pending across the exec until the new process's entry.main handles it.
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})

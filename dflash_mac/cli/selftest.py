@@ -33,8 +33,8 @@ def dflash_tokens(pair, ids: list[int], n: int) -> tuple[list[int], float]:
     `auto`: τ then tells how well the drafter predicts, whatever this machine's cost curve says
     drafting is worth (with a curve that prices it out, `auto` decodes plain steps, τ ≈ 1), and
     the self-test leaves no acceptance memory behind."""
-    from dflash_mac.decode import GenerationConfig, speculative_stream
-    from dflash_mac.policy import BlockChoice
+    from dflash_mac.engine.decode import GenerationConfig, speculative_stream
+    from dflash_mac.sizing.choice import BlockChoice
 
     cfg = GenerationConfig(max_tokens=n, block=BlockChoice(pair.block_size), use_eos=False)
     events = list(speculative_stream(pair, ids, cfg))
@@ -71,11 +71,11 @@ def load_selftest_pair(tmp: str) -> tuple[object, bool]:
     """The bundled pair in fp32 (exact), or a tiny random pair when it is not built yet."""
     import mlx.core as mx
 
-    from dflash_mac.loading import BUNDLED_DRAFT, BUNDLED_TARGET, load
+    from dflash_mac.loading.loader import BUNDLED_DRAFT, BUNDLED_TARGET, load
 
     if (BUNDLED_DRAFT / "config.json").exists():
         return load(BUNDLED_TARGET, BUNDLED_DRAFT, dtype=mx.float32), True
-    from dflash_mac.random_pair import build_random_pair
+    from dflash_mac.loading.random_pair import build_random_pair
 
     return load(*build_random_pair(tmp, seed=0, target_layers=4), dtype=mx.float32), False
 
@@ -130,7 +130,7 @@ def verdict(
             msg,
             "build the bundled pair (python -m dflash_mac.bundle.build) or reinstall.",
         )
-    from dflash_mac.loading import BUNDLED_DRAFT
+    from dflash_mac.loading.loader import BUNDLED_DRAFT
     from dflash_mac.models.config import training_note
 
     if note := training_note(BUNDLED_DRAFT):

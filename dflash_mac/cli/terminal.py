@@ -12,12 +12,11 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
 from dflash_mac.api import GenerationResult, stream_generate
-from dflash_mac.autoblock import AutoTuning
 from dflash_mac.cli.console import err, warn_line
 from dflash_mac.distributed.group import world
-from dflash_mac.loading import load
+from dflash_mac.loading.loader import load
+from dflash_mac.loading.registry import default_download, default_sources
 from dflash_mac.pair import Pair
-from dflash_mac.policy import cost_curve_path, load_tuning
 from dflash_mac.prepare import (
     Loader,
     Prepared,
@@ -27,7 +26,8 @@ from dflash_mac.prepare import (
     needs_calibration,
     prepare,
 )
-from dflash_mac.registry import default_download, default_sources
+from dflash_mac.sizing.files import cost_curve_path, load_tuning
+from dflash_mac.sizing.tuning import AutoTuning
 
 
 def load_pair(
@@ -76,7 +76,7 @@ def progress_bar(description: str, total: int) -> Iterator[Callable[[], None]]:
 def calibrate_auto(prepared: Prepared) -> AutoTuning:
     """Before the first `--block-size auto` run of a pair on this machine: measure its quick
     cost curve once and save it (calibrate.py), with a progress bar and one short line (`-v`
-    statistics give the file); then what `auto` starts from (`policy.load_tuning`). Call it
+    statistics give the file); then what `auto` starts from (`sizing.files.load_tuning`). Call it
     after the command's inputs are checked: a typo must not wait for it."""
     if needs_calibration(prepared):
         with progress_bar(calibration_title(prepared), calibration_steps()) as step:
@@ -100,7 +100,8 @@ def load_ranked(group: Any, model: str | None, draft: str | None) -> Pair:
 
 
 def ranked_loader() -> Loader:
-    """How this process loads a pair: sharded under `dflash-mac launch`, else `loading.load`."""
+    """How this process loads a pair: sharded under `dflash-mac launch`, else
+    `loading.loader.load`."""
     group = world()
     if group is None:
         return load
@@ -179,7 +180,7 @@ def blocks_line(s: Any) -> str:
 
 
 def print_stats(pair: Pair, result: GenerationResult, console: Console = err) -> None:
-    from dflash_mac.platform import blas_in_use, device_name
+    from dflash_mac.host import blas_in_use, device_name
 
     s = result.stats
     blas = blas_in_use()

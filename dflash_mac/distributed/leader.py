@@ -1,12 +1,13 @@
 """Rank 0 of a distributed pair: every target forward is mirrored on the other ranks.
 
-The leader runs the ordinary single-process decode cycle (dflash_mac/decode.py): it drafts,
-decides acceptance (q never leaves it), detokenises and stops. A per-instance hook on its target
-(hooks.py, as capture.py does for layers) turns each forward into "broadcast a packet, then run
-the forward on the broadcast tokens": the packet tells the workers how far to trim the cache
-first (what the leader rolled back since their last forward), which cache (slot), and the
-tokens. Because the leader's forward reads its input from the packet's `all_sum`, the packet is
-ordered before the forward's own collectives on every rank (docs/distributed.md).
+The leader runs the ordinary single-process decode cycle (dflash_mac/engine/decode.py): it
+drafts, decides acceptance (q never leaves it), detokenises and stops. A per-instance hook on its
+target (target/hooks.py, as target/capture.py does for layers) turns each forward into
+"broadcast a packet, then run the forward on the broadcast tokens": the packet tells the workers
+how far to trim the cache first (what the leader rolled back since their last forward), which
+cache (slot), and the tokens. Because the leader's forward reads its input from the packet's
+`all_sum`, the packet is ordered before the forward's own collectives on every rank
+(docs/distributed.md).
 
 The leader is also rank 0's `pair.mirror` (`pair.Mirror`): the decode cycle tells it when a
 request ends and asks it for the facts of the stats and, pipeline parallel, the features."""
@@ -23,7 +24,7 @@ from typing import Any
 import mlx.core as mx
 from mlx import nn
 
-from .. import hooks
+from ..target import hooks
 from .group import CAPACITY, HEADER, Cmd, Header, count_collectives, packet
 from .watchdog import Watchdog
 
@@ -79,7 +80,7 @@ class Leader:
         return self
 
     def __call__(self, model: nn.Module, call: Callable, inputs: mx.array, cache=None, **kwargs):
-        """The hook: every forward of the target (hooks.py)."""
+        """The hook: every forward of the target (target/hooks.py)."""
         return self.forward(call, model, inputs, cache, kwargs)
 
     def slot(self, cache: list[Any]) -> int:
@@ -95,7 +96,7 @@ class Leader:
         """Broadcast the packet, then run `call` (the target's own forward) on its tokens."""
         if cache is None:
             raise ValueError("a distributed target runs with a cache.")
-        from ..hybrid import armed
+        from ..target.hybrid import armed
 
         self.watchdog.arm()  # re-armed by every forward; disarmed when the request ends
         slot, now, n = self.slot(cache), cache_length(cache), inputs.shape[-1]

@@ -12,7 +12,7 @@ import mlx.core as mx
 from mlx import nn
 
 from ..errors import LoadError
-from ..loading import (
+from ..loading.loader import (
     LoadedPair,
     PairSpec,
     cast_floats,
@@ -21,7 +21,7 @@ from ..loading import (
     load_target,
     materialize,
 )
-from ..structure import decoder_layers, target_head
+from ..target.structure import decoder_layers, target_head
 from .group import PARALLEL_MODES, mark_ready, parallel_mode
 from .leader import Leader, register
 from .stages import StageCapture

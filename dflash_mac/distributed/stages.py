@@ -12,8 +12,8 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx import nn
 
-from ..capture import FeatureCapture
-from ..structure import text_model
+from ..target.capture import FeatureCapture
+from ..target.structure import text_model
 
 
 class StageCapture:

@@ -17,7 +17,7 @@ from mlx import nn
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..rollback import TargetRollback
+from ..target.rollback import TargetRollback
 from .group import CAPACITY, HEADER, PACKET, Cmd, Header
 from .watchdog import Watchdog
 

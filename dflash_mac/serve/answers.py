@@ -1,4 +1,4 @@
-"""The server's earlier answers (suffix drafting, `suffix.py`) kept across restarts beside
+"""The server's earlier answers (suffix drafting, `drafting/suffix.py`) kept across restarts beside
 the prompt cache's disk tier: read at start, written at shutdown. Without a disk tier they
 live as long as the process, and the start-up note says so."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import logging
 
-from dflash_mac.prefix_disk import DiskTier
-from dflash_mac.suffix import SuffixMemory
+from dflash_mac.drafting.suffix import SuffixMemory
+from dflash_mac.prefix.disk import DiskTier
 
 FILE = "answers.jsonl"
 log = logging.getLogger("dflash_mac.serve")

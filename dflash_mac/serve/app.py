@@ -17,12 +17,12 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from dflash_mac.autoblock import AutoTuning
+from dflash_mac.loading.registry import BUNDLED_TARGET, load_registry
 from dflash_mac.pair import Pair
-from dflash_mac.policy import BlockChoice, block_size_for
-from dflash_mac.prefix_disk import DiskTier
-from dflash_mac.registry import BUNDLED_TARGET, load_registry
+from dflash_mac.prefix.disk import DiskTier
 from dflash_mac.session import Session
+from dflash_mac.sizing.choice import BlockChoice, block_size_for
+from dflash_mac.sizing.tuning import AutoTuning
 
 from .answers import KeptAnswers
 from .anthropic import AnthropicRoutes, error_body
@@ -79,9 +79,9 @@ def create_app(
     `auto` up to the pair's default size). Browser pages from `cors_origins` (`cors.py`) may
     call every route; each request gets its log line (`requestlog.py`). `max_kv_size`: each
     cached conversation keeps a rotating window of that many target positions;
-    `prompt_cache_disk_bytes` > 0: cached prefixes also go to disk (`prefix_disk.py`) and are
+    `prompt_cache_disk_bytes` > 0: cached prefixes also go to disk (`prefix/disk.py`) and are
     read back after a restart. `max_batch` > 1: up to that many requests decode together
-    (continuous batching, `batch_loop.py`). `suffix`: drafts from earlier answers (None:
+    (continuous batching, `batching/scheduler.py`). `suffix`: drafts from earlier answers (None:
     wherever copies run), which a disk tier keeps across restarts (`answers.py`)."""
     if isinstance(pair_or_session, Session):
         session = pair_or_session

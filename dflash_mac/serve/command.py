@@ -22,7 +22,7 @@ from rich.console import Console
 
 from dflash_mac.cli import check_pair_names, options
 from dflash_mac.errors import UserError
-from dflash_mac.platform import data_dir
+from dflash_mac.host import data_dir
 
 from .cors import LOOPBACK_ORIGINS, parse_origins
 from .requestlog import log as request_log

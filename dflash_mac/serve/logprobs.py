@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from dflash_mac.constraints import token_bytes
-from dflash_mac.cycle import TokenLogprob
+from dflash_mac.engine.constraints import token_bytes
+from dflash_mac.engine.cycle import TokenLogprob
 
 
 def entries(pair: Any, lps: list[TokenLogprob]) -> list[dict]:

@@ -12,7 +12,7 @@ from typing import Any
 from starlette.requests import Request
 
 from dflash_mac import __version__
-from dflash_mac.think import ThinkSplitter
+from dflash_mac.engine.think import ThinkSplitter
 
 from .logprobs import completion_logprobs
 from .schema import APIError, GenRequest

@@ -13,8 +13,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from dflash_mac.policy import BlockChoice
 from dflash_mac.session import Session
+from dflash_mac.sizing.choice import BlockChoice
 
 from .metrics import prometheus
 from .requestlog import JOB

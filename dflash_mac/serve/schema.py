@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash_mac.constraints import ANY_OBJECT, JsonGrammar, json_grammar
+from dflash_mac.engine.constraints import ANY_OBJECT, JsonGrammar, json_grammar
 from dflash_mac.models.penalties import LIMITS
 from dflash_mac.settings import MAX_TOP_LOGPROBS
 

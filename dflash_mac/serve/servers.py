@@ -15,7 +15,7 @@ from pathlib import Path
 import typer
 
 from dflash_mac.cli.console import table
-from dflash_mac.platform import data_dir
+from dflash_mac.host import data_dir
 
 from .command import ServeError, pid_alive, pid_name, read_pid, url_name
 

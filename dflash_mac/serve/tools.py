@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from dflash_mac.textstream import held_suffix
+from dflash_mac.engine.textstream import held_suffix
 
 log = logging.getLogger("dflash_mac.serve")
 PYTHON_TAG = "<|python_tag|>"

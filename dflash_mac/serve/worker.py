@@ -2,8 +2,8 @@
 
 All MLX work (tokenizing, prefill, decode) runs on this thread, in arrival order; request
 handlers talk to it through `Job` queues on the event loop. With `max_batch` > 1 (and a pair
-that batches, `batch.batch_reason`) up to that many requests decode together in one
-`batch_loop.BatchEngine` (structured output included: its rows take plain steps)."""
+that batches, `batching.ragged.batch_reason`) up to that many requests decode together in one
+`batching.scheduler.BatchEngine` (structured output included: its rows take plain steps)."""
 
 from __future__ import annotations
 
@@ -19,13 +19,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash_mac.api import PromptError, fit_max_tokens, make_config
-from dflash_mac.batch import batch_reason
-from dflash_mac.batch_loop import BatchEngine, BatchRequest
+from dflash_mac.batching.ragged import batch_reason
+from dflash_mac.batching.scheduler import BatchEngine, BatchRequest
 from dflash_mac.distributed.group import lost_peer_message
+from dflash_mac.engine.think import prompt_opens_think
 from dflash_mac.models.penalties import check_bias_token
-from dflash_mac.policy import AUTO, BlockChoice, block_size_for, save_acceptance
 from dflash_mac.session import Session
-from dflash_mac.think import prompt_opens_think
+from dflash_mac.settings import AUTO
+from dflash_mac.sizing.choice import BlockChoice, block_size_for
+from dflash_mac.sizing.files import save_acceptance
 
 from .logprobs import entries
 from .metrics import Metrics, summary
@@ -134,7 +136,8 @@ class Worker:
             return None
         block = self.block.size if self.block else pair.block_size
         auto = self.block is None or self.block.auto
-        tuning = self.session.tuning  # a lone request runs alone with it (`batch_loop.Solo`)
+        # a lone request runs alone with it (`batching.scheduler.Solo`)
+        tuning = self.session.tuning
         return BatchEngine(pair, max_batch, block, auto=auto, prior=tuning.batch_prior, solo=tuning)
 
     def batch_stats(self) -> dict | None:

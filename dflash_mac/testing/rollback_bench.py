@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-from dflash_mac.decode import DecodeState, GenerationConfig, speculative_stream
-from dflash_mac.loading import LoadedPair
+from dflash_mac.engine.decode import DecodeState, GenerationConfig, speculative_stream
+from dflash_mac.loading.loader import LoadedPair
 from dflash_mac.models.config import DraftConfig
 from dflash_mac.models.dflash import DFlashDraftModel
-from dflash_mac.policy import BlockChoice
-from dflash_mac.rollback import TargetRollback
-from dflash_mac.structure import target_head
+from dflash_mac.sizing.choice import BlockChoice
+from dflash_mac.target.rollback import TargetRollback
+from dflash_mac.target.structure import target_head
 
 from .oracle import OracleDrafter
 from .tiny import draft_config

@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from dflash_mac.loading import build_drafter
+from dflash_mac.loading.loader import build_drafter
 from dflash_mac.models.config import DraftConfig
 
 

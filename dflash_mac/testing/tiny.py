@@ -1,12 +1,12 @@
-"""Tiny random model pairs for the tests: the product's random pairs (`random_pair.py`) under
-their test names, plus a tool-calling chat template."""
+"""Tiny random model pairs for the tests: the product's random pairs (`loading/random_pair.py`)
+under their test names, plus a tool-calling chat template."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from dflash_mac.random_pair import (
+from dflash_mac.loading.random_pair import (
     CHATML,
     SPECIALS,
     build_random_pair,

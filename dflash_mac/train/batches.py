@@ -8,8 +8,8 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
-from dflash_mac.capture import FeatureCapture
-from dflash_mac.structure import text_model
+from dflash_mac.target.capture import FeatureCapture
+from dflash_mac.target.structure import text_model
 
 from .args import TrainSettings
 from .blocks import block_inputs, sample_anchors

@@ -88,7 +88,7 @@ def export_weights(drafter) -> dict[str, mx.array]:
 
 def load_init(drafter, folder: Path) -> str:
     """Load an existing drafter's weights (strict names and shapes) as the starting point."""
-    from dflash_mac.loading import load_weights
+    from dflash_mac.loading.loader import load_weights
 
     weights = {
         k: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v

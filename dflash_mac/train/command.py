@@ -327,7 +327,7 @@ def check_inputs(
 def target_source(target: str) -> str:
     """A pair name (`bundled`, `qwen3-8b`) as the target it loads, as every other command
     takes it; folders and Hub ids as given."""
-    from dflash_mac.registry import load_registry
+    from dflash_mac.loading.registry import load_registry
 
     entry = load_registry().get(target)
     return entry.target_source() if entry is not None and not Path(target).exists() else target

@@ -9,10 +9,10 @@ from typing import Any
 import mlx.core as mx
 from mlx import nn
 
-from dflash_mac import gguf
+from dflash_mac.loading import gguf
 from dflash_mac.models.config import DraftConfig
 from dflash_mac.models.dflash import DFlashDraftModel
-from dflash_mac.structure import decoder_layers, target_head, text_model
+from dflash_mac.target.structure import decoder_layers, target_head, text_model
 
 from .args import TrainError, TrainingArgs, TrainSettings
 from .dflash2_loss import dflash2_config
@@ -130,7 +130,9 @@ def drafter_config(tcfg: dict, s: TrainSettings) -> dict:
 def build_drafter(config: dict, target: nn.Module, layer_init: str = "random") -> DFlashDraftModel:
     """A new drafter bound to the target's head; `layer_init="target"` starts its decoder layers
     as copies of the target's last ones (`copy_target_layers`)."""
-    from dflash_mac.loading import build_drafter as build_class  # DFlash 1 or 2 by `architectures`
+    from dflash_mac.loading.loader import (
+        build_drafter as build_class,  # DFlash 1 or 2 by `architectures`
+    )
 
     drafter = build_class(DraftConfig.from_dict(config))
     tm = text_model(target)

@@ -9,9 +9,9 @@ and the teacher-forced average ``1 - TV(p_T, q)`` per block position (`tv_agreem
 acceptance probability of a draft whose predecessors were accepted; τ is also reported by
 prompt-length bucket (``--long-prompts`` adds long prompts).
 
-Greedy DFlash (`dflash_mac.decode.speculative_stream`) against the same process's plain target
-decoding (mlx-lm `generate_step`, no hooks), both warmed up, same prompts and max tokens, both
-stopping at EOS. Decode speed counts the tokens after the first over the time after the first
+Greedy DFlash (`dflash_mac.engine.decode.speculative_stream`) against the same process's plain
+target decoding (mlx-lm `generate_step`, no hooks), both warmed up, same prompts and max tokens,
+both stopping at EOS. Decode speed counts the tokens after the first over the time after the first
 (prefill excluded on both sides). Every prompt's committed ids must equal the baseline's.
 """
 
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from dflash_mac.engine.stats import histogram, position_acceptance, survival
 from dflash_mac.pair import Pair
-from dflash_mac.stats import histogram, position_acceptance, survival
 
 
 @dataclass
@@ -92,9 +92,9 @@ def dflash_run(
 ):
     """DFlash (greedy unless `temperature`); returns (committed ids, decode time after the
     first, cycle lengths, cycle block sizes)."""
-    from dflash_mac.decode import GenerationConfig, speculative_stream
+    from dflash_mac.engine.decode import GenerationConfig, speculative_stream
     from dflash_mac.models.distribution import SamplingParams
-    from dflash_mac.policy import BlockChoice
+    from dflash_mac.sizing.choice import BlockChoice
 
     cfg = GenerationConfig(
         max_tokens=max_tokens,
@@ -234,7 +234,7 @@ def tv_agreement(
     import numpy as np
 
     from dflash_mac.models.distribution import scatter_candidates
-    from dflash_mac.structure import target_head
+    from dflash_mac.target.structure import target_head
 
     from .batches import target_forward
     from .blocks import block_inputs, sample_anchors
@@ -284,8 +284,8 @@ def tv_agreement(
 def main(argv: list[str] | None = None) -> None:
     from rich.console import Console
 
-    from dflash_mac.loading import load
-    from dflash_mac.platform import blas_in_use
+    from dflash_mac.host import blas_in_use
+    from dflash_mac.loading.loader import load
 
     from .data import encode_prompts, read_prompts
 

@@ -25,7 +25,7 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
-from dflash_mac.structure import target_head
+from dflash_mac.target.structure import target_head
 
 from .batches import target_forward
 from .data import Sequence

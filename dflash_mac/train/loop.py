@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.optimizers as optim
 from mlx import nn
 
-from dflash_mac.structure import target_head
+from dflash_mac.target.structure import target_head
 
 from .args import TrainSettings
 from .batches import Batch, batch_indices, make_batch, target_forward

@@ -24,7 +24,7 @@ from mlx import nn
 from mlx.utils import tree_flatten
 
 from dflash_mac.draft_vocab import control_ids, coverage, rank
-from dflash_mac.policy import quantized_default
+from dflash_mac.sizing.choice import quantized_default
 
 from .args import TrainError, TrainingArgs, TrainSettings
 from .blocks import decay_gamma
@@ -53,8 +53,8 @@ def load_target(target_dir: Path) -> tuple[nn.Module, Any]:
     GGUF file through `gguf.load`, dequantized to the CPU's fp32)."""
     from mlx_lm.utils import load as mlx_load
 
-    from dflash_mac import gguf
-    from dflash_mac.loading import cast_floats, default_dtype
+    from dflash_mac.loading import gguf
+    from dflash_mac.loading.loader import cast_floats, default_dtype
 
     dtype = default_dtype()
     if gguf.is_gguf(target_dir):
@@ -237,7 +237,7 @@ def train_drafter(args: TrainingArgs, callback: TrainingCallback | None = None) 
     `init_from`: start from an existing drafter folder of the same shape (fine-tuning; a fresh
     schedule, its own checkpoint ``<cache_dir>/checkpoint-finetune``).
     Returns a summary dict (also written to ``out_dir/dflash_training.json``)."""
-    from dflash_mac.loading import resolve
+    from dflash_mac.loading.loader import resolve
 
     cb = callback or TrainingCallback()
     args.check()
@@ -330,7 +330,7 @@ def run_eval(
     log,
 ) -> list[dict]:
     """τ and per-position acceptance at the trained block size and at 5 (real runtime)."""
-    from dflash_mac.loading import load
+    from dflash_mac.loading.loader import load
 
     from .data import encode_prompts, read_prompts
     from .evaluate import evaluate

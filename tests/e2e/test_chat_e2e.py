@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_mac.loading import BUNDLED_DRAFT
+from dflash_mac.loading.loader import BUNDLED_DRAFT
 
 pytestmark = [
     pytest.mark.slow,

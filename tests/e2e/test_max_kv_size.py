@@ -18,13 +18,13 @@ N, WINDOW = 48, 16
 # it re-executes itself with), in a fresh process: unbounded and with max_kv_size
 REFERENCE = """
 import sys
-from dflash_mac.platform import maybe_reexec_with_openblas
+from dflash_mac.host import maybe_reexec_with_openblas
 
 maybe_reexec_with_openblas(sys.argv[1:])
 import json
 import mlx.core as mx
 from mlx_lm.generate import generate_step
-from dflash_mac.loading import load
+from dflash_mac.loading.loader import load
 
 pair = load()
 ids = list(pair.tokenizer.encode(sys.argv[1]))

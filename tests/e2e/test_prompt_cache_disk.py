@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from dflash_mac import prefix_tree
+from dflash_mac.prefix import tree as prefix_tree
 
 from .conftest import start_serve
 

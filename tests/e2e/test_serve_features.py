@@ -84,7 +84,7 @@ def test_ollama_show_takes_the_documented_name_and_tags_the_real_dtype(server):
     shown = client.show("dflash-mac")  # Aider's `ollama_chat/dflash-mac` asks for this name
     assert shown.modelinfo["general.architecture"] == shown.details.family
     assert shown.capabilities == ["completion"]
-    # MLX's CPU backend decodes the bundled fp16 weights in fp32 (loading.py), Metal in fp16.
+    # MLX's CPU backend decodes the bundled fp16 weights in fp32 (loading/loader.py), Metal in fp16.
     dtype = "F16" if sys.platform == "darwin" else "F32"
     assert shown.details.quantization_level == dtype
     assert client.list().models[0].details.quantization_level == dtype

@@ -1,0 +1,123 @@
+"""What a cycle is expected to commit, for `--block-size auto` (controller.py):
+E[tokens | bs] = 1 + sum_j prod_{k<=j} alpha_k from the running acceptance curve (`Acceptance`:
+per-position conditional acceptance alpha_k with exponentially decayed counts; a position not
+yet observed inherits the estimate of the one before it), and a tree cycle's committed tokens
+by node budget (`TreeAcceptance`). Pure Python (no MLX)."""
+
+from __future__ import annotations
+
+
+class Acceptance:
+    """Running per-position acceptance with exponentially decayed counts. `weight`: how many
+    cycles' worth the estimate a position starts from counts (the guess `prior` for position 1,
+    the previous position's estimate for the others); `boost`: extra weight of that start,
+    fading as the counts do (the controller's heavy greedy guess)."""
+
+    AGE_MAX = 8  # cycles between two drafting ones that age the counts, at most
+    MEMORY = 16  # drafting cycles' worth of evidence a remembered estimate starts with, at most
+
+    def __init__(
+        self,
+        n_max: int,
+        decay: float = 0.97,
+        prior: float = 0.7,
+        weight: float = 1.0,
+        boost: float = 0.0,
+    ):
+        self.decay, self.prior, self.weight, self.boost = decay, prior, weight, boost
+        self.reached = [0.0] * max(n_max, 1)  # index k-1: draft position k
+        self.accepted = [0.0] * max(n_max, 1)
+
+    def observe(self, bs: int, a: int, elapsed: int = 1) -> None:
+        """A drafting cycle at `bs` accepted `a` of its bs-1 drafts, `elapsed` cycles after the
+        last one observed. Plain steps in between age the estimate as drafting cycles do (the
+        text moved on: after a poor stretch, probes on good text bring drafting back sooner),
+        up to AGE_MAX of them (one probe must not outweigh the history: a lucky block at
+        sampling-like acceptance would bring the probes back)."""
+        fade = self.decay ** min(elapsed, self.AGE_MAX)
+        self.reached = [r * fade for r in self.reached]
+        self.accepted = [x * fade for x in self.accepted]
+        self.boost *= fade
+        for k in range(1, min(bs - 1, len(self.reached)) + 1):
+            if k > a + 1:
+                break
+            self.reached[k - 1] += 1
+            self.accepted[k - 1] += k <= a
+
+    def state(self) -> dict:
+        """The decayed counts, to remember between processes (`restore`)."""
+        return {"reached": list(self.reached), "accepted": list(self.accepted)}
+
+    def restore(self, state: object) -> bool:
+        """Start from remembered counts (what earlier requests with the same setting saw),
+        worth MEMORY drafting cycles at most so the text at hand soon outweighs them. False,
+        and nothing changed, when `state` is not a valid one."""
+        try:
+            reached = [float(x) for x in state["reached"]]  # type: ignore[index]
+            accepted = [float(x) for x in state["accepted"]]  # type: ignore[index]
+        except (KeyError, TypeError, ValueError):
+            return False
+        valid = len(reached) == len(accepted) and all(
+            0.0 <= a <= r + 1e-9 for a, r in zip(accepted, reached)
+        )
+        if not valid or not reached or reached[0] <= 0:
+            return False
+        scale = min(1.0, self.MEMORY / reached[0])
+        n = len(self.reached)
+        pad = [0.0] * max(0, n - len(reached))
+        self.reached = [r * scale for r in reached[:n]] + pad
+        self.accepted = [a * scale for a in accepted[:n]] + pad
+        return True
+
+    def alphas(self, n: int) -> list[float]:
+        """alpha_k = P(draft k accepted | 1..k-1 accepted) for k = 1..n."""
+        out, prev, w = [], self.prior, self.weight + self.boost
+        for k in range(n):
+            r = self.reached[k] if k < len(self.reached) else 0.0
+            x = self.accepted[k] if k < len(self.accepted) else 0.0
+            prev = (x + w * prev) / (r + w)
+            out.append(prev)
+        return out
+
+    def expected_tokens(self, bs: int) -> float:
+        """E[committed tokens | bs] = 1 + sum_j prod_{k<=j} alpha_k."""
+        total, surv = 1.0, 1.0
+        for a in self.alphas(bs - 1):
+            surv *= a
+            total += surv
+        return total
+
+    def survival(self, n: int) -> list[float]:
+        """P(committed >= k), k = 1..n."""
+        out, surv = [1.0], 1.0
+        for a in self.alphas(n - 1):
+            surv *= a
+            out.append(surv)
+        return out
+
+
+class TreeAcceptance:
+    """Committed tokens per tree cycle by node budget: decayed means that start from an
+    optimistic guess (`prior(budget)`, worth `WEIGHT` cycles) and drift back to it while no tree
+    runs, so a budget that lost is tried again now and then, on the text at hand."""
+
+    WEIGHT = 2.0
+    DECAY = 0.97
+
+    def __init__(self) -> None:
+        self.tokens: dict[int, float] = {}  # decayed sums
+        self.cycles: dict[int, float] = {}  # decayed counts
+
+    def age(self) -> None:
+        """One cycle passed (every cycle, whatever ran)."""
+        for b in self.cycles:
+            self.tokens[b] *= self.DECAY
+            self.cycles[b] *= self.DECAY
+
+    def observe(self, budget: int, committed: int) -> None:
+        self.tokens[budget] = self.tokens.get(budget, 0.0) + committed
+        self.cycles[budget] = self.cycles.get(budget, 0.0) + 1.0
+
+    def expected(self, budget: int, prior: float) -> float:
+        n, x = self.cycles.get(budget, 0.0), self.tokens.get(budget, 0.0)
+        return (x + self.WEIGHT * prior) / (n + self.WEIGHT)
