@@ -318,6 +318,8 @@ def test_sampled_requests_use_the_sampled_curve_and_own_timings(tiny_pair, tmp_p
     assert curve["sampled"]["temperature"] == 0.7 and curve["sampled"]["ratios"]["1"] == 1.0
     assert "T 0.7" in render(curve)
     curve["sampled"]["ratios"]["3"] = curve["ratios"]["3"] + 1.0  # tell the tables apart
+    trees = curve["sampled"]["trees"]  # ... keeping it consistent (a tree costs a chain at least)
+    curve["sampled"]["trees"] = {n: r + 1.0 for n, r in trees.items()}
     save(curve, cost_curve_path(pair))
     tuning = load_tuning(pair)
     greedy = tuning.controller(3, (0.0,))

@@ -189,11 +189,11 @@ def test_a_curve_timed_on_a_busy_machine_is_told_from_a_steady_one():
     assert noise(IDLE) == [] and noise(IDLE | {"trees": {}}) == []
     assert noise(BUSY) == [
         "block 4 timed at 68% of a smaller block",
-        "tree of 4 timed at 49% of a cheaper cycle",  # below a block-5 chain
-        "tree of 8 timed at 76% of a cheaper cycle",  # below the widest chain
-        "tree of 16 timed at 61% of a cheaper cycle",  # below the tree of 8
+        "tree of 4 timed at 49% of a chain as wide",  # below a block-5 chain
+        "tree of 8 timed at 76% of a chain as wide",  # below the widest chain
+        "tree of 16 timed at 61% of a chain as wide",
     ]
-    jitter = {"1": 0.0018, "2": 0.0037, "3": 0.0032, "4": 0.0025}  # a tiny pair's milliseconds
+    jitter = {"1": 0.0018, "2": 0.0047, "3": 0.0032, "4": 0.0025}  # a tiny pair's milliseconds
     assert noise({"seconds": jitter, "ratios": {"1": 1.0}}) == []
     assert noise({"seconds": {"1": 1}}) == ["unreadable"]
 
