@@ -7,11 +7,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from .engine.constraints import Grammar, json_grammar
-from .engine.cycle import TokenLogprob
 from .engine.decode import DecodeState, GenerationConfig, GenerationEvent, speculative_stream
 from .engine.stats import DecodeStats
 from .engine.think import REASONING_CHOICES
-from .engine.verify import SamplingParams
+from .engine.verify import SamplingParams, TokenLogprob
 from .errors import PromptError  # noqa: F401  (re-exported)
 from .pair import Pair
 from .settings import check_request

@@ -39,8 +39,9 @@ from mlx_lm.generate import generation_stream
 from .batching.ragged import batch_reason
 from .batching.scheduler import BatchEngine, BatchRequest
 from .drafting.copies import CopyRates
-from .engine.cycle import propose, trees_allowed
+from .engine.cycle import trees_allowed
 from .engine.decode import DecodeState, GenerationConfig, speculative_stream
+from .engine.drafts import propose
 from .engine.verify import SamplingParams
 from .host import write_atomic
 from .pair import Pair
@@ -59,6 +60,7 @@ LONG_CONTEXTS = (1024, 2048, 4096)  # where `bench --cost-curve` times how costs
 CONTEXT_REPS = 3  # measured rounds at each of them
 QUICK_REPS = 3  # the curve measured at first use of `auto` (at `quick_sizes`)
 QUICK_TRIES = 3  # first uses that measure it again while it comes out noisy (a busy host)
+NOISY_RETRIES = 2  # times a measurement adds `reps` more rounds while its medians look busy
 WARMUP_ROUNDS = 1  # a short one (`script(..., warmup=True)`)
 WARMUP_PLAIN = 3  # plain steps in it: the first ones after a drafting cycle are not steady
 CALIBRATE_ENV = "DFLASH_MAC_CALIBRATE"  # "0": no quick curve at first use
@@ -188,7 +190,9 @@ def measure(
     the target takes trees, also tree cycles of `auto`'s budgets at depth max_bs - 1 (`trees`,
     by budget). The drafter pass is also timed alone (`draft_seconds`, bs >= 2): the rest of a
     cycle is its verify and the host sync. Given `sizes` (1 and max_bs among them), only those
-    are timed and the others interpolated (listed under `interpolated`)."""
+    are timed and the others interpolated (listed under `interpolated`). Where the medians
+    read as a busy machine's (`sizing.cost.noise`), `reps` more rounds are timed, up to
+    NOISY_RETRIES times (`reps` then counts them all)."""
     ids = prompt_ids(pair.drafter.config.vocab_size, context)
     sp = SamplingParams(temperature)
     sizes = sorted(sizes) if sizes else list(range(1, max_bs + 1))
@@ -200,30 +204,55 @@ def measure(
     times: dict[Arm, list[float]] = {arm: [] for arm in arms}
     drafting: dict[int, list[float]] = {bs: [] for bs in sizes[1:]}
     mask, key = pair.drafter.config.mask_token_id, mx.random.key(0)
-    for now, seconds in timed_rounds(pair, ids, arms, max_bs, sp, reps, state, progress):
-        for arm, timed in seconds.items():
-            times[arm] += timed
-        for bs in drafting:  # the drafter pass alone (it leaves its context as it was)
-            block = mx.array([ids[-1]] + [mask] * (bs - 1), mx.int32)
-            with mx.stream(generation_stream):
-                t = time.perf_counter()
-                mx.eval(propose(pair, block, now.draft_cache, sp, key)[0])
-                drafting[bs].append(time.perf_counter() - t)
+    for attempt in range(1 + NOISY_RETRIES):  # more rounds while the medians look busy
+        if attempt and state.rollback.hybrid:
+            state = DecodeState(pair)
+        rounds = timed_rounds(pair, ids, arms, max_bs, sp, reps, state, progress)
+        for now, seconds in rounds:
+            for arm, timed in seconds.items():
+                times[arm] += timed
+            for bs in drafting:  # the drafter pass alone (it leaves its context as it was)
+                block = mx.array([ids[-1]] + [mask] * (bs - 1), mx.int32)
+                with mx.stream(generation_stream):
+                    t = time.perf_counter()
+                    mx.eval(propose(pair, block, now.draft_cache, sp, key)[0])
+                    drafting[bs].append(time.perf_counter() - t)
+        table = curve_table(times, drafting, sizes, budgets, max_bs)
+        progress = None  # the extra rounds are not in the caller's count
+        if not noise(table):
+            break
+    between = [b for b in range(1, max_bs + 1) if b not in sizes]  # interpolated
+    return (
+        table
+        | {
+            "tree_depth": max_bs - 1,
+            "context": context,
+            "reps": reps * (attempt + 1),
+        }
+        | ({"interpolated": between} if between else {})
+    )
+
+
+def curve_table(
+    times: dict[Arm, list[float]],
+    drafting: dict[int, list[float]],
+    sizes: list[int],
+    budgets: tuple[int, ...],
+    max_bs: int,
+) -> dict:
+    """The medians of the timed cycles as a curve's table: seconds by block size (the sizes
+    not timed interpolated), ratios made non-decreasing, the drafter pass, trees."""
     seconds = interpolate({bs: statistics.median(times[(bs, 0)]) for bs in sizes}, max_bs)
     ratios = non_decreasing([seconds[bs] / seconds[1] for bs in range(2, max_bs + 1)])
     draft = {bs: statistics.median(ts) for bs, ts in drafting.items()}
     timed = [b for b in budgets if times[(max_bs, b)]]
-    between = [b for b in range(1, max_bs + 1) if b not in sizes]  # interpolated
     trees = {b: statistics.median(times[(max_bs, b)]) / seconds[1] for b in timed}
     return {
         "seconds": {str(b): s for b, s in seconds.items()},
         "draft_seconds": {str(b): s for b, s in draft.items()},
         "ratios": {"1": 1.0} | {str(b): r for b, r in enumerate(ratios, start=2)},
         "trees": {str(b): r for b, r in trees.items()},
-        "tree_depth": max_bs - 1,
-        "context": context,
-        "reps": reps,
-    } | ({"interpolated": between} if between else {})
+    }
 
 
 def contexts_for(pair: Pair, bs: int, contexts: tuple[int, ...] = LONG_CONTEXTS) -> list[int]:

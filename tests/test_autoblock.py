@@ -14,8 +14,8 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from dflash_mac.drafting.copies import CopyRates
-from dflash_mac.engine.cycle import DraftContext
 from dflash_mac.engine.decode import DecodeState, GenerationConfig, speculative_stream
+from dflash_mac.engine.drafts import DraftContext
 from dflash_mac.engine.verify import SamplingParams
 from dflash_mac.settings import parse_block_size
 from dflash_mac.sizing.acceptance import Acceptance

@@ -26,7 +26,7 @@ from dflash_mac.bench import run as bench
 from dflash_mac.bench.inputs import BenchError, BenchPrompt
 from dflash_mac.bench.run import BenchConfig, Run
 from dflash_mac.cli import app
-from dflash_mac.engine import cycle as engine
+from dflash_mac.engine import drafts as engine
 from dflash_mac.engine.stats import (
     DecodeStats,
     drafting,

@@ -140,7 +140,7 @@ def test_sampled_copies_keep_the_target_distribution(small_pair, block):  # noqa
 def test_a_lossy_copy_rule_is_detected(small_pair, monkeypatch):  # noqa: F811
     """Accepting every copied token (no rejection) must fail the same test; at block 1 every
     draft is a copy."""
-    import dflash_mac.engine.cycle as engine
+    import dflash_mac.engine.drafts as engine
 
     real = engine.accept_sampled
     accept_all = accepting_every_draft(real)

@@ -79,7 +79,7 @@ def test_subset_head_is_the_full_heads_rows(tiny_pair):
 def test_a_whole_vocabulary_subset_drafts_what_the_drafter_drafts(tiny_pair, arch):
     """A draft vocabulary holding every id (in another order) gives the same drafts, greedy
     and sampled, bit for bit: the subset path changes nothing but the rows it computes."""
-    from dflash_mac.engine.cycle import propose
+    from dflash_mac.engine.drafts import propose
 
     pair = tiny_pair if arch == "dflash" else make_d2_pair(tiny_pair)
     perm = list(np.random.default_rng(1).permutation(pair.drafter.config.vocab_size))
@@ -152,7 +152,7 @@ def test_sampling_through_a_subset_is_lossless(small_pair, small_d2_pair, which)
 @pytest.mark.slow
 def test_a_lossy_rule_through_a_subset_is_detected(small_pair):  # noqa: F811
     """Negative control: accepting every draft of the subset drafter fails the same test."""
-    import dflash_mac.engine.cycle as engine
+    import dflash_mac.engine.drafts as engine
 
     pair = small_subset(small_pair)
     sp = SamplingParams(temperature=1.0)

@@ -12,7 +12,7 @@ from test_greedy_exact import PROMPTS
 from test_penalties import mlx_lm_penalised, processors
 
 from dflash_mac.api import PromptError, generate, make_config, stream_generate
-from dflash_mac.engine.cycle import logprob_rows, read_logprobs
+from dflash_mac.engine.verify import logprob_rows, read_logprobs
 
 K = 5
 

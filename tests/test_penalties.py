@@ -13,7 +13,7 @@ from test_dflash2 import d2_pair, small_d2_pair  # noqa: F401  (fixtures)
 from test_greedy_exact import PROMPTS
 from test_sampling import PROMPT, V, chi_square_p, small_pair  # noqa: F401  (fixture)
 
-import dflash_mac.engine.cycle as engine
+import dflash_mac.engine.drafts as engine
 from dflash_mac.api import PromptError, generate, make_config
 from dflash_mac.engine.verify import SamplingParams, probabilities
 from dflash_mac.serve.schema import APIError, parse_chat

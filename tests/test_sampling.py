@@ -129,7 +129,7 @@ def test_a_lossy_rule_is_detected(small_pair):
     """The chi-square check has teeth: accepting every draft (no rejection) fails it."""
     sp = SamplingParams(temperature=1.0)
     joint = exact_joint(small_pair, sp)
-    import dflash_mac.engine.cycle as engine
+    import dflash_mac.engine.drafts as engine
 
     real = engine.accept_sampled
     accept_all = accepting_every_draft(real)

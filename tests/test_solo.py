@@ -12,7 +12,7 @@ from test_sampling import PROMPT, chi_square_p, exact_joint, small_pair  # noqa:
 
 from dflash_mac.api import make_config
 from dflash_mac.batching.scheduler import BatchEngine
-from dflash_mac.engine import cycle
+from dflash_mac.engine import drafts
 from dflash_mac.engine.verify import SamplingParams
 from dflash_mac.sizing.choice import BlockChoice
 from dflash_mac.sizing.tuning import AutoTuning
@@ -156,9 +156,9 @@ def test_a_lossy_rule_alone_is_detected(small_pair, on_thread, monkeypatch):  # 
     loop's rule; the batch's is untouched) fails it."""
     sp = SamplingParams(temperature=1.0)
     joint = exact_joint(small_pair, sp)
-    real = cycle.accept_sampled
+    real = drafts.accept_sampled
     accept_all = accepting_every_draft(real)
 
-    monkeypatch.setattr(cycle, "accept_sampled", accept_all)
+    monkeypatch.setattr(drafts, "accept_sampled", accept_all)
     samples, _ = on_thread(lambda: staggered_samples(small_pair, sp, 500))
     assert chi_square_p(samples, joint) < 1e-6

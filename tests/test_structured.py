@@ -17,7 +17,7 @@ from test_greedy_exact import PROMPTS
 from test_penalties import processors
 from test_sampling import PROMPT, V, chi_square_p, small_pair  # noqa: F401  (fixture)
 
-import dflash_mac.engine.cycle as engine
+import dflash_mac.engine.drafts as engine
 from dflash_mac.api import PromptError, generate, make_config
 from dflash_mac.engine.constraints import JSON_OPTIONS, first_line, json_grammar
 from dflash_mac.engine.verify import SamplingParams, probabilities

@@ -167,7 +167,7 @@ def test_sampled_suffix_drafts_keep_the_target_distribution(small_pair):  # noqa
 @pytest.mark.slow
 def test_a_lossy_suffix_rule_is_detected(small_pair, monkeypatch):  # noqa: F811
     """Accepting every proposed token (no rejection) must fail the same test."""
-    import dflash_mac.engine.cycle as engine
+    import dflash_mac.engine.drafts as engine
 
     monkeypatch.setattr(engine, "accept_sampled", accepting_every_draft(engine.accept_sampled))
     sp = SamplingParams(temperature=1.0)

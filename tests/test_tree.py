@@ -300,7 +300,7 @@ def test_sampled_trees_keep_the_target_distribution(small_pair):  # noqa: F811
 def test_a_lossy_tree_walk_is_detected(small_pair, monkeypatch):  # noqa: F811
     """Descending into the drafter's first child whatever the target drew must fail the same
     test (the power check)."""
-    import dflash_mac.engine.cycle as engine
+    import dflash_mac.engine.drafts as engine
 
     real = engine.walk
 
@@ -338,7 +338,7 @@ def grafted_samples(pair, sp, n) -> tuple[list[tuple], int]:
 @pytest.mark.slow
 def test_sampled_trees_with_grafted_copies_keep_the_target_distribution(small_pair, monkeypatch):  # noqa: F811, E501
     sp = SamplingParams(temperature=1.0)
-    import dflash_mac.engine.cycle as engine
+    import dflash_mac.engine.drafts as engine
 
     real, grafted = engine.graft, []
 
@@ -356,7 +356,7 @@ def test_sampled_trees_with_grafted_copies_keep_the_target_distribution(small_pa
 @pytest.mark.slow
 def test_a_grafted_copy_taken_whatever_the_target_drew_is_detected(small_pair, monkeypatch):  # noqa: F811
     """Descending into the copy's branch whatever the target drew must fail the same test."""
-    import dflash_mac.engine.cycle as engine
+    import dflash_mac.engine.drafts as engine
 
     real = engine.walk
 

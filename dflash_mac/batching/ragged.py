@@ -22,12 +22,12 @@ import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
-from ..engine.cycle import logprob_rows
 from ..engine.decode import DecodeState
 from ..engine.verify import (
     SamplingParams,
     accept_greedy,
     accept_sampled,
+    logprob_rows,
     probabilities,
     sample,
     sample_logits,
@@ -180,7 +180,7 @@ def propose_rows(
     keys: list[mx.array],
     penalties: list[PenaltyContext | None] | None = None,
 ) -> list[RowDraft]:
-    """Each row's drafts, as `cycle.propose` drafts them alone: the drafter's (small) layers
+    """Each row's drafts, as `drafts.propose` drafts them alone: the drafter's (small) layers
     per row on the row's context, the LM head once for the batch, the choice per row (with
     its penalties: one position at a time, each penalised given the drafts before it)."""
     d = pair.drafter
@@ -201,7 +201,7 @@ def propose_rows(
     out = []
     for i, (sp, key) in enumerate(zip(sps, keys)):
         h, lg = hidden[i : i + 1], logits[i : i + 1]
-        if (pen := pens[i]) is not None:  # as DFlash2DraftModel.propose / cycle.propose
+        if (pen := pens[i]) is not None:  # as DFlash2DraftModel.propose / drafts.propose
             if sel is None:
                 out.append(RowDraft(*draft_sequential(lg[0], pen, sp, key)))
             else:
@@ -231,7 +231,7 @@ def accept_rows(
     logprobs: list[int | None] | None = None,
     masks: list[mx.array | None] | None = None,
 ) -> tuple[mx.array, list[mx.array | None]]:
-    """Each row's verdict as `CyclePipeline.verify` gives it alone: `[B, 2]` (accepted
+    """Each row's verdict as `drafts.Strategy.accept` gives it alone: `[B, 2]` (accepted
     drafts, bonus token), lazily. Greedy: the longest agreeing prefix; sampled: rejection
     sampling with the residual, per row with its own settings, penalties and key. `sizes`:
     each row's own block size (≤ bs; None: bs): a row judges only its first size - 1 drafts,
@@ -257,7 +257,7 @@ def accept_rows(
             acc, tok = accept_sampled(drafts[i].drafts[: n - 1], drafts[i].q[: n - 1], p, key)
         rows.append(mx.stack([acc.astype(mx.int32), tok.reshape(()).astype(mx.int32)]))
         k = logprobs[i] if logprobs else None
-        if k is not None:  # as `CyclePipeline.queue_verify`: drafts up to acc, then the bonus
+        if k is not None:  # as `drafts.Strategy.verify`: drafts up to acc, then the bonus
             drafted = drafts[i].drafts[: n - 1] if drafts is not None and n > 1 else None
             bonus = tok.reshape(1).astype(mx.int32)
             row = bonus if drafted is None else mx.concatenate([drafted.astype(mx.int32), bonus])

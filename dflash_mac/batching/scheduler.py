@@ -24,7 +24,7 @@ Each request's events are `decode.GenerationEvent`s, as `speculative_stream` yie
 to its `emit` callback. Rows keep their own block size, sampling settings, penalties,
 log-probabilities, stop rules and budgets. A row under a grammar (structured output) takes
 plain steps with the grammar's mask: its drafts would need a host round trip per position
-(`cycle.propose_constrained`), which would stall every row of the batch."""
+(`drafts.propose_constrained`), which would stall every row of the batch."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ from mlx_lm.generate import generation_stream
 
 from ..drafting.copies import CopyIndex, CopyPolicy
 from ..engine.constraints import Constraint
-from ..engine.cycle import DraftContext, TokenLogprob, first_token, read_logprobs
+from ..engine.cycle import first_token
 from ..engine.decode import (
     DecodeState,
     GenerationConfig,
@@ -47,8 +47,10 @@ from ..engine.decode import (
     Resume,
     speculative_stream,
 )
+from ..engine.drafts import DraftContext
 from ..engine.stats import StatsRecorder
 from ..engine.textstream import TextStream
+from ..engine.verify import TokenLogprob, read_logprobs
 from ..pair import Pair
 from ..sizing.batch_rule import BatchBlockRule
 from ..sizing.sizer import BatchSizer

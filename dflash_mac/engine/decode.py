@@ -24,10 +24,10 @@ from ..target.capture import FeatureCapture, queues_layers
 from ..target.kvwindow import bound_context, target_cache
 from ..target.rollback import TargetRollback, trim_caches
 from .constraints import Constraint, Grammar
-from .cycle import CyclePipeline, TokenLogprob, trees_allowed
+from .cycle import CyclePipeline, trees_allowed
 from .stats import DecodeStats, StatsRecorder
 from .textstream import TextStream
-from .verify import SamplingParams
+from .verify import SamplingParams, TokenLogprob
 
 
 @dataclass

@@ -4,6 +4,9 @@ in models/distribution.py."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import mlx.core as mx
 
 from dflash_mac.models.distribution import (  # noqa: F401  (re-exported)
@@ -56,3 +59,44 @@ def accept_sample_match(drafts: mx.array, p: mx.array, key: mx.array) -> tuple[m
     own = sample(p, key=key)  # [n + 1]
     acc = mx.cumprod((drafts == own[:n]).astype(mx.int32)).sum()
     return acc, own[acc]
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A committed token's log-probability under the target (after logit bias, penalties and
+    the grammar, before temperature and the filters: mlx-lm's `generate_step` logprobs), and
+    the `top` most likely tokens there, most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def logprob_rows(logits: mx.array, tokens: mx.array, k: int) -> mx.array:
+    """Per row of ``logits [R, V]``: the log-probability of ``tokens [R]`` and the top k (ids,
+    then values), flat float32 ``[R * (1 + 2k)]`` (ids are exact in float32 below 2**24)."""
+    logits = logits.astype(mx.float32)
+    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    cols = [mx.take_along_axis(lp, tokens.astype(mx.int32)[:, None], axis=-1)]
+    k = min(k, lp.shape[-1])
+    if k:
+        idx = mx.argpartition(-lp, kth=k - 1, axis=-1)[:, :k]
+        vals = mx.take_along_axis(lp, idx, axis=-1)
+        order = mx.argsort(-vals, axis=-1)
+        cols += [
+            mx.take_along_axis(idx, order, axis=-1).astype(mx.float32),
+            mx.take_along_axis(vals, order, axis=-1),
+        ]
+    return mx.concatenate(cols, axis=-1).reshape(-1)
+
+
+def read_logprobs(flat: list[float], rows: int, tokens: list[int]) -> list[TokenLogprob]:
+    """The `TokenLogprob`s of `tokens` (the first rows) out of `logprob_rows`' output for
+    `rows` rows, read on the host; tokens the grammar refused (-inf) are left out of `top`."""
+    width = len(flat) // rows
+    k, out = (width - 1) // 2, []
+    for j, token in enumerate(tokens):
+        row = flat[j * width : (j + 1) * width]
+        top = tuple((int(i), v) for i, v in zip(row[1 : 1 + k], row[1 + k :]) if v > -math.inf)
+        out.append(TokenLogprob(token, row[0], top))
+    return out

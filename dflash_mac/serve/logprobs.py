@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from dflash_mac.engine.constraints import token_bytes
-from dflash_mac.engine.cycle import TokenLogprob
+from dflash_mac.engine.verify import TokenLogprob
 
 
 def entries(pair: Any, lps: list[TokenLogprob]) -> list[dict]:
