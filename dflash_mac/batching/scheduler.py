@@ -48,6 +48,7 @@ from ..engine.decode import (
     speculative_stream,
 )
 from ..engine.drafts import DraftContext
+from ..engine.row import commit, copy_index, may_copy, open_output, prefill_chunks, propose_copy
 from ..engine.stats import StatsRecorder
 from ..engine.textstream import TextStream
 from ..engine.verify import TokenLogprob, read_logprobs
@@ -293,18 +294,13 @@ class BatchEngine:
         cfg, ids = r.cfg, r.ids
         block = cfg.block.size if cfg.block else self.rule.bs_max
         auto = cfg.block.auto if cfg.block else True
-        r.rec = StatsRecorder(block, len(ids), len(r.state.ids), auto, {}, mx.get_peak_memory)
-        ends = cfg.use_eos or cfg.grammar is not None  # a grammar's end is the answer's end
-        r.out = TextStream(self.pair.tokenizer, cfg.stop, self.pair.eos_ids if ends else set())
+        r.out, r.rec = open_output(self.pair, cfg, block, auto, len(ids), len(r.state.ids))
         r.ctx = DraftContext(self.pair.drafter, r.state.draft_cache)
         r.con = cfg.grammar.start(self.pair) if cfg.grammar is not None else None
         r.rng = random.Random(cfg.seed)
         # the chunks `decode.prefill` runs (same boundaries: the same numbers as alone)
-        new = ids[len(r.state.ids) :]
-        head, record = new[:-1], r.state.record
         step = min(cfg.prefill_step_size, self.prefill_chunk)
-        step = min(step, record.max_chunk) if record else step
-        r.chunks = deque([head[i : i + step] for i in range(0, len(head), step)] + [new[-1:]])
+        r.chunks = deque(prefill_chunks(ids, len(r.state.ids), step, r.state.record))
         self.prefilling.append(r)
 
     def _prefill(self, cap: FeatureCapture) -> None:
@@ -345,10 +341,8 @@ class BatchEngine:
             return
         self.prefilling.remove(r)
         cfg = r.cfg
-        drafts_from_text = cfg.copies or (cfg.suffixes and self.answers is not None)
-        # as alone (engine/cycle.py)
-        if drafts_from_text and cfg.penalties is None and r.con is None:
-            r.index = CopyIndex(r.ids, memory=self._memory(r), local=cfg.copies)
+        bound = cfg.penalties is not None or r.con is not None
+        r.index = copy_index(r.ids, cfg.copies, self._memory(r), bound)
         r.anchor, lps = first_token(
             last, r.ids, cfg.sampling, r.key(), cfg.penalties, r.con, cfg.logprobs
         )
@@ -395,12 +389,9 @@ class BatchEngine:
             a, bonus = row[0], row[1]
             committed = row[2 : 2 + a] + [bonus]
             kept = [r.anchor] + committed[:-1]
-            r.state.rollback.rollback(c.widths[i] - len(kept), len(kept) - 1)
-            r.ctx.add(c.feats[i][None, : len(kept)])
-            r.state.ids += kept
+            features = c.feats[i][None, : len(kept)]
+            commit(r.state, r.ctx.add, r.index, features, c.widths[i], kept)
             r.anchor = bonus
-            if r.index is not None:
-                r.index.extend(kept)
             if c.copied[i]:
                 r.policy.update(c.copied[i], a)
                 self.stats.copied += a
@@ -453,18 +444,14 @@ class BatchEngine:
 
     def _may_copy(self, r: BatchRequest) -> bool:
         """Whether the row's next cycle may copy (then its anchor is needed on the host)."""
-        return r.index is not None and r.policy.paused == 0 and r.index.may_match()
+        return may_copy(r.index, r.policy)
 
     def _copy(self, r: BatchRequest, queued: bool) -> list[int]:
         """The row's copy for this cycle: what followed its last tokens earlier, as long as
         its policy allows and its budget has room for ([]: none), as alone. A step `queued`
         ahead cannot copy (its anchors are lazy) but counts down a pause, as alone."""
-        if r.index is None:
-            return []
-        most, room = r.policy.length(), r.cfg.max_tokens - r.out.count
-        if queued or room <= 1 or most == 0:
-            return []
-        return r.index.propose(r.anchor, min(most, room - 1))
+        anchor = None if queued else r.anchor  # a step queued ahead: its anchors are lazy
+        return propose_copy(r.index, r.policy, anchor, r.cfg.max_tokens - r.out.count)
 
     def _build(
         self, rows: list[BatchRequest], bs: int, cap: FeatureCapture, first: mx.array | None = None

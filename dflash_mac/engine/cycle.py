@@ -23,6 +23,7 @@ from ..pair import Pair
 from ..target.capture import FeatureCapture, queues_layers
 from .constraints import Constraint, Grammar
 from .drafts import Cycle, DraftContext, Lane, pick
+from .row import commit, copy_index, may_copy, propose_copy
 from .verify import SamplingParams, TokenLogprob, logprob_rows, read_logprobs, sample_logits
 
 
@@ -159,8 +160,7 @@ class CyclePipeline:
         token, self.first_logprobs = first_token(
             logits, prompt, self.sp, self.key(), self.pen, self.con, self.logprobs
         )
-        if self.copies:
-            self.index = CopyIndex(prompt, memory=self.memory, local=self.local)
+        self.index = copy_index(prompt, self.local, self.memory, not self.copies)
         self.t_sync = time.perf_counter()
         return token
 
@@ -171,8 +171,7 @@ class CyclePipeline:
         self.rng = rng
         if self.con is not None:
             self.lane.con = con
-        if self.copies:
-            self.index = CopyIndex(ids, memory=self.memory, local=self.local)
+        self.index = copy_index(ids, self.local, self.memory, not self.copies)
         self.t_sync = time.perf_counter()
 
     # -- the cycle ---------------------------------------------------------------------------
@@ -239,7 +238,7 @@ class CyclePipeline:
     # -- its parts ---------------------------------------------------------------------------
     def may_copy(self) -> bool:
         """Whether the next cycle may copy (then it waits for its anchor, not queued ahead)."""
-        return self.index is not None and self.policy.paused == 0 and self.index.may_match()
+        return may_copy(self.index, self.policy)
 
     def start(self, bs: int, anchor: int | mx.array, room: int = 0) -> Cycle:
         """Queue a cycle: the drafter pass for `[anchor, MASK...]` (none at block 1), or drafts
@@ -251,11 +250,7 @@ class CyclePipeline:
         penalty = (
             self.pen.bind(self.state.ids[-self.pen.context_size :] + [anchor]) if self.pen else None
         )
-        # every cycle counts down a pause, a plain step queued ahead too (it cannot copy: its
-        # anchor is lazy), else a pause begun among such steps would never end
-        most = self.policy.length() if self.index is not None else 0
-        can_copy = isinstance(anchor, int) and room > 1 and most > 0
-        copy = self.index.propose(anchor, min(most, room - 1)) if can_copy else []
+        copy = propose_copy(self.index, self.policy, anchor, room)
         suffixed = bool(copy) and self.index.suffixed
         if copy and self.copy_len is not None:  # as long as the costs say it pays
             n = self.copy_len(len(copy), self.policy)
@@ -293,8 +288,4 @@ class CyclePipeline:
             rows = mx.array([0, *(path or [])], mx.int32)
             keep_path(self.state.target_cache, c.start, rows[1:], len(kept))
             features = features[:, rows]
-        self.state.rollback.rollback(c.width - len(kept), len(kept) - 1)
-        self.ctx.add(features)
-        self.state.ids += kept
-        if self.index is not None:
-            self.index.extend(kept)
+        commit(self.state, self.ctx.add, self.index, features, c.width, kept)

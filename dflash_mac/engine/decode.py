@@ -25,6 +25,7 @@ from ..target.kvwindow import bound_context, target_cache
 from ..target.rollback import TargetRollback, trim_caches
 from .constraints import Constraint, Grammar
 from .cycle import CyclePipeline, trees_allowed
+from .row import open_output, prefill_chunks
 from .stats import DecodeStats, StatsRecorder
 from .textstream import TextStream
 from .verify import SamplingParams, TokenLogprob
@@ -138,11 +139,7 @@ def prefill(pair: Pair, state: DecodeState, ids: list[int], cap: FeatureCapture,
     token in chunks, then the last token alone); feed every position's features to the drafter.
     Returns the last position's logits [V]."""
     pos, record = len(state.ids), state.record
-    new = ids[pos:]
-    assert new, "prefill needs at least one new token"
-    head = new[:-1]
-    step = min(step, record.max_chunk) if record else step
-    chunks = [head[i : i + step] for i in range(0, len(head), step)] + [new[-1:]]
+    chunks = prefill_chunks(ids, pos, step, record)
     for k, chunk in enumerate(chunks):
         logits = pair.target(mx.array(chunk)[None], cache=state.target_cache)
         pair.drafter.extend_context(cap.features(), state.draft_cache)
@@ -216,13 +213,10 @@ def speculative_stream(
 
     # earlier answers (suffix drafting): the session's, kept across its requests
     memory = tuning.answers if tuning is not None and cfg.suffixes else None
-    ends = cfg.use_eos or cfg.grammar is not None  # a grammar's end is the answer's end
     facts = mirror.facts() if mirror is not None else {}
     if resume is None:
-        out = TextStream(pair.tokenizer, cfg.stop, pair.eos_ids if ends else set())
-        rec = StatsRecorder(
-            block.size, len(prompt_ids), len(state.ids), block.auto, facts, mx.get_peak_memory
-        )
+        cached = len(state.ids)
+        out, rec = open_output(pair, cfg, block.size, block.auto, len(prompt_ids), cached, facts)
     else:
         out, rec = resume.out, resume.rec
     stopped, handed = should_stop or (lambda: False), hand_back or (lambda: False)
