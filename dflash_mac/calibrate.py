@@ -192,7 +192,7 @@ def measure(
     cycle is its verify and the host sync. Given `sizes` (1 and max_bs among them), only those
     are timed and the others interpolated (listed under `interpolated`). Where the medians
     read as a busy machine's (`sizing.cost.noise`), `reps` more rounds are timed, up to
-    NOISY_RETRIES times (`reps` then counts them all)."""
+    NOISY_RETRIES times (`retried`)."""
     ids = prompt_ids(pair.drafter.config.vocab_size, context)
     sp = SamplingParams(temperature)
     sizes = sorted(sizes) if sizes else list(range(1, max_bs + 1))
@@ -224,12 +224,9 @@ def measure(
     between = [b for b in range(1, max_bs + 1) if b not in sizes]  # interpolated
     return (
         table
-        | {
-            "tree_depth": max_bs - 1,
-            "context": context,
-            "reps": reps * (attempt + 1),
-        }
+        | {"tree_depth": max_bs - 1, "context": context, "reps": reps}
         | ({"interpolated": between} if between else {})
+        | ({"retried": attempt} if attempt else {})  # `reps` more rounds, `attempt` times
     )
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -20,6 +19,7 @@ from ..drafting.suffix import SuffixMemory
 from ..drafting.tree import keep_path, ropes, supports
 from ..models.penalties import Penalties
 from ..pair import Pair
+from ..sizing.sizer import CopySizer
 from ..target.capture import FeatureCapture, queues_layers
 from .constraints import Constraint, Grammar
 from .drafts import Cycle, DraftContext, Lane, pick
@@ -83,20 +83,51 @@ class Outcome:
     drafted: int = 0  # accepted drafts the drafter proposed (less a grafted copy's)
 
 
+class Sizes:
+    """How a request's cycles are sized: the controller's choice each cycle (`auto`: `plan`,
+    asked once per cycle, never more: its choice has side effects), else the fixed `block`;
+    the tree budget of the drafting cycle chosen (a fixed budget where only trees draft); and,
+    where a controller prices them, how long a copy runs and whether a doubtful one rides on
+    the tree (without one: the longest copy, always grafted)."""
+
+    def __init__(self, block: int, plan: CopySizer | None, trees=(), chains: bool = True):
+        self.block, self.plan = block, plan
+        self.fixed_tree = trees[0] if trees and not chains else 0
+
+    @property
+    def priced(self) -> bool:
+        return self.plan is not None
+
+    def size(self, room: int) -> int:
+        return max(1, min(self.plan.choose().size if self.plan else self.block, room))
+
+    def budget(self) -> int:
+        """The tree budget of the drafting cycle `size` chose (0: a chain)."""
+        return self.plan.last.tree if self.plan else self.fixed_tree
+
+    def copy_len(self, longest: int, policy: CopyPolicy) -> int:
+        """Tokens to copy of the `longest` proposed: as long as the costs say it pays."""
+        return self.plan.copy_length(longest, policy.rate)
+
+    def graft(self, copy: int, budget: int, policy: CopyPolicy) -> bool:
+        """Whether a doubtful copy rides on the tree of `budget` nodes, where the costs say so."""
+        rates = policy.rates
+        return self.plan.graft_pays(budget, copy, rates.doubtful_hit, rates.doubtful_zero)
+
+
 class CyclePipeline:
     """Runs the cycles of one request on its decode state (see the module docstring).
 
-    `size(room)` is the loop's block-size rule (called once per cycle, never more: the
-    controller's choice has side effects). A drafting cycle is queued right after the previous
-    sync, before the host's bookkeeping; a plain step (block 1) keeps its one position whatever
-    it samples, so it is settled before its sync and, when the next cycle is a plain step too,
+    A drafting cycle is queued right after the previous sync, before the host's bookkeeping;
+    a plain step (block 1) keeps its one position whatever it samples, so it is settled before
+    its sync and, when the next cycle is a plain step too,
     that one is queued on the still-lazy token (as mlx-lm's `generate_step`). A drafting cycle
     is never queued ahead of a plain step's sync: it would run inside that step's interval and
     both would be timed wrong. Penalties bind the committed ids on the host, and a grammar
     (`grammar`) follows them there, so both turn that look-ahead off. `logprobs` (the top k, 0
     for the committed tokens' alone) adds each committed position's log-probabilities to the
-    outcome the host reads: still one sync per cycle. `tree()` gives the node budget of the
-    next drafting cycle (0: a chain; called right after `size`): a tree is drafted and verified
+    outcome the host reads: still one sync per cycle. `sizes` (`Sizes`) gives each cycle's
+    size and the node budget of a drafting cycle (0: a chain): a tree is drafted and verified
     where the target takes trees (drafting/tree.py) and no penalties, grammar or logprobs bind
     it."""
 
@@ -106,20 +137,18 @@ class CyclePipeline:
         state,  # decode.DecodeState
         cap: FeatureCapture,
         sp: SamplingParams,
-        size: Callable[[int], int],
+        sizes: Sizes,
         penalties: Penalties | None = None,
         seed: int | None = None,
         pipelined: bool = True,
         logprobs: int | None = None,
         grammar: Grammar | None = None,
         copy: bool = False,
-        tree: Callable[[], int] | None = None,
-        graft: Callable[[int, int, CopyPolicy], bool] | None = None,
-        copy_len: Callable[[int, CopyPolicy], int] | None = None,
         copy_rates: CopyRates | None = None,
         memory: SuffixMemory | None = None,
     ):
-        self.pair, self.state, self.cap, self.sp, self.size = pair, state, cap, sp, size
+        self.pair, self.state, self.cap, self.sp, self.sizes = pair, state, cap, sp, sizes
+        self.size = sizes.size
         self.pen = penalties
         self.logprobs = logprobs
         con = grammar.start(pair) if grammar is not None else None
@@ -137,9 +166,7 @@ class CyclePipeline:
         self.local = copy  # copies from this request's text (else only from `memory`)
         self.index: CopyIndex | None = None  # built from the prompt (`first_token`)
         self.memory = memory  # earlier answers (suffix drafting; None: off)
-        self.tree = tree if trees else None
-        self.graft = graft  # (copy length, tree budget, policy) -> graft it; None: always
-        self.copy_len = copy_len  # (longest copy, policy) -> tokens to copy; None: the longest
+        self.trees = trees  # drafting cycles may be trees (the sizes say which)
         self.policy = CopyPolicy(rates=copy_rates or CopyRates())  # rates: the caller's to keep
         self.queued: Cycle | None = None  # the next cycle, queued ahead
         self.chosen: int | None = None  # the next size, chosen before a plain step's sync
@@ -252,15 +279,16 @@ class CyclePipeline:
         )
         copy = propose_copy(self.index, self.policy, anchor, room)
         suffixed = bool(copy) and self.index.suffixed
-        if copy and self.copy_len is not None:  # as long as the costs say it pays
-            n = self.copy_len(len(copy), self.policy)
+        sizes = self.sizes
+        if copy and sizes.priced:  # as long as the costs say it pays
+            n = sizes.copy_len(len(copy), self.policy)
             if n == 0 and (k := self.policy.probe(len(copy))):  # priced at a fresh start's
-                n = self.copy_len(k, CopyPolicy())  # rates: where even those lose, no probe
+                n = sizes.copy_len(k, CopyPolicy())  # rates: where even those lose, no probe
             copy = copy[:n]
-        budget = self.tree() if self.tree is not None and bs > 1 else 0
+        budget = sizes.budget() if self.trees and bs > 1 else 0
         grafts = bool(copy and budget) and not self.policy.sure
-        if grafts and self.graft is not None:
-            grafts = self.graft(len(copy), budget, self.policy)
+        if grafts and sizes.priced:
+            grafts = sizes.graft(len(copy), budget, self.policy)
         # the strategy (drafts.py): a copy alone, a plain step, a tree, a chain
         kind = pick(bs, copy, grafts, budget, self.lane)
         c = kind.draft(self.lane, bs, anchor, key, penalty, copy)

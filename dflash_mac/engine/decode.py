@@ -13,7 +13,6 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..drafting.copies import CopyPolicy
 from ..models.penalties import Penalties
 from ..pair import Mirror, Pair
 from ..sizing.choice import BlockChoice, block_size_for
@@ -24,7 +23,8 @@ from ..target.capture import FeatureCapture, queues_layers
 from ..target.kvwindow import bound_context, target_cache
 from ..target.rollback import TargetRollback, trim_caches
 from .constraints import Constraint, Grammar
-from .cycle import CyclePipeline, trees_allowed
+from .cycle import CyclePipeline, Outcome, Sizes, trees_allowed
+from .drafts import Cycle
 from .row import open_output, prefill_chunks
 from .stats import DecodeStats, StatsRecorder
 from .textstream import TextStream
@@ -154,6 +154,61 @@ def prefill(pair: Pair, state: DecodeState, ids: list[int], cap: FeatureCapture,
     return logits[0, -1]
 
 
+def sizes_for(
+    pair: Pair,
+    cfg: GenerationConfig,
+    block: BlockChoice,
+    state: DecodeState,
+    prompt: int,
+    tuning: AutoTuning | None,
+    controller: BlockSizer | None,
+) -> Sizes:
+    """How a request's cycles are sized: `controller`, else with `auto` one of `tuning`'s (a
+    seeded sampled request: one on the prior alone, so its sizes and with them its draws
+    depend only on the seed and the text), else the fixed block; trees where allowed."""
+    sp = cfg.sampling
+    seeded = cfg.seed is not None and not sp.greedy  # same seed, same text: timing-free sizes
+    setting = (sp.temperature, sp.top_p, sp.top_k, sp.min_p)
+    treeable = trees_allowed(pair, state.target_cache, cfg.penalties, cfg.grammar, cfg.logprobs)
+    trees, chains = tree_arms(cfg.tree if treeable else 0)
+    plan = controller or (
+        (tuning or AutoTuning()).controller(
+            block.size, setting, prompt, not sp.greedy, not seeded, trees, chains
+        )
+        if block.auto
+        else None
+    )
+    return Sizes(block.size, plan, trees, chains)
+
+
+def record(rec: StatsRecorder, c: Cycle, r: Outcome, reason: str, rows: int) -> None:
+    """A cycle's statistics: its size, tokens, host time, the controller's reason, the
+    drafter's context rows, and whether a copy (or its grafted branch) won it."""
+    copied = c.copied or r.accepted > r.drafted  # a grafted copy's branch won
+    width = c.drafts.shape[0] + 1  # a tree's or a graft's nodes, anchor in
+    rec.cycle(
+        c.bs, r.accepted + 1, r.host, reason, rows, copied, c.budget, width, copied and c.suffixed
+    )
+
+
+def event(
+    out: TextStream,
+    text: str,
+    before: int,
+    accepted: int,
+    rec: StatsRecorder,
+    logprobs: list[TokenLogprob] | None,
+    generated: int | None = None,
+) -> GenerationEvent:
+    """What a step committed: the text and tokens since `before`, their logprobs (the kept
+    ones), the statistics so far (of `generated` tokens: the first one counts, even an EOS)."""
+    lps = logprobs and logprobs[: out.count - before]  # the tokens kept
+    stats = rec.snapshot(out.count if generated is None else generated)
+    return GenerationEvent(
+        text, out.tokens[before:], accepted, stats, out.finish_reason, lps, out.stopped_by
+    )
+
+
 @contextmanager
 def request_end(mirror: Mirror | None):
     """Tell a distributed target's mirror that the request ended, however it ended."""
@@ -187,30 +242,8 @@ def speculative_stream(
     state = state or DecodeState(pair)
     block = cfg.block or block_size_for(pair, None)
     sp, mirror = cfg.sampling, pair.mirror
-    seeded = cfg.seed is not None and not sp.greedy  # same seed, same text: timing-free sizes
-    setting = (sp.temperature, sp.top_p, sp.top_k, sp.min_p)
-    treeable = trees_allowed(pair, state.target_cache, cfg.penalties, cfg.grammar, cfg.logprobs)
-    trees, chains = tree_arms(cfg.tree if treeable else 0)
-    plan = controller or (
-        (tuning or AutoTuning()).controller(
-            block.size, setting, len(prompt_ids), not sp.greedy, not seeded, trees, chains
-        )
-        if block.auto
-        else None
-    )
-
-    def size(room: int) -> int:
-        return max(1, min(plan.choose().size if plan else block.size, room))
-
-    def budget() -> int:  # the tree budget of the drafting cycle `size` chose (0: a chain)
-        return plan.last.tree if plan else trees[0] if trees and not chains else 0
-
-    def graft(copy: int, budget: int, policy: CopyPolicy) -> bool:  # where the costs say so
-        return plan.graft_pays(budget, copy, policy.rates.doubtful_hit, policy.rates.doubtful_zero)
-
-    def copy_len(longest: int, policy: CopyPolicy) -> int:  # as long as the costs say it pays
-        return plan.copy_length(longest, policy.rate)
-
+    sizes = sizes_for(pair, cfg, block, state, len(prompt_ids), tuning, controller)
+    plan = sizes.plan
     # earlier answers (suffix drafting): the session's, kept across its requests
     memory = tuning.answers if tuning is not None and cfg.suffixes else None
     facts = mirror.facts() if mirror is not None else {}
@@ -224,20 +257,16 @@ def speculative_stream(
     capture = FeatureCapture(pair.target, pair.layer_ids, queue=queues_layers(), features=gathered)
     with capture as cap, state.rollback.hooks(), mx.stream(generation_stream), request_end(mirror):
         pen, asks = cfg.penalties, (cfg.logprobs, cfg.grammar, cfg.copies)
+        rates = plan.copy_rates if plan else None
         pipe = CyclePipeline(
-            pair, state, cap, sp, size, pen, cfg.seed, cfg.pipeline, *asks, tree=budget,
-            graft=graft if plan else None, copy_len=copy_len if plan else None,
-            copy_rates=plan.copy_rates if plan else None, memory=memory,
-        )  # fmt: skip
+            pair, state, cap, sp, sizes, pen, cfg.seed, cfg.pipeline, *asks, rates, memory
+        )
         if resume is None:
             logits = prefill(pair, state, prompt_ids, cap, cfg.prefill_step_size)
             anchor = pipe.first_token(logits, prompt_ids)
             rec.prefilled()
             text = out.push([anchor], cfg.max_tokens)
-            lps = pipe.first_logprobs and pipe.first_logprobs[: out.count]
-            yield GenerationEvent(
-                text, out.tokens[:], 0, rec.snapshot(1), out.finish_reason, lps, out.stopped_by
-            )
+            yield event(out, text, 0, 0, rec, pipe.first_logprobs, generated=1)
         else:
             pipe.resume(state.ids, resume.rng, resume.con)
             anchor = out.tokens[-1]  # committed, not yet cached
@@ -253,19 +282,8 @@ def speculative_stream(
             pipe.ahead(anchor, room - len(r.committed))  # queued before the bookkeeping
             before = out.count
             text = out.push(r.committed, cfg.max_tokens)
-            reason = plan.last.reason if plan else ""
-            copied = c.copied or r.accepted > r.drafted  # a grafted copy's branch won
-            width = c.drafts.shape[0] + 1  # a tree's or a graft's nodes, anchor in
-            rec.cycle(
-                c.bs, r.accepted + 1, r.host, reason, pipe.ctx.rows, copied, c.budget, width,
-                copied and c.suffixed,
-            )  # fmt: skip
-            stats = rec.snapshot(out.count)
-            lps = r.logprobs and r.logprobs[: out.count - before]  # the tokens kept
-            yield GenerationEvent(
-                text, out.tokens[before:], r.accepted + 1, stats, out.finish_reason, lps,
-                out.stopped_by,
-            )  # fmt: skip
+            record(rec, c, r, plan.last.reason if plan else "", pipe.ctx.rows)
+            yield event(out, text, before, r.accepted + 1, rec, r.logprobs)
 
         pipe.close()
         if out.finish_reason is None and not handed():
