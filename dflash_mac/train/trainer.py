@@ -78,6 +78,9 @@ def prepare_data(
     fixed-text file is a part of its own (one feature store each)."""
     t0 = time.perf_counter()
     seqs, parts = [], []
+    longest = max(16, args.max_length - args.block_size - 1)
+    # fixed text first: a bad record fails before the answers are generated
+    fixed = [load_fixed(tokenizer, path, args.cache_dir / "data", longest) for path in args.fixed]
     for prompts, temp, seed in args.parts:
         part, data_file = load_or_regenerate(
             model,
@@ -88,7 +91,7 @@ def prepare_data(
             max_tokens=args.max_new_tokens,
             temp=temp,
             seed=seed,
-            max_prompt=max(16, args.max_length - args.block_size - 1),
+            max_prompt=longest,
             limit=args.limit,
             batch_size=args.gen_batch_size,
             log=log,
@@ -101,10 +104,7 @@ def prepare_data(
         ]
         seqs += part
         parts.append((data_file, len(part)))
-    for path in args.fixed:  # fixed text: tokenized, not answered
-        part, data_file = load_fixed(
-            tokenizer, path, args.cache_dir / "data", max(16, args.max_length - args.block_size - 1)
-        )
+    for part, data_file in fixed:  # fixed text: tokenized, not answered
         part = [
             q for q in part if min(len(q.ids), args.max_length) - len(q.prompt) >= args.block_size
         ]
