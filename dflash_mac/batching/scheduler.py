@@ -287,7 +287,7 @@ class BatchEngine:
         self.stats.handed_back += 1
         r.anchor = r.out.tokens[-1]
         if r.index is not None:
-            r.index = CopyIndex(r.state.ids, memory=self._memory(r), local=r.cfg.copies)
+            r.index = copy_index(r.state.ids, r.cfg.copies, self._memory(r), bound=False)
 
     # -- admission and prefill ---------------------------------------------------------------
     def _admit(self, r: BatchRequest) -> None:
@@ -390,7 +390,7 @@ class BatchEngine:
             committed = row[2 : 2 + a] + [bonus]
             kept = [r.anchor] + committed[:-1]
             features = c.feats[i][None, : len(kept)]
-            commit(r.state, r.ctx.add, r.index, features, c.widths[i], kept)
+            commit(r.state, r.ctx, r.index, features, c.widths[i], kept)
             r.anchor = bonus
             if c.copied[i]:
                 r.policy.update(c.copied[i], a)

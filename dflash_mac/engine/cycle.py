@@ -148,7 +148,6 @@ class CyclePipeline:
         memory: SuffixMemory | None = None,
     ):
         self.pair, self.state, self.cap, self.sp, self.sizes = pair, state, cap, sp, sizes
-        self.size = sizes.size
         self.pen = penalties
         self.logprobs = logprobs
         con = grammar.start(pair) if grammar is not None else None
@@ -204,7 +203,7 @@ class CyclePipeline:
     # -- the cycle ---------------------------------------------------------------------------
     def cycle(self, anchor: int, room: int) -> Cycle:
         """The next cycle: the one queued ahead, else one queued now. Draft → verify queued."""
-        c = self.queued or self.start(self.chosen or self.size(room), anchor, room)
+        c = self.queued or self.start(self.chosen or self.sizes.size(room), anchor, room)
         self.queued = self.chosen = None
         if c.verdict is None:  # a hybrid's verify: queued once the last rollback is done
             self.queue_verify(c)
@@ -216,7 +215,7 @@ class CyclePipeline:
         ahead = self.lookahead and c.bs == 1 and room > 1
         if ahead:
             self.settle(c, [anchor])
-            self.chosen = self.size(room - 1)
+            self.chosen = self.sizes.size(room - 1)
             if self.chosen == 1 and not self.may_copy():
                 self.queued = self.start(1, c.verdict[1])
         t_host = time.perf_counter()
@@ -252,7 +251,7 @@ class CyclePipeline:
     def ahead(self, anchor: int, room: int) -> None:
         """Queue the next cycle right after the sync, before the host's bookkeeping."""
         if self.queued is None and room > 0 and (self.pipelined or self.chosen):
-            self.queued = self.start(self.chosen or self.size(room), anchor, room)
+            self.queued = self.start(self.chosen or self.sizes.size(room), anchor, room)
             self.chosen = None
 
     def close(self) -> None:
@@ -316,4 +315,4 @@ class CyclePipeline:
             rows = mx.array([0, *(path or [])], mx.int32)
             keep_path(self.state.target_cache, c.start, rows[1:], len(kept))
             features = features[:, rows]
-        commit(self.state, self.ctx.add, self.index, features, c.width, kept)
+        commit(self.state, self.ctx, self.index, features, c.width, kept)

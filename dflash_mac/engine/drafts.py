@@ -9,6 +9,7 @@ settled, timed."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
 
 import mlx.core as mx
@@ -346,6 +347,12 @@ class Tree(Strategy):
 PLAIN, CHAIN, CONSTRAINED, COPY = Plain(), Chain(), Constrained(), Copy()
 
 
+@cache
+def tree_of(budget: int) -> Tree:
+    """The tree strategy of a node budget (one object per budget, not one per cycle)."""
+    return Tree(budget)
+
+
 def pick(bs: int, copy: list[int], grafted: bool, budget: int, lane: Lane) -> Strategy:
     """The strategy of a cycle of `bs` (1: a plain step) with a proposed `copy` (grafted onto
     a tree of `budget` nodes, or alone) under the request's grammar."""
@@ -354,5 +361,5 @@ def pick(bs: int, copy: list[int], grafted: bool, budget: int, lane: Lane) -> St
     if bs == 1:
         return PLAIN
     if budget:
-        return Tree(budget)
+        return tree_of(budget)
     return CHAIN if lane.con is None else CONSTRAINED

@@ -6,7 +6,6 @@ settle into its caches, drafter context and index."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -14,6 +13,7 @@ import mlx.core as mx
 from ..drafting.copies import CopyIndex, CopyPolicy
 from ..drafting.suffix import SuffixMemory
 from ..pair import Pair
+from .drafts import DraftContext
 from .stats import StatsRecorder
 from .textstream import TextStream
 
@@ -75,7 +75,7 @@ def propose_copy(index: CopyIndex | None, policy: CopyPolicy, anchor: Any, room:
 
 def commit(
     state: Any,  # decode.DecodeState
-    add_features: Callable[[mx.array], None],
+    ctx: DraftContext,
     index: CopyIndex | None,
     features: mx.array,
     width: int,
@@ -85,7 +85,7 @@ def commit(
     the rest back, hand the kept positions' `features` to the drafter's context, and add
     `kept` to the cached ids and the copy index."""
     state.rollback.rollback(width - len(kept), len(kept) - 1)
-    add_features(features)
+    ctx.add(features)
     state.ids += kept
     if index is not None:
         index.extend(kept)
