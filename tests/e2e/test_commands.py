@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from dflash_mac.calibrate import busy
+
 from .conftest import Cli, installed_command, user_env
 
 pytestmark = pytest.mark.slow  # starts the installed command in subprocesses
@@ -131,7 +133,10 @@ def test_auto_measures_the_cost_curve_once_at_first_use(tmp_path):
     assert curve["quick"]
     r = cli("generate", "hi", "-n", str(N), "--temp", "0.7", "-v")
     assert r.returncode == 0, r.stderr
-    assert MEASURED not in r.stderr and path.read_text() == json.dumps(curve, indent=1) + "\n"
+    if busy(curve):  # timed on a busy host (CI beside other jobs): measured again, counted
+        assert MEASURED in r.stderr and json.loads(path.read_text())["tries"] == 2
+    else:  # a steady curve is kept as it was
+        assert MEASURED not in r.stderr and path.read_text() == json.dumps(curve, indent=1) + "\n"
     if OPENBLAS:  # one BLAS thread per core unless the user sets OPENBLAS_NUM_THREADS
         assert f"BLAS OpenBLAS ({os.cpu_count()} threads)" in r.stderr
     # what `auto` saw is remembered for the next process, per setting: greedy and T 0.7 here
