@@ -123,12 +123,19 @@ def test_a_restarted_drafter_starts_a_lineage_of_its_own():
 
 
 def test_the_fixed_text_is_new_and_keeps_the_suites_out():
-    """The teacher-forced text: stdlib functions no prompt set asks for (as a fenced answer to
-    the function's ask) and the openings of pydoc's language reference; no held-out module of
-    the code suite, no chat-suite prompt; the committed copy is what this stdlib gives."""
-    rows = smollm2.fixed_text()
+    """The teacher-forced text, part by part: stdlib functions no prompt set asks for (as a
+    fenced answer to the function's ask) and pydoc's language reference (the openings, then
+    the rest a piece per "tell me more", a piece of overlapping topics once); no function
+    or piece in two parts, no held-out module of
+    the code suite, no chat-suite prompt; the committed copies are what this stdlib gives."""
+    parts = [smollm2.fixed_text(i) for i in range(len(smollm2.FIXED))]
+    rows = [r for part in parts for r in part]
     code = [r for r in rows if r["answer"].startswith("```python")]
-    assert len(code) == smollm2.FIXED_CODE and len(rows) > len(code) + 50
+    for part, count in zip(parts, smollm2.FIXED_CODE):
+        assert sum(r["answer"].startswith("```python") for r in part) == count
+        assert len(part) > count + 50
+    later = [r["answer"] for part in parts[1:] for r in part]
+    assert len(set(later)) == len(later) and not set(later) & {r["answer"] for r in parts[0]}
     skip, sets = 0, []
     for counts in (smollm2.COUNTS, smollm2.COUNTS2, smollm2.COUNTS3):
         asks = smollm2.used_examples(counts)  # write, ask, multi (then long: pasted modules)
@@ -145,6 +152,16 @@ def test_the_fixed_text_is_new_and_keeps_the_suites_out():
     assert len(named) > 50 and not named & {m.name for m in heldout}
     chat = {p.prompt[0]["content"] for p in suite_prompts("chat", lambda _: None)}
     assert not chat & {r["messages"][0]["content"] for r in rows}
-    committed = smollm2.COMMITTED / f"{smollm2.FIXED}.gz"
-    kept = [json.loads(line) for line in gzip.open(committed, "rt", encoding="utf-8")]
-    assert kept == rows
+    for name, part in zip(smollm2.FIXED, parts):
+        committed = smollm2.COMMITTED / f"{name}.gz"
+        assert [json.loads(line) for line in gzip.open(committed, "rt", encoding="utf-8")] == part
+
+
+def test_a_topic_is_cut_into_whole_paragraphs():
+    """Each piece ends at a paragraph, holds about FIXED_PART characters, and the pieces
+    together are the topic; a paragraph longer than twice the size is cut."""
+    paras = [f"p{i} " + "x" * 400 for i in range(10)]
+    pieces = smollm2.topic_parts("\n\n".join(paras), size=1_000)
+    assert "\n\n".join(pieces) == "\n\n".join(paras)
+    assert all(len(p) <= 1_000 + 410 for p in pieces) and len(pieces) == 5
+    assert smollm2.topic_parts("y" * 5_000, size=1_000) == ["y" * 2_000]

@@ -454,49 +454,83 @@ def prompts3(chats: list[tuple[list[dict], str]]) -> list[dict]:
     return rows
 
 
-FIXED = "fixed.jsonl"  # in the cache: fixed text taught teacher-forced (`fixed_text`)
-FIXED_CODE = 300  # stdlib functions no prompt set asks for
-FIXED_PART = 1_500  # characters of a documentation topic, at most (its opening)
+FIXED = ("fixed.jsonl", "fixed2.jsonl")  # in the cache: fixed text, part by part (`fixed_text`)
+FIXED_CODE = (300, 1_500)  # stdlib functions no prompt set asks for, a part
+FIXED_PART = 1_500  # characters of a documentation topic's opening (the first part)
+MORE_ASKS = (
+    "Tell me more about `{name}` in Python.",
+    "Go on: what else should I know about `{name}` in Python?",
+    "Explain the details of `{name}` in Python.",
+)
 
 
-def fixed_text() -> list[dict]:
-    """Fixed text the drafter learns teacher-forced (no generation: `train.data.load_fixed`):
-    `FIXED_CODE` functions of the stdlib's train split that no prompt set asks for, each the
-    fenced answer to its own ask, and the opening of each topic of the language reference
-    pydoc ships (`pydoc_data.topics`), the answer to an "explain". The held-out modules of
-    the `code` suite stay out (`corpus.split_modules`)."""
-    from pydoc_data.topics import topics
-
+def fixed_functions() -> list[dict]:
+    """Every stdlib function of the train split that no prompt set asks for (its body not
+    asked under another name either), in a fixed order: the fenced answer to its own ask."""
     rng = random.Random(0)  # the order `code_prompts` draws its examples in
     train, _ = corpus.split_modules()
     examples = [ex for m in train for ex in corpus.chat_examples(m)]
     rng.shuffle(examples)
     skip = used_examples() + used_examples(COUNTS2) + used_examples(COUNTS3)
-    seen = {ex.assistant for ex in examples[:skip]}  # a body asked about under another name too
+    seen = {ex.assistant for ex in examples[:skip]}
     rows = []
     for ex in examples[skip:]:
-        if ex.assistant not in seen and len(rows) < FIXED_CODE:
+        if ex.assistant not in seen:
             seen.add(ex.assistant)
             rows.append({"messages": user(ex.user)["messages"], "answer": fenced(ex.assistant)})
-    for name in sorted(topics):
-        text = ""
-        for para in topics[name].strip().split("\n\n"):  # whole paragraphs
-            if text and len(text) + len(para) > FIXED_PART:
-                break
-            text = f"{text}\n\n{para}" if text else para
-        ask = f"Explain `{name}` in Python."
-        rows.append({"messages": user(ask)["messages"], "answer": text[: 2 * FIXED_PART]})
     return rows
 
 
-def stage_fixed(cache: Path) -> Path:
-    """``cache/fixed.jsonl`` (`fixed_text`), written once and committed gzipped beside the
-    answers, so a machine with another Python's stdlib trains on the same text."""
-    path = cache / FIXED
-    if not restore(COMMITTED / f"{FIXED}.gz", path):
-        path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in fixed_text()))
-        keep(path, COMMITTED / f"{FIXED}.gz")
-    return path
+def topic_parts(text: str, size: int = FIXED_PART) -> list[str]:
+    """A documentation topic in pieces of whole paragraphs, each about `size` characters
+    (a longer paragraph is its own piece, cut at twice that)."""
+    parts, piece = [], ""
+    for para in text.strip().split("\n\n"):
+        if piece and len(piece) + len(para) > size:
+            parts.append(piece)
+            piece = ""
+        piece = f"{piece}\n\n{para}" if piece else para
+    return [p[: 2 * size] for p in [*parts, piece] if p]
+
+
+def fixed_text(part: int = 0) -> list[dict]:
+    """Fixed text the drafter learns teacher-forced (no generation: `train.data.load_fixed`),
+    in parts that never overlap: part 0 holds `FIXED_CODE[0]` functions no prompt set asks for
+    and the opening of each topic of the language reference pydoc ships
+    (`pydoc_data.topics`) as the answer to an "explain"; part 1 the next `FIXED_CODE[1]`
+    functions and the rest of every topic, a piece per "tell me more". The held-out modules of
+    the `code` suite stay out (`corpus.split_modules`)."""
+    from pydoc_data.topics import topics
+
+    first = sum(FIXED_CODE[:part])
+    rows = fixed_functions()[first : first + FIXED_CODE[part]]
+    seen = {topic_parts(topics[name])[0] for name in topics}  # part 0's openings
+    for name in sorted(topics):
+        pieces = topic_parts(topics[name])
+        if part == 0:
+            rows.append({**user(f"Explain `{name}` in Python."), "answer": pieces[0]})
+            continue
+        # topics overlap (`compound` holds `try`, `specialnames` `customization`): once each
+        for i, piece in enumerate(p for p in pieces[1:] if p not in seen):
+            seen.add(piece)
+            ask = MORE_ASKS[i % len(MORE_ASKS)].format(name=name)
+            rows.append({**user(ask), "answer": piece})
+    return rows
+
+
+def stage_fixed(cache: Path) -> list[Path]:
+    """``cache/fixed*.jsonl`` (`fixed_text`, a file a part), written once and committed
+    gzipped beside the answers, so a machine with another Python's stdlib trains on the same
+    text."""
+    paths = []
+    for part, name in enumerate(FIXED):
+        path = cache / name
+        if not restore(COMMITTED / f"{name}.gz", path):
+            rows = fixed_text(part)
+            path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+            keep(path, COMMITTED / f"{name}.gz")
+        paths.append(path)
+    return paths
 
 
 def answered_chats(cache: Path, decode) -> list[tuple[list[dict], str]]:
@@ -724,7 +758,7 @@ def drafter_args(
         extra_prompts=answered_shards(cache),  # later sets' answered shards (greedy)
         sampled_prompts=answered_shards(cache, sampled=True),  # ... and those answered at T 0.7
         sampled_temp=RECOMMENDED_TEMP,
-        fixed=[cache / FIXED] if (cache / FIXED).exists() else [],  # `stage_fixed`
+        fixed=[cache / f for f in FIXED if (cache / f).exists()],  # `stage_fixed`
         save_every=10,
         resume=True,
         save_dtype="float16",
