@@ -528,7 +528,7 @@ def test_cost_curve_times_plain_steps_as_a_pipelined_run(tiny_pair, monkeypatch)
     real = CyclePipeline.start
 
     def spy(self, bs, anchor, room=0):
-        starts.append((bs, self.state.target_cache[0].offset, isinstance(anchor, mx.array)))
+        starts.append((bs, self.row.state.target_cache[0].offset, isinstance(anchor, mx.array)))
         return real(self, bs, anchor, room)
 
     monkeypatch.setattr(CyclePipeline, "start", spy)

@@ -21,10 +21,11 @@ from test_penalties import BIAS, PEN, exact_penalised_joint
 from test_sampling import PROMPT, chi_square_p, exact_joint, small_pair  # noqa: F401  (fixture)
 
 from dflash_mac.api import make_config
-from dflash_mac.batching import ragged
+from dflash_mac.batching import ragged, scheduler
 from dflash_mac.batching.ragged import batch_reason, forward_rows, ragged_hooks
 from dflash_mac.batching.scheduler import BatchEngine, BatchRequest
 from dflash_mac.engine.decode import DecodeState, GenerationConfig, speculative_stream
+from dflash_mac.engine.row import open_row
 from dflash_mac.engine.verify import SamplingParams
 from dflash_mac.sizing.batch_rule import BatchBlockRule
 from dflash_mac.sizing.choice import BlockChoice
@@ -129,7 +130,7 @@ def test_a_row_under_a_grammar_takes_plain_steps_beside_drafting_rows(tiny_pair,
     assert [r["tokens"] for r in got] == refs
     text = tiny_pair.tokenizer.decode([t for t in refs[0] if t not in tiny_pair.eos_ids])
     assert isinstance(json.loads(text), dict) and got[0]["reason"] == "stop"
-    assert set(got[0]["req"].rec.sizes) == {1} and max(got[1]["req"].rec.sizes) == 5
+    assert set(got[0]["req"].row.rec.sizes) == {1} and max(got[1]["req"].row.rec.sizes) == 5
 
 
 def test_batched_forward_and_ragged_rollback_equal_each_row_alone(tiny_pair, on_thread):
@@ -209,9 +210,9 @@ def test_rows_of_different_block_sizes_share_a_batch_each_as_alone(tiny_pair, on
     assert [r["tokens"] for r in got] == refs
     assert engine.stats.blocks.get(8, 0) > 0 and engine.stats.rows / engine.stats.cycles > 2
     for r, b in zip(got, blocks):  # each row's own cycles: never past its size, and up to it
-        sizes = r["req"].rec.sizes
+        sizes = r["req"].row.rec.sizes
         assert max(sizes) == b.size, (b, sizes)
-    assert sum(got[0]["req"].rec.lengths) == 40 - 1  # block 1: a plain step per token
+    assert sum(got[0]["req"].row.rec.lengths) == 40 - 1  # block 1: a plain step per token
 
 
 def test_oracle_ragged_acceptance_matches_plain_decoding(tiny_pair, on_thread):
@@ -654,17 +655,24 @@ def test_rows_that_copy_share_a_batch_with_drafting_rows_each_as_alone(tiny_pair
     assert [r["tokens"] for r in got] == refs == [r["tokens"] for r in plain]
     assert engine.stats.copy_cycles > 0 and off.stats.copy_cycles == 0
     assert engine.stats.copied > engine.stats.copy_cycles  # copies were accepted
-    assert any(got[0]["req"].rec.copied)
+    assert any(got[0]["req"].row.rec.copied)
     assert engine.stats.rows < off.stats.rows  # the copying rows needed fewer cycles
     assert engine.stats.rows / engine.stats.cycles > 2  # they did decode together
     assert engine.stats.as_dict()["copied_tokens"] == engine.stats.copied
 
 
 @pytest.mark.parametrize("pause", [8, 10**6])
-def test_a_rows_pause_ends_among_plain_steps_queued_ahead(tiny_pair, on_thread, pause):
+def test_a_rows_pause_ends_among_plain_steps_queued_ahead(tiny_pair, on_thread, pause, monkeypatch):
     """Batched plain steps queued ahead cannot copy (their anchors are lazy) but each counts
     down a row's pause, as alone: the copying rows resume copies. Control: a pause longer than
     the answers keeps every copy out."""
+
+    def paused(*args, **kwargs):  # each row opens with its copies paused
+        row = open_row(*args, **kwargs)
+        row.policy.paused = pause
+        return row
+
+    monkeypatch.setattr(scheduler, "open_row", paused)
 
     def run():
         tok = tiny_pair.tokenizer
@@ -676,7 +684,6 @@ def test_a_rows_pause_ends_among_plain_steps_queued_ahead(tiny_pair, on_thread, 
             req = BatchRequest(
                 i, cfg, DecodeState(tiny_pair), lambda ev, k=k: got[k].extend(ev.tokens)
             )
-            req.policy.paused = pause
             engine.add(req)
         while engine.busy:
             engine.step()

@@ -231,12 +231,12 @@ def test_a_pause_ends_among_plain_steps_queued_ahead(tiny_pair, monkeypatch, pau
     copy). Control: a pause longer than the answer keeps every copy out."""
     import functools
 
-    import dflash_mac.engine.cycle as cycle
+    import dflash_mac.engine.row as row
 
     tok = tiny_pair.tokenizer
     src = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
     ids = tok.encode(src * 3 + "# again\n" + src[:20])
-    monkeypatch.setattr(cycle, "CopyPolicy", functools.partial(CopyPolicy, paused=pause))
+    monkeypatch.setattr(row, "CopyPolicy", functools.partial(CopyPolicy, paused=pause))
     plain = generate(tiny_pair, ids, max_tokens=48, use_eos=False, block_size=1, copy=False)
     out = generate(tiny_pair, ids, max_tokens=48, use_eos=False, block_size=1, copy=True)
     assert out.tokens == plain.tokens

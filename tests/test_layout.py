@@ -311,7 +311,7 @@ def test_folders_form_no_cycle(graph):
     """Issue 54: folders that show the design. No two folders (nor a folder and a module at the
     top) import each other, even through different modules: the engine consults sizing/, so
     the calibration that drives the engine is no part of sizing/; prefix/ builds on the
-    engine, so the engine types the prompt cache's recorder itself (`decode.Recorder`)."""
+    engine, so the engine types the prompt cache's recorder itself (`state.Recorder`)."""
     cycle = find_cycle(folder_graph(graph))
     assert cycle is None, "folder cycle: " + " → ".join(cycle)
 

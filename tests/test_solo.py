@@ -40,7 +40,7 @@ def test_a_lone_request_runs_alone_then_shares_the_batch_and_stays_exact(tiny_pa
     assert stats["handed_back"] == 1 and stats["cycles"] > 0  # batched while both were in
     assert stats["solo_cycles"] >= 4  # before request 1 came and after it left
     lone = got[0]["req"]
-    assert len(lone.rec.sizes) == stats["solo_cycles"] + stats["cycles"]  # every cycle counted
+    assert len(lone.row.rec.sizes) == stats["solo_cycles"] + stats["cycles"]  # every cycle counted
     assert lone.state.ids == lone.ids + refs[0][:-1]  # the last token is committed, not cached
     assert lone.state.target_cache[0].offset == len(lone.state.ids)
 
@@ -121,7 +121,7 @@ def test_a_lone_row_under_a_grammar_drafts_as_alone(tiny_pair, on_thread):  # no
         for solo in (None, AutoTuning()):
             engine = BatchEngine(pair, 3, 5, auto=False, solo=solo)
             got = batched(pair, [(ids, cfg)], engine)[0]
-            out[solo is not None] = got["tokens"], set(got["req"].rec.sizes), got["reason"]
+            out[solo is not None] = got["tokens"], set(got["req"].row.rec.sizes), got["reason"]
         return ref, out
 
     ref, out = on_thread(run)

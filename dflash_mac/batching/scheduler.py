@@ -15,10 +15,11 @@ what followed there instead (drafting/copies.py), with its own `CopyPolicy`, in 
 others' blocks: rows of different lengths are packed into one sequence (`forward_rows`), so a
 long copy costs its own tokens, not a padding of every row to its length.
 
-A request alone in the engine (nothing else decoding, prefilling or waiting) runs its cycles
-through the one-request loop instead (`Solo`, given the session's `AutoTuning`): its `auto`
-controller with trees, probes and drafts under a grammar, as `generate` runs it. When another
-request arrives, the lone one is handed back to the batch at its next cycle boundary.
+Each request's state is one `engine.row.Row`, the same as alone. A request alone in the
+engine (nothing else decoding, prefilling or waiting) has its row's cycles run by the
+one-request loop instead (`decode.cycles` in `Solo`, given the session's `AutoTuning`): its
+`auto` controller with trees, probes and drafts under a grammar, as `generate` runs it. When
+another request arrives, the batch takes the row back as it stands, at the cycle boundary.
 
 Each request's events are `decode.GenerationEvent`s, as `speculative_stream` yields them, given
 to its `emit` callback. Rows keep their own block size, sampling settings, penalties,
@@ -28,7 +29,6 @@ plain steps with the grammar's mask: its drafts would need a host round trip per
 
 from __future__ import annotations
 
-import random
 import time
 from collections import deque
 from collections.abc import Callable
@@ -37,23 +37,22 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from ..drafting.copies import CopyIndex, CopyPolicy
-from ..engine.constraints import Constraint
-from ..engine.cycle import first_token
-from ..engine.decode import (
-    DecodeState,
-    GenerationConfig,
-    GenerationEvent,
-    Resume,
-    speculative_stream,
+from ..engine.decode import DecodeState, GenerationConfig, GenerationEvent, cycles, sizes_for
+from ..engine.row import (
+    Row,
+    commit,
+    event,
+    may_copy,
+    open_row,
+    prefill_chunks,
+    propose_copy,
+    start,
 )
-from ..engine.drafts import DraftContext
-from ..engine.row import commit, copy_index, may_copy, open_output, prefill_chunks, propose_copy
 from ..engine.stats import StatsRecorder
-from ..engine.textstream import TextStream
-from ..engine.verify import TokenLogprob, read_logprobs
+from ..engine.verify import read_logprobs
 from ..pair import Pair
 from ..sizing.batch_rule import BatchBlockRule
+from ..sizing.choice import block_size_for
 from ..sizing.sizer import BatchSizer
 from ..sizing.tuning import AutoTuning
 from ..target.capture import FeatureCapture, queues_layers
@@ -78,19 +77,9 @@ class BatchRequest:
     should_stop: Callable[[], bool] | None = None
     done: Callable[[BatchRequest], None] | None = None  # after its last event, caches settled
     # -- the engine's
-    out: TextStream | None = None
-    rec: StatsRecorder | None = None
-    ctx: DraftContext | None = None
-    con: Constraint | None = None  # the grammar's state (structured output)
-    index: CopyIndex | None = None  # copy drafting over prompt + committed ids (None: off)
-    policy: CopyPolicy = field(default_factory=CopyPolicy)
-    rng: random.Random = field(default_factory=random.Random)
+    row: Row | None = None  # its cycle state, once admitted
     chunks: deque = field(default_factory=deque)  # prefill chunks still to run
-    anchor: int = 0
     finished: bool = False
-
-    def key(self) -> mx.array:
-        return mx.random.key(self.rng.getrandbits(32))
 
     def stopped(self) -> bool:
         return self.should_stop is not None and self.should_stop()
@@ -162,30 +151,33 @@ class Step:
 
 
 class Solo:
-    """A lone request's cycles, run by the one-request loop (`decode.speculative_stream`) on
-    its own state, text and statistics: one cycle per `step`, until it ends or, once
-    `handing_back` is set, until the cycle boundary where the batch takes it back."""
+    """A lone request's cycles, run by the one-request loop (`decode.cycles`) on its row, one
+    per `step`, until it ends; `close` hands the row back to the batch at the cycle boundary."""
 
     def __init__(self, pair: Pair, r: BatchRequest, tuning: AutoTuning, rule: BatchSizer):
-        r.ctx.flush()  # features the batch left waiting go in before the loop's own
-        self.r, self.rule, self.handing_back = r, rule, False
-        self.cycles = 0  # cycles run alone
-        self.events = speculative_stream(  # keys from the row's one sequence, as alone
-            pair, r.ids, r.cfg, r.state, r.should_stop, tuning,
-            resume=Resume(r.out, r.rec, r.rng, r.con), hand_back=lambda: self.handing_back,
-        )  # fmt: skip
+        self.r, self.rule, self.cycles = r, rule, 0  # cycles run alone
+        block = r.cfg.block or block_size_for(pair, None)
+        sizes = sizes_for(pair, r.cfg, block, r.state, len(r.ids), tuning, None)
+        if sizes.plan is not None:  # the controller's copies go on from what its requests got
+            r.row.policy.rates = sizes.plan.copy_rates
+        self.events = cycles(pair, r.row, sizes, r.should_stop)
 
     def step(self) -> bool:
-        """One cycle, its event given to the request; False once the loop has ended (the
-        request finished or was cancelled, or it is handed back)."""
+        """One cycle, its event given to the request; False once the request has ended
+        (finished or cancelled)."""
         for ev in self.events:
             if ev.accepted > 0:  # a cycle's event, not a cancellation's
                 self.cycles += 1
-                self.learn(self.r.rec)
+                self.learn(self.r.row.rec)
             self.r.emit(ev)
             if ev.finish_reason is None:
                 return True
         return False
+
+    def close(self) -> None:
+        """Stop at the cycle boundary: the row's caches hold prompt + committed tokens but its
+        anchor, as the batch keeps them."""
+        self.events.close()
 
     def learn(self, rec: StatsRecorder) -> None:
         """The batch's acceptance learns from the cycle's chain of drafts (not a copy's or a
@@ -252,12 +244,18 @@ class BatchEngine:
     def step(self) -> None:
         """One scheduler iteration (module docstring)."""
         if (solo := self.solo) is not None:
-            solo.handing_back, before = bool(self.waiting), solo.cycles
-            going = solo.step()
-            self.stats.solo_cycles += solo.cycles - before
-            if going:
-                return self._count()
-            self._solo_ended()
+            if self.waiting:  # another request arrived: the batch takes the row back as it is
+                solo.close()
+                self.solo, self.stats.handed_back = None, self.stats.handed_back + 1
+            else:
+                before = solo.cycles
+                going = solo.step()
+                self.stats.solo_cycles += solo.cycles - before
+                if going:
+                    return self._count()
+                self.solo = None  # the request ended (its last event is out, a cancelled one too)
+                self.decoding.remove(solo.r)
+                self._end(solo.r)
         cap = FeatureCapture(self.pair.target, self.pair.layer_ids, queue=queues_layers())
         with ragged_hooks(self.pair), cap, mx.stream(generation_stream):
             self._drop_stopped()
@@ -277,27 +275,12 @@ class BatchEngine:
         lone = len(self.decoding) == 1 and not (self.prefilling or self.waiting or self.queued)
         return lone and self.tuning is not None and not self.decoding[0].finished
 
-    def _solo_ended(self) -> None:
-        """The lone request's loop ended: the request with it, or it goes on in the batch
-        (its caches hold prompt + committed tokens but the last, its anchor)."""
-        r, self.solo = self.solo.r, None
-        if r.out.finish_reason is not None:  # its last event is out (a cancelled one too)
-            self.decoding.remove(r)
-            return self._end(r)
-        self.stats.handed_back += 1
-        r.anchor = r.out.tokens[-1]
-        if r.index is not None:
-            r.index = copy_index(r.state.ids, r.cfg.copies, self._memory(r), bound=False)
-
     # -- admission and prefill ---------------------------------------------------------------
     def _admit(self, r: BatchRequest) -> None:
         cfg, ids = r.cfg, r.ids
         block = cfg.block.size if cfg.block else self.rule.bs_max
         auto = cfg.block.auto if cfg.block else True
-        r.out, r.rec = open_output(self.pair, cfg, block, auto, len(ids), len(r.state.ids))
-        r.ctx = DraftContext(self.pair.drafter, r.state.draft_cache)
-        r.con = cfg.grammar.start(self.pair) if cfg.grammar is not None else None
-        r.rng = random.Random(cfg.seed)
+        r.row = open_row(self.pair, ids, cfg, r.state, block, auto)
         # the chunks `decode.prefill` runs (same boundaries: the same numbers as alone)
         step = min(cfg.prefill_step_size, self.prefill_chunk)
         r.chunks = deque(prefill_chunks(ids, len(r.state.ids), step, r.state.record))
@@ -340,16 +323,9 @@ class BatchEngine:
         if r.chunks:
             return
         self.prefilling.remove(r)
-        cfg = r.cfg
-        bound = cfg.penalties is not None or r.con is not None
-        r.index = copy_index(r.ids, cfg.copies, self._memory(r), bound)
-        r.anchor, lps = first_token(
-            last, r.ids, cfg.sampling, r.key(), cfg.penalties, r.con, cfg.logprobs
-        )
-        r.rec.prefilled()
-        text = r.out.push([r.anchor], r.cfg.max_tokens)
-        r.emit(self._event(r, text, r.out.tokens[:], 0, lps and lps[: r.out.count]))
-        if r.out.finish_reason is not None:
+        text, lps = start(r.row, last, self.answers)
+        r.emit(event(r.row, text, 0, 0, lps, generated=1))
+        if r.row.out.finish_reason is not None:
             return self._end(r)
         self.decoding.append(r)
 
@@ -383,42 +359,41 @@ class BatchEngine:
         self.stats.last_block = bs
         self.stats.blocks[bs] = self.stats.blocks.get(bs, 0) + 1
         leaving = []
-        for i, (r, row) in enumerate(zip(rows, out)):
+        for i, (r, verdict) in enumerate(zip(rows, out)):
             if r.finished:  # cancelled while its step was queued: nothing of it is kept
                 continue
-            a, bonus = row[0], row[1]
-            committed = row[2 : 2 + a] + [bonus]
-            kept = [r.anchor] + committed[:-1]
+            row, (a, bonus) = r.row, verdict[:2]
+            committed = verdict[2 : 2 + a] + [bonus]
+            kept = [row.anchor] + committed[:-1]
             features = c.feats[i][None, : len(kept)]
-            commit(r.state, r.ctx, r.index, features, c.widths[i], kept)
-            r.anchor = bonus
+            commit(r.state, row.ctx, row.index, features, c.widths[i], kept)
+            row.anchor = bonus
             if c.copied[i]:
-                r.policy.update(c.copied[i], a)
+                row.policy.update(c.copied[i], a)
                 self.stats.copied += a
                 self.stats.suffixed += a if c.suffixed[i] else 0
-            if r.con is not None and not r.con.ended:  # a plain step: no drafts to forget
-                r.con.consume(bonus)
-            before = r.out.count
-            text = r.out.push(committed, r.cfg.max_tokens)
-            copied = bool(c.copied[i])
-            r.rec.cycle(sizes[i], a + 1, 0.0, c.reason, r.ctx.rows, copied, suffixed=c.suffixed[i])
+            if row.con is not None and not row.con.ended:  # a plain step: no drafts to forget
+                row.con.consume(bonus)
+            before = row.out.count
+            text = row.out.push(committed, r.cfg.max_tokens)
+            copied, suffixed = bool(c.copied[i]), c.suffixed[i]
+            row.rec.cycle(sizes[i], a + 1, 0.0, c.reason, row.ctx.rows, copied, suffixed=suffixed)
             lps = None if flats[i] is None else read_logprobs(flats[i], sizes[i], committed)
-            lps = lps and lps[: r.out.count - before]  # the tokens kept
-            r.emit(self._event(r, text, r.out.tokens[before:], a + 1, lps))
-            if r.out.finish_reason is not None or r.stopped():
+            r.emit(event(row, text, before, a + 1, lps))
+            if row.out.finish_reason is not None or r.stopped():
                 leaving.append(r)
         for r in leaving:
             self.decoding.remove(r)
-            self._end(r, cancelled=r.out.finish_reason is None)
+            self._end(r, cancelled=r.row.out.finish_reason is None)
 
     def _choose(self, rows: list[BatchRequest], spent: int) -> int:
         """The batch's block size for `rows`, each `spent` tokens further than it stands."""
-        room = max(r.cfg.max_tokens - r.out.count - spent for r in rows)
+        room = max(r.cfg.max_tokens - r.row.out.count - spent for r in rows)
         return self.rule.choose(len(rows), min(room, max(self._cap(r) for r in rows)))
 
     def _cap(self, r: BatchRequest) -> int:
         """The largest block a row may take (a grammar's row: plain steps)."""
-        return 1 if r.con is not None else r.cfg.block.size if r.cfg.block else self.rule.bs_max
+        return 1 if r.row.con is not None else r.cfg.block.size if r.cfg.block else self.rule.bs_max
 
     def ahead(self, c: Step, cap: FeatureCapture) -> None:
         """After a plain step, queue the next one on its still-lazy tokens, before its sync
@@ -428,30 +403,26 @@ class BatchEngine:
         rows = self.decoding
         if c.bs != 1 or any(c.copied) or not rows or self._alone():  # alone: `Solo` is next
             return
-        if any(r.cfg.penalties or r.con is not None or self._may_copy(r) for r in rows):
+        if any(r.cfg.penalties or r.row.con is not None or self._may_copy(r) for r in rows):
             return
-        if all(r.cfg.max_tokens - r.out.count <= 1 for r in c.rows):
+        if all(r.cfg.max_tokens - r.row.out.count <= 1 for r in c.rows):
             return  # the step ends every row
         if self._choose(rows, 1) != 1:
             return
         lazy = {id(r): c.outcome[i, 1:2] for i, r in enumerate(c.rows)}
-        anchors = [lazy.get(id(r), mx.array([r.anchor], mx.int32)) for r in rows]
+        anchors = [lazy.get(id(r), mx.array([r.row.anchor], mx.int32)) for r in rows]
         self.queued = self._build(rows, 1, cap, mx.stack(anchors))
-
-    def _memory(self, r: BatchRequest):
-        """The earlier answers the row may draft from (None: suffix drafting off)."""
-        return self.answers if r.cfg.suffixes else None
 
     def _may_copy(self, r: BatchRequest) -> bool:
         """Whether the row's next cycle may copy (then its anchor is needed on the host)."""
-        return may_copy(r.index, r.policy)
+        return may_copy(r.row.index, r.row.policy)
 
     def _copy(self, r: BatchRequest, queued: bool) -> list[int]:
         """The row's copy for this cycle: what followed its last tokens earlier, as long as
         its policy allows and its budget has room for ([]: none), as alone. A step `queued`
         ahead cannot copy (its anchors are lazy) but counts down a pause, as alone."""
-        anchor = None if queued else r.anchor  # a step queued ahead: its anchors are lazy
-        return propose_copy(r.index, r.policy, anchor, r.cfg.max_tokens - r.out.count)
+        anchor = None if queued else r.row.anchor  # a step queued ahead: its anchors are lazy
+        return propose_copy(r.row.index, r.row.policy, anchor, r.cfg.max_tokens - r.row.out.count)
 
     def _build(
         self, rows: list[BatchRequest], bs: int, cap: FeatureCapture, first: mx.array | None = None
@@ -463,15 +434,17 @@ class BatchEngine:
         reason = self.rule.last_reason
         sizes = [min(bs, self._cap(r)) for r in rows]  # a row never drafts past its own size
         sps = [r.cfg.sampling for r in rows]
-        keys = [r.key() for r in rows]
+        keys = [r.row.key() for r in rows]
         pens = [  # each row's penalties given its committed tail and anchor
-            p.bind(r.state.ids[-p.context_size :] + [r.anchor]) if (p := r.cfg.penalties) else None
+            p.bind(r.state.ids[-p.context_size :] + [r.row.anchor])
+            if (p := r.cfg.penalties)
+            else None
             for r in rows
         ]
         copies = [self._copy(r, queued=first is not None) for r in rows]
-        suffixed = [bool(cp) and r.index.suffixed for r, cp in zip(rows, copies)]
+        suffixed = [bool(cp) and r.row.index.suffixed for r, cp in zip(rows, copies)]
         if first is None:
-            first = mx.array([[r.anchor] for r in rows], mx.int32)  # [B, 1]
+            first = mx.array([[r.row.anchor] for r in rows], mx.int32)  # [B, 1]
         drafts: list[RowDraft | None] = [None] * len(rows)
         verify_keys = list(keys)
         drafting = [i for i, cp in enumerate(copies) if not cp]  # rows the drafter drafts for
@@ -481,8 +454,8 @@ class BatchEngine:
             anchors = first[mx.array(drafting)] if len(drafting) < len(rows) else first
             blocks = mx.concatenate([anchors, mx.full((len(drafting), bs - 1), mask, mx.int32)], 1)
             for i in drafting:
-                rows[i].ctx.flush()
-            caches = [rows[i].ctx.cache for i in drafting]
+                rows[i].row.ctx.flush()
+            caches = [rows[i].row.ctx.cache for i in drafting]
             subset = [sps[i] for i in drafting], [s[0] for s in split], [pens[i] for i in drafting]
             for i, d, s in zip(drafting, propose_rows(self.pair, blocks, caches, *subset), split):
                 drafts[i], verify_keys[i] = d, s[1]
@@ -502,7 +475,7 @@ class BatchEngine:
                 vocab = mx.arange(logits[i].shape[-1])[None]
                 drafts[i].q = (vocab == drafts[i].drafts[:, None]).astype(mx.float32)
         asks = [r.cfg.logprobs for r in rows]
-        masks = [None if r.con is None else r.con.mask() for r in rows]
+        masks = [None if r.row.con is None else r.row.con.mask() for r in rows]
         plain = bs == 1 and not any(copies)
         verdict, lp_rows = accept_rows(
             logits, None if plain else drafts, sps, verify_keys, sizes, pens, asks, masks
@@ -537,33 +510,20 @@ class BatchEngine:
         r.finished = True
         if self.queued is not None and any(q is r for q in self.queued.rows):  # its queued step
             r.state.rollback.trim(1)
-        if r.out is not None and cancelled:
-            r.out.finish_reason = "cancelled"
-            r.emit(self._event(r, r.out.flush(), [], 0))
-        if r.ctx is not None:
-            r.ctx.flush()
-        if r.out is not None and not r.chunks:  # prefilled: the prompt and the kept output
-            r.state.trim_to(len(r.ids) + r.out.count)
-            ended = r.out.finish_reason not in (None, "cancelled")
+        row = r.row  # None: never admitted
+        if row is not None and cancelled:
+            row.out.finish_reason = "cancelled"
+            r.emit(event(row, row.out.flush(), row.out.count, 0))
+        if row is not None:
+            row.ctx.flush()
+        if row is not None and not r.chunks:  # prefilled: the prompt and the kept output
+            r.state.trim_to(len(r.ids) + row.out.count)
+            ended = row.out.finish_reason not in (None, "cancelled")
             if ended and self.answers is not None and r.cfg.suffixes:
-                self.answers.add(r.out.tokens)  # later requests may draft from it
+                self.answers.add(row.out.tokens)  # later requests may draft from it
         mx.eval([c.state for c in r.state.target_cache + r.state.draft_cache if not c.empty()])
         if r.done is not None:
             r.done(r)
-
-    def _event(
-        self,
-        r: BatchRequest,
-        text: str,
-        tokens: list[int],
-        accepted: int,
-        logprobs: list[TokenLogprob] | None = None,
-    ):
-        out = r.out
-        stats = r.rec.snapshot(out.count) if r.rec else None
-        return GenerationEvent(
-            text, tokens, accepted, stats, out.finish_reason, logprobs, out.stopped_by
-        )
 
     def _count(self) -> None:
         s = self.stats

@@ -8,52 +8,21 @@ next for the block-size controller."""
 
 from __future__ import annotations
 
-import random
 import time
 from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..drafting.copies import CopyIndex, CopyPolicy, CopyRates
-from ..drafting.suffix import SuffixMemory
+from ..drafting.copies import CopyPolicy
 from ..drafting.tree import keep_path, ropes, supports
 from ..models.penalties import Penalties
 from ..pair import Pair
 from ..sizing.sizer import CopySizer
 from ..target.capture import FeatureCapture, queues_layers
-from .constraints import Constraint, Grammar
-from .drafts import Cycle, DraftContext, Lane, pick
-from .row import commit, copy_index, may_copy, propose_copy
-from .verify import SamplingParams, TokenLogprob, logprob_rows, read_logprobs, sample_logits
-
-
-def first_token(
-    logits: mx.array,  # [V] the prefill's last
-    prompt: list[int],
-    sp: SamplingParams,
-    key: mx.array,
-    pen: Penalties | None = None,
-    con: Constraint | None = None,
-    logprobs: int | None = None,
-) -> tuple[int, list[TokenLogprob] | None]:
-    """The token after the prompt, under the request's penalties and grammar (which takes it),
-    and its log-probabilities when asked: one host sync. Alone and in a batch alike."""
-    if pen:
-        logits = pen.bind(prompt).apply(logits[None], mx.zeros((0,), mx.int32))[0]
-    if con:
-        logits = mx.where(con.mask(), logits, -mx.inf)
-    token = mx.argmax(logits) if sp.greedy else sample_logits(logits, sp, key)
-    lps = None
-    if logprobs is None:
-        token = token.item()
-    else:  # the token and its log-probabilities in one read
-        rows = logprob_rows(logits[None], token.reshape(1), logprobs)
-        flat = mx.concatenate([token.reshape(1).astype(mx.float32), rows]).tolist()
-        token = int(flat[0])
-        lps = read_logprobs(flat[1:], 1, [token])
-    if con:
-        con.consume(token)
-    return token, lps
+from .constraints import Grammar
+from .drafts import Cycle, Lane, pick
+from .row import Row, commit, may_copy, propose_copy
+from .verify import TokenLogprob, read_logprobs
 
 
 def trees_allowed(
@@ -116,7 +85,8 @@ class Sizes:
 
 
 class CyclePipeline:
-    """Runs the cycles of one request on its decode state (see the module docstring).
+    """Runs the cycles of one request's row (`row.Row`: its caches, text, grammar state,
+    copies and keys, which it moves on; see the module docstring).
 
     A drafting cycle is queued right after the previous sync, before the host's bookkeeping;
     a plain step (block 1) keeps its one position whatever it samples, so it is settled before
@@ -124,81 +94,29 @@ class CyclePipeline:
     that one is queued on the still-lazy token (as mlx-lm's `generate_step`). A drafting cycle
     is never queued ahead of a plain step's sync: it would run inside that step's interval and
     both would be timed wrong. Penalties bind the committed ids on the host, and a grammar
-    (`grammar`) follows them there, so both turn that look-ahead off. `logprobs` (the top k, 0
+    follows them there, so both turn that look-ahead off. `logprobs` (the top k, 0
     for the committed tokens' alone) adds each committed position's log-probabilities to the
     outcome the host reads: still one sync per cycle. `sizes` (`Sizes`) gives each cycle's
     size and the node budget of a drafting cycle (0: a chain): a tree is drafted and verified
     where the target takes trees (drafting/tree.py) and no penalties, grammar or logprobs bind
     it."""
 
-    def __init__(
-        self,
-        pair: Pair,
-        state,  # decode.DecodeState
-        cap: FeatureCapture,
-        sp: SamplingParams,
-        sizes: Sizes,
-        penalties: Penalties | None = None,
-        seed: int | None = None,
-        pipelined: bool = True,
-        logprobs: int | None = None,
-        grammar: Grammar | None = None,
-        copy: bool = False,
-        copy_rates: CopyRates | None = None,
-        memory: SuffixMemory | None = None,
-    ):
-        self.pair, self.state, self.cap, self.sp, self.sizes = pair, state, cap, sp, sizes
-        self.pen = penalties
-        self.logprobs = logprobs
-        con = grammar.start(pair) if grammar is not None else None
-        self.first_logprobs: list[TokenLogprob] | None = None  # of the first token
-        self.ctx = DraftContext(pair.drafter, state.draft_cache)
-        trees = trees_allowed(pair, state.target_cache, penalties, grammar, logprobs)
+    def __init__(self, pair: Pair, row: Row, cap: FeatureCapture, sizes: Sizes):
+        self.pair, self.row, self.cap, self.sizes = pair, row, cap, sizes
+        cfg = row.cfg
+        cache = row.state.target_cache
+        trees = trees_allowed(pair, cache, cfg.penalties, cfg.grammar, cfg.logprobs)
         # what every drafting strategy drafts and verifies against (drafts.py)
         hooks = ropes(pair.target) if trees else []  # found once, hooked per tree verify
-        self.lane = Lane(pair, state, self.ctx, sp, logprobs, con, hooks)
-        self.rng = random.Random(seed)  # each cycle's key from the host: no device work for it
-        self.pipelined = pipelined
-        self.lookahead = pipelined and penalties is None and self.con is None
-        # copy drafting (penalties and grammars bind drafts on the host: not with those)
-        self.copies = (copy or memory is not None) and penalties is None and self.con is None
-        self.local = copy  # copies from this request's text (else only from `memory`)
-        self.index: CopyIndex | None = None  # built from the prompt (`first_token`)
-        self.memory = memory  # earlier answers (suffix drafting; None: off)
+        self.lane = Lane(pair, row.state, row.ctx, cfg.sampling, cfg.logprobs, row.con, hooks)
+        self.pipelined = cfg.pipeline
+        self.lookahead = cfg.pipeline and cfg.penalties is None and row.con is None
         self.trees = trees  # drafting cycles may be trees (the sizes say which)
-        self.policy = CopyPolicy(rates=copy_rates or CopyRates())  # rates: the caller's to keep
         self.queued: Cycle | None = None  # the next cycle, queued ahead
         self.chosen: int | None = None  # the next size, chosen before a plain step's sync
         self.last_bs = 0  # the previous cycle's size (0: none yet)
         self.queue_time = 0.0  # spent queueing device work since the last sync
-        self.t_sync = time.perf_counter()
-
-    @property
-    def con(self) -> Constraint | None:
-        """The grammar's state (None: free text)."""
-        return self.lane.con
-
-    def key(self) -> mx.array:
-        return mx.random.key(self.rng.getrandbits(32))
-
-    def first_token(self, logits: mx.array, prompt: list[int]) -> int:
-        """The token after the prompt from the prefill's last logits [V] (host sync)."""
-        token, self.first_logprobs = first_token(
-            logits, prompt, self.sp, self.key(), self.pen, self.con, self.logprobs
-        )
-        self.index = copy_index(prompt, self.local, self.memory, not self.copies)
-        self.t_sync = time.perf_counter()
-        return token
-
-    def resume(self, ids: list[int], rng: random.Random, con: Constraint | None) -> None:
-        """Go on from the cached `ids` (prompt + committed tokens but the anchor), drawing keys
-        from `rng`, with the grammar's state `con`: a request that got its first tokens
-        elsewhere (and its first key from `rng`, as `first_token` here would)."""
-        self.rng = rng
-        if self.con is not None:
-            self.lane.con = con
-        self.index = copy_index(ids, self.local, self.memory, not self.copies)
-        self.t_sync = time.perf_counter()
+        self.t_sync = time.perf_counter()  # the row's last sync (its first token's, just read)
 
     # -- the cycle ---------------------------------------------------------------------------
     def cycle(self, anchor: int, room: int) -> Cycle:
@@ -224,16 +142,17 @@ class CyclePipeline:
         n = len(drafted)
         own = a - sum(i > c.budget for i in path[:a])  # the rest came down the copy's branch
         if c.copied:
-            self.policy.update(n, a)
+            self.row.policy.update(n, a)
         elif c.copy:  # what the grafted copy would have committed alone
             same = [t == d for t, d in zip(c.copy, drafted[:a])]
-            self.policy.update(len(c.copy), same.index(False) if False in same else len(same))
+            self.row.policy.update(len(c.copy), same.index(False) if False in same else len(same))
         committed = drafted[:a] + [bonus]
-        lps = None if self.logprobs is None else read_logprobs(v.rows, c.bs, committed)
-        if self.con:  # the grammar forgets the rejected drafts and takes the bonus
-            self.con.rollback(n - a)
-            if not self.con.ended:
-                self.con.consume(bonus)
+        asks = self.row.cfg.logprobs is not None
+        lps = read_logprobs(v.rows, c.bs, committed) if asks else None
+        if self.row.con:  # the grammar forgets the rejected drafts and takes the bonus
+            self.row.con.rollback(n - a)
+            if not self.row.con.ended:
+                self.row.con.consume(bonus)
         t_now = time.perf_counter()
         host, seconds = t_host - self.t_sync - self.queue_time, t_now - self.t_sync
         self.t_sync, self.queue_time = t_now, 0.0
@@ -257,14 +176,14 @@ class CyclePipeline:
     def close(self) -> None:
         """The request ends: drop a cycle queued and never used, append waiting features."""
         if self.queued is not None and self.queued.verdict is not None:
-            self.state.rollback.trim(self.queued.width)
+            self.row.state.rollback.trim(self.queued.width)
         self.queued = None
-        self.ctx.flush()
+        self.row.ctx.flush()
 
     # -- its parts ---------------------------------------------------------------------------
     def may_copy(self) -> bool:
         """Whether the next cycle may copy (then it waits for its anchor, not queued ahead)."""
-        return may_copy(self.index, self.policy)
+        return may_copy(self.row.index, self.row.policy)
 
     def start(self, bs: int, anchor: int | mx.array, room: int = 0) -> Cycle:
         """Queue a cycle: the drafter pass for `[anchor, MASK...]` (none at block 1), or drafts
@@ -272,27 +191,26 @@ class CyclePipeline:
         the target is a hybrid (whose rollback must watch its verify), the verify behind it.
         The anchor may still be lazy (the token of a plain step not yet read back)."""
         t = time.perf_counter()
-        key = self.key()
-        penalty = (
-            self.pen.bind(self.state.ids[-self.pen.context_size :] + [anchor]) if self.pen else None
-        )
-        copy = propose_copy(self.index, self.policy, anchor, room)
-        suffixed = bool(copy) and self.index.suffixed
+        key = self.row.key()
+        pen, ids = self.row.cfg.penalties, self.row.state.ids
+        penalty = pen.bind(ids[-pen.context_size :] + [anchor]) if pen else None
+        copy = propose_copy(self.row.index, self.row.policy, anchor, room)
+        suffixed = bool(copy) and self.row.index.suffixed
         sizes = self.sizes
         if copy and sizes.priced:  # as long as the costs say it pays
-            n = sizes.copy_len(len(copy), self.policy)
-            if n == 0 and (k := self.policy.probe(len(copy))):  # priced at a fresh start's
+            n = sizes.copy_len(len(copy), self.row.policy)
+            if n == 0 and (k := self.row.policy.probe(len(copy))):  # priced at a fresh start's
                 n = sizes.copy_len(k, CopyPolicy())  # rates: where even those lose, no probe
             copy = copy[:n]
         budget = sizes.budget() if self.trees and bs > 1 else 0
-        grafts = bool(copy and budget) and not self.policy.sure
+        grafts = bool(copy and budget) and not self.row.policy.sure
         if grafts and sizes.priced:
-            grafts = sizes.graft(len(copy), budget, self.policy)
+            grafts = sizes.graft(len(copy), budget, self.row.policy)
         # the strategy (drafts.py): a copy alone, a plain step, a tree, a chain
         kind = pick(bs, copy, grafts, budget, self.lane)
         c = kind.draft(self.lane, bs, anchor, key, penalty, copy)
         c.suffixed = suffixed
-        if self.state.rollback.hybrid:  # its verify is queued once the last rollback is done
+        if self.row.state.rollback.hybrid:  # its verify is queued once the last rollback is done
             mx.async_eval(c.drafts)
         else:
             if bs > 1 and queues_layers():  # the drafter runs while the verify is built
@@ -313,6 +231,6 @@ class CyclePipeline:
             features = features[:, : len(kept)]
         else:
             rows = mx.array([0, *(path or [])], mx.int32)
-            keep_path(self.state.target_cache, c.start, rows[1:], len(kept))
+            keep_path(self.row.state.target_cache, c.start, rows[1:], len(kept))
             features = features[:, rows]
-        commit(self.state, self.ctx, self.index, features, c.width, kept)
+        commit(self.row.state, self.row.ctx, self.row.index, features, c.width, kept)

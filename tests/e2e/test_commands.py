@@ -133,8 +133,9 @@ def test_auto_measures_the_cost_curve_once_at_first_use(tmp_path):
     assert curve["quick"]
     r = cli("generate", "hi", "-n", str(N), "--temp", "0.7", "-v")
     assert r.returncode == 0, r.stderr
-    if busy(curve):  # timed on a busy host (CI beside other jobs): measured again, counted
-        assert MEASURED in r.stderr and json.loads(path.read_text())["tries"] == 2
+    if busy(curve):  # timed on a busy host (CI beside other jobs): measured again, a busy
+        again = json.loads(path.read_text())  # one counted, a steady one starting afresh
+        assert MEASURED in r.stderr and again["tries"] == (2 if busy(again) else 1)
     else:  # a steady curve is kept as it was
         assert MEASURED not in r.stderr and path.read_text() == json.dumps(curve, indent=1) + "\n"
     if OPENBLAS:  # one BLAS thread per core unless the user sets OPENBLAS_NUM_THREADS
