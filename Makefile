@@ -10,11 +10,13 @@ PROMPT ?= Write a Python function that returns the n-th Fibonacci number.
 # whose folders are mapped (models/ -> dflash_mac.models); pyproject.toml leaves no warning.
 # `make run` installs what the commands need; `make test` adds the test tools (pytest, scipy,
 # clients, ruff, …), half of a fresh machine's install time.
+# Recipes run silently (@): `make run` shows one line while it installs, then the answer.
 $(BIN)/dflash-mac: pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/python -m pip install -q -e .
-	touch $(BIN)/dflash-mac
+	@echo "Installing dflash-mac into $(VENV) (first run only)..."
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@$(BIN)/python -m pip install -q --upgrade pip
+	@PYTHONWARNINGS="ignore:Editable installation" $(BIN)/python -m pip install -q -e .
+	@touch $(BIN)/dflash-mac
 
 $(VENV)/.test-tools: pyproject.toml $(BIN)/dflash-mac
 	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/python -m pip install -q -e ".[test]"
@@ -31,7 +33,7 @@ install-test: $(VENV)/.test-tools
 # that halves decode speed), elsewhere it prints the command (scripts/linux-libs.sh).
 run: install
 	@scripts/linux-libs.sh openblas
-	HF_HUB_OFFLINE=1 $(BIN)/dflash-mac generate "$(PROMPT)" --max-tokens 200 --verbose
+	@HF_HUB_OFFLINE=1 $(BIN)/dflash-mac generate "$(PROMPT)" --max-tokens 200 --verbose
 
 # Everything (what CI runs): lint, then the whole suite, on two workers (pytest-xdist): most
 # tests run tiny models in one thread, so two halve the wall time on two cores.

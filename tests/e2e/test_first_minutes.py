@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -243,3 +245,22 @@ def test_launch_runs_the_default_pair_as_one_process_does(tmp_path):
     assert two.returncode != 0 and "Traceback" not in two.stderr, two.stderr
     assert said and "target 'smollm2-135m' does not shard over 2 ranks" in said[0]
     assert "use -n 3" in said[0]
+
+
+@pytest.mark.slow
+def test_make_run_prints_the_answer_first_and_fits_one_screen(tmp_path):
+    """Issue 55: `make run` echoed its recipes (the venv, pip, the whole `dflash-mac generate`
+    command line) before the answer. Now the answer comes first on stdout, the statistics
+    after it on stderr, all on one screen (a fresh data directory, as on a fresh clone)."""
+    from .test_default_pair import first_use_env
+
+    root = Path(__file__).resolve().parents[2]
+    env = first_use_env(tmp_path / "home", DFLASH_MAC_CALIBRATE="0")  # first use: its own test
+    args = ["make", "--no-print-directory", "run", "PROMPT=Say hi in five words."]
+    r = subprocess.run(args, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    answer, stats = r.stdout.splitlines(), r.stderr.splitlines()
+    assert answer and answer[0].strip(), r.stdout  # the answer's first line, nothing before it
+    assert not any("dflash-mac generate" in x or "/bin/" in x for x in answer), r.stdout
+    assert any(x.startswith("generation ") for x in stats), r.stderr  # --verbose's statistics
+    assert len(answer) + len(stats) <= 40, r.stdout + r.stderr
