@@ -15,10 +15,16 @@ OPENBLAS_CANDIDATES = (
 )
 
 
+OPENBLAS_ENV = "DFLASH_MAC_OPENBLAS"  # an OpenBLAS outside the system's folders (conda, a build)
+
+
 def find_openblas() -> str | None:
-    """Path of an installed OpenBLAS shared library on Linux, if any."""
+    """Path of an installed OpenBLAS shared library on Linux, if any: the file
+    `DFLASH_MAC_OPENBLAS` names where it is set (None if it is no file), else the system's."""
     if sys.platform != "linux":
         return None
+    if given := os.environ.get(OPENBLAS_ENV):
+        return given if Path(given).is_file() else None
     return next((p for p in OPENBLAS_CANDIDATES if Path(p).exists()), None)
 
 
@@ -31,10 +37,10 @@ def slow_blas_note() -> str | None:
     OpenBLAS is there, on macOS, or when DFLASH_MAC_BLAS=reference asks for the reference."""
     if sys.platform != "linux" or find_openblas() or os.environ.get("DFLASH_MAC_BLAS"):
         return None
-    return (
-        "MLX runs on its slow reference BLAS here (about half the decode speed; drafting rarely "
-        f"pays): install OpenBLAS with `{OPENBLAS_INSTALL}`."
-    )
+    slow = "MLX runs on its slow reference BLAS here (about half the decode speed; drafting "
+    if given := os.environ.get(OPENBLAS_ENV):
+        return f"{OPENBLAS_ENV} names {given}, which is no file: {slow}rarely pays)."
+    return f"{slow}rarely pays): install OpenBLAS with `{OPENBLAS_INSTALL}`."
 
 
 def blas_in_use() -> str:

@@ -310,6 +310,7 @@ def test_a_linux_machine_without_openblas_gets_one_line_with_the_command(mac, mo
 
     monkeypatch.setattr(plat.sys, "platform", "linux")
     monkeypatch.delenv("DFLASH_MAC_BLAS", raising=False)
+    monkeypatch.delenv(plat.OPENBLAS_ENV, raising=False)
     monkeypatch.setattr(plat, "find_openblas", lambda: None)
     note = plat.slow_blas_note()
     assert note and note.endswith(f"`{plat.OPENBLAS_INSTALL}`.")
@@ -320,3 +321,21 @@ def test_a_linux_machine_without_openblas_gets_one_line_with_the_command(mac, mo
     monkeypatch.delenv("DFLASH_MAC_BLAS")
     monkeypatch.setattr(plat, "find_openblas", lambda: "/usr/lib/libopenblas.so.0")
     assert plat.slow_blas_note() is None
+
+
+def test_an_openblas_outside_the_system_folders_is_found_where_the_user_says(tmp_path, monkeypatch):
+    """DFLASH_MAC_OPENBLAS names the library (conda, a build of one's own); naming a file
+    that is not there finds none, and the start-up line says which setting is wrong."""
+    from dflash_mac import host as plat
+
+    monkeypatch.setattr(plat.sys, "platform", "linux")
+    monkeypatch.delenv("DFLASH_MAC_BLAS", raising=False)
+    lib = tmp_path / "libopenblas.so"
+    lib.write_bytes(b"\x7fELF")
+    monkeypatch.setenv(plat.OPENBLAS_ENV, str(lib))
+    assert plat.find_openblas() == str(lib) and plat.slow_blas_note() is None
+    monkeypatch.setenv(plat.OPENBLAS_ENV, str(tmp_path / "missing.so"))
+    assert plat.find_openblas() is None
+    assert plat.slow_blas_note().startswith(f"{plat.OPENBLAS_ENV} names {tmp_path}/missing.so")
+    monkeypatch.delenv(plat.OPENBLAS_ENV)
+    assert plat.find_openblas() in (*plat.OPENBLAS_CANDIDATES, None)  # the system's, if any
