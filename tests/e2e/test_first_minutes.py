@@ -93,6 +93,10 @@ def test_copies_are_named_with_the_widest_verify(cli):
     assert "copies " in line and f"widest verify {drafted['widest_verify']} positions" in line
     mix = line.removeprefix("blocks ").split(" (")[0]
     assert all(int(b.split("×")[0]) <= 4 for b in mix.split()), line  # the drafter's blocks
+    # the histogram counts the drafter's cycles: rows up to its largest block, not a row per
+    # position of the widest copy (a 17-token copy drew 17 rows of zeros)
+    rows = [int(n) for n in re.findall(r"^\s+(\d+) │", shown.stderr, re.M)]
+    assert rows == list(range(1, max(int(b.split("×")[0]) for b in mix.split()) + 1)), rows
 
 
 def test_trees_are_named_with_the_widest_verify(cli):
