@@ -112,6 +112,23 @@ def test_the_third_prompt_set_is_new_and_keeps_the_suites_out(tmp_path):
     assert smollm2.shard_order("prompts3-10.jsonl") == ("prompts3", 10)
 
 
+def test_the_fourth_set_is_the_second_answered_at_t07(tmp_path):
+    """Stage data4 answers the second set's prompts again, sampled this time: the same rows in
+    the same order (answered greedily before, so the answers are new text), its own stage."""
+    rows = smollm2.prompts4(tmp_path)
+    second = [
+        json.loads(line)
+        for f in sorted(
+            smollm2.COMMITTED.glob("prompts2-*.jsonl"), key=lambda p: smollm2.shard_order(p.name)
+        )
+        for line in f.read_text().splitlines()
+        if line.strip()
+    ]
+    assert len(rows) > 1000 and rows == second
+    assert "prompts4" in smollm2.SAMPLED_SETS and "prompts2" not in smollm2.SAMPLED_SETS
+    assert smollm2.ANSWERS["data4"] == "prompts4" and smollm2.ANSWERS["data2"] == "prompts2"
+
+
 def test_a_restarted_drafter_starts_a_lineage_of_its_own():
     rows = [
         {"stage": s, "steps": n} for s, n in (("6", 3337), ("7", 4456), ("8a", 400), ("8", 1191))

@@ -46,7 +46,7 @@ COMMITTED = OUT / "data"
 SOURCE = "smollm2-135m-gguf"  # registry [[source]]: the pinned wheel's GGUF file
 MASK_ID = 16  # `<empty_output>`: a control token the instruct model never writes
 RECOMMENDED_TEMP = 0.7
-STAGES = ("prompts", "data", "dflash2", "dflash")  # `all`; `data2` and `eval` on their own
+STAGES = ("prompts", "data", "dflash2", "dflash")  # `all`; `data2`..`data4` and `eval` alone
 CURVE = OUT / "curve.csv"  # the DFlash 2 drafter's held-out τ after every stage (campaign.py)
 ANSWERED = COMMITTED / "answered.json"  # second-set shard -> the file of its answers
 
@@ -376,7 +376,10 @@ CHAT_FOLLOW_UPS = [
     "That's helpful. What mistakes should I avoid?",
 ]
 COUNTS3 = {"write": 0, "ask": 160, "multi": 60, "long": 16, "chat_per_topic": 3, "follow": 200}
-SAMPLED_SETS = ("prompts3",)  # sets answered at RECOMMENDED_TEMP, not greedily
+# The fourth set (stage `data4`): the second set's prompts again, answered at T 0.7 (they were
+# answered greedily): sampled answers to code and everyday requests with no new prompts to
+# write, where the drafter's T 0.7 figures trail its greedy ones.
+SAMPLED_SETS = ("prompts3", "prompts4")  # sets answered at RECOMMENDED_TEMP, not greedily
 
 
 def fenced(code: str) -> str:
@@ -557,7 +560,8 @@ def answered_chats(cache: Path, decode) -> list[tuple[list[dict], str]]:
 
 
 SHARD = 256  # prompts a shard: its answers take ~12 min of two cores
-SETS = ("prompts2", "prompts3")  # the sets after the first, answered shard by shard
+SETS = ("prompts2", "prompts3", "prompts4")  # the sets after the first, shard by shard
+ANSWERS = {f"data{n.removeprefix('prompts')}": n for n in SETS}  # the stage answering each
 
 
 def stage_shards(cache: Path, name: str, decode=None) -> list[Path]:
@@ -566,7 +570,12 @@ def stage_shards(cache: Path, name: str, decode=None) -> list[Path]:
     `decode` (ids -> text) builds the third set's two-turn chats, once."""
     first = cache / f"{name}-0.jsonl"
     if not restore(COMMITTED / first.name, first):
-        rows = prompts2() if name == "prompts2" else prompts3(answered_chats(cache, decode))
+        if name == "prompts4":
+            rows = prompts4(cache)
+        elif name == "prompts3":
+            rows = prompts3(answered_chats(cache, decode))
+        else:
+            rows = prompts2()
         for i in range(0, len(rows), SHARD):
             corpus.write_jsonl(cache / f"{name}-{i // SHARD}.jsonl", rows[i : i + SHARD])
     shards = []
@@ -577,6 +586,17 @@ def stage_shards(cache: Path, name: str, decode=None) -> list[Path]:
         keep(path, COMMITTED / path.name)
         shards.append(path)
     return shards
+
+
+def prompts4(cache: Path) -> list[dict]:
+    """The fourth set: the second set's rows in its order (its committed shards), to be
+    answered at T 0.7 this time."""
+    return [
+        json.loads(x)
+        for f in stage_shards(cache, "prompts2")
+        for x in f.read_text().splitlines()
+        if x.strip()
+    ]
 
 
 def shard_order(name: str) -> tuple[str, int]:
@@ -838,7 +858,7 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--stage", choices=(*STAGES, "data2", "data3", "eval", "all"), default="all")
+    ap.add_argument("--stage", choices=(*STAGES, *ANSWERS, "eval", "all"), default="all")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--cache", type=Path, default=CACHE)
     ap.add_argument("--minutes", type=float, default=30.0, help="training budget per drafter")
@@ -885,8 +905,8 @@ def main(argv: list[str] | None = None) -> None:
             stage_prompts(args.cache)
         elif st == "eval":
             stage_eval(args.out)
-        elif st in ("data2", "data3"):
-            stage_answers(args.cache, args.out, args.minutes, f"prompts{st[-1]}")
+        elif st in ANSWERS:
+            stage_answers(args.cache, args.out, args.minutes, ANSWERS[st])
         elif st == "data":
             stage_data(args.cache, args.out)
         else:
