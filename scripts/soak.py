@@ -6,8 +6,9 @@ fresh subprocess on a free loopback port (offline, its data directory in a tempo
 cache kept on disk between them) and, for `--minutes` in all, sends it
 rounds of traffic from a few client threads: streaming and non-streaming OpenAI chat and
 completions, Ollama /api/chat and /api/generate, clients that disconnect mid-stream, malformed
-bodies, prompts over the context, and bursts past `--max-queue` (429). Anthropic-shaped requests
-are sent only when the server has a /v1/messages route.
+bodies, prompts over the context, and bursts past `--max-queue` (429). Anthropic Messages
+requests, streaming and not, and disconnects from its stream are sent only when the server has
+a /v1/messages route.
 
 It passes when every well-formed request got its right status, nothing answered 5xx, the
 server's log and stderr hold no traceback, the RSS after the run is within 10 % (at least 32 MB)
@@ -276,6 +277,11 @@ def check_answer(kind: str, r: httpx.Response, lines: list[str]) -> str:
     if kind.startswith("ollama.") and kind.endswith(".stream"):
         objs = [json.loads(ln) for ln in lines if ln.strip()]
         return "" if objs and objs[-1].get("done") is True else "the NDJSON stream never said done"
+    if kind == "anthropic.messages.stream":  # named SSE events, message_stop last
+        events = [ln[7:] for ln in lines if ln.startswith("event: ")]
+        if "error" in events:
+            return "the event stream carried an error"
+        return "" if events and events[-1] == "message_stop" else "no message_stop event"
     data = r.json()
     if kind.startswith("openai."):
         return "" if data["choices"][0]["finish_reason"] in ("stop", "length") else "bad finish"
@@ -307,9 +313,13 @@ def send(client: httpx.Client, root: str, kind: str, route: str, body: dict) -> 
     return Outcome(kind, 200, seconds, not problem, problem)
 
 
-def disconnect(root: str, rng: random.Random) -> Outcome:
-    """A streaming chat whose client goes away after its first chunks."""
-    route, body = body_for("openai.chat.stream", rng, SERVER_MAX_TOKENS)
+def disconnect(root: str, rng: random.Random, anthropic: bool = False) -> Outcome:
+    """A streaming chat whose client goes away after its first chunks: OpenAI's, or where the
+    server has the route, as often Anthropic's."""
+    if anthropic and rng.random() < 0.5:
+        route, body = "/v1/messages", anthropic_body(rng, True, SERVER_MAX_TOKENS)
+    else:
+        route, body = body_for("openai.chat.stream", rng, SERVER_MAX_TOKENS)
     t = time.monotonic()
     with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:  # its own connection, closed early
         try:
@@ -403,20 +413,21 @@ def client_loop(srv: Server, seed: int, tally: Tally, hang_up: bool) -> None:
                 tally.add(oversize(client, root, rng, srv.oversize))
             else:
                 kind = tally.next(tally.kinds, "kind")
-                if kind == "anthropic.messages":
-                    route, body = "/v1/messages", anthropic_body(rng)
+                if kind.startswith("anthropic.messages"):
+                    route, body = "/v1/messages", anthropic_body(rng, kind.endswith(".stream"))
                 else:
                     route, body = body_for(kind, rng, rng.choice([8, 16, 32]))
                 tally.add(send(client, root, kind, route, body))
     if hang_up:
-        tally.add(disconnect(root, rng))
+        tally.add(disconnect(root, rng, "anthropic.messages" in tally.kinds))
 
 
-def anthropic_body(rng: random.Random) -> dict:
+def anthropic_body(rng: random.Random, stream: bool = False, max_tokens: int = 32) -> dict:
     content = rng.choice(PROMPTS)
     return {
         "model": "dflash-mac",
-        "max_tokens": 32,
+        "max_tokens": max_tokens,
+        "stream": stream,
         "messages": [{"role": "user", "content": content}],
     }
 
@@ -676,7 +687,8 @@ def life(home: Path, args, rng: random.Random, minutes: float) -> dict:
         startup = srv.wait_healthy()
         anthropic = has_messages_route(srv.root)
         skipped = [] if anthropic else ["Anthropic-shaped requests: no /v1/messages route"]
-        tally = Tally([*WELL_FORMED, *(["anthropic.messages"] if anthropic else [])])
+        routes = ["anthropic.messages", "anthropic.messages.stream"] if anthropic else []
+        tally = Tally([*WELL_FORMED, *routes])
         end = time.monotonic() + minutes * 60
         rounds = traffic(srv, 0.2 * minutes * 60, rng, tally, whole=True)  # every kind
         srv.wait_idle()

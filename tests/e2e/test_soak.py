@@ -48,8 +48,22 @@ def test_short_soak_passes(tmp_path):
     assert set(soak.WELL_FORMED) <= kinds
     assert {"disconnect", "malformed", "oversize", "burst.429"} <= kinds
     assert summary["skipped"] == [] and "anthropic.messages" in kinds  # /v1/messages too
+    assert "anthropic.messages.stream" in kinds  # its event stream, read to message_stop
     assert [life["exit"] for life in summary["lives"]] == [0, 0]
     assert {c["check"].split(":")[0] for c in summary["checks"]} == {"life 1", "life 2"}
+
+
+def test_an_anthropic_stream_is_right_only_when_it_ends_in_message_stop():
+    """The soak's check of a streamed Messages answer: named events, message_stop last; a
+    stream cut short or carrying an error event is wrong (the controls)."""
+    soak = load_soak()
+    kind = "anthropic.messages.stream"
+    events = ["message_start", "content_block_start", "content_block_delta", "message_stop"]
+    good = [line for e in events for line in (f"event: {e}", "data: {}", "")]
+    assert soak.check_answer(kind, None, good) == ""
+    assert soak.check_answer(kind, None, good[:-3]) == "no message_stop event"
+    bad = good[:3] + ["event: error", 'data: {"type": "error"}', ""] + good[3:]
+    assert soak.check_answer(kind, None, bad) == "the event stream carried an error"
 
 
 def state(**totals) -> dict:
