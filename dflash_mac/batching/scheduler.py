@@ -46,6 +46,7 @@ from ..engine.row import (
     open_row,
     prefill_chunks,
     propose_copy,
+    remember,
     start,
 )
 from ..engine.stats import StatsRecorder
@@ -518,9 +519,7 @@ class BatchEngine:
             row.ctx.flush()
         if row is not None and not r.chunks:  # prefilled: the prompt and the kept output
             r.state.trim_to(len(r.ids) + row.out.count)
-            ended = row.out.finish_reason not in (None, "cancelled")
-            if ended and self.answers is not None and r.cfg.suffixes:
-                self.answers.add(row.out.tokens)  # later requests may draft from it
+            remember(row, self.answers)  # later requests may draft from its answer
         mx.eval([c.state for c in r.state.target_cache + r.state.draft_cache if not c.empty()])
         if r.done is not None:
             r.done(r)

@@ -643,7 +643,8 @@ def stage_answers(cache: Path, out: Path, minutes: float, name: str = "prompts2"
         keep(file, COMMITTED / f"{file.name}.gz")
         done[shard.name] = file.name
         ANSWERED.write_text(json.dumps(done, indent=1, sort_keys=True) + "\n")
-        console.log(f"{shard.name}: {n} answers -> {file.name} ({len(done)}/{len(shards)})")
+        answered = sum(s.name in done for s in shards)  # this set's
+        console.log(f"{shard.name}: {n} answers -> {file.name} ({answered}/{len(shards)})")
 
 
 def topic_questions(target, tokenizer, topics: list[str]) -> list[str]:

@@ -109,7 +109,6 @@ class CyclePipeline:
         # what every drafting strategy drafts and verifies against (drafts.py)
         hooks = ropes(pair.target) if trees else []  # found once, hooked per tree verify
         self.lane = Lane(pair, row.state, row.ctx, cfg.sampling, cfg.logprobs, row.con, hooks)
-        self.pipelined = cfg.pipeline
         self.lookahead = cfg.pipeline and cfg.penalties is None and row.con is None
         self.trees = trees  # drafting cycles may be trees (the sizes say which)
         self.queued: Cycle | None = None  # the next cycle, queued ahead
@@ -169,7 +168,7 @@ class CyclePipeline:
 
     def ahead(self, anchor: int, room: int) -> None:
         """Queue the next cycle right after the sync, before the host's bookkeeping."""
-        if self.queued is None and room > 0 and (self.pipelined or self.chosen):
+        if self.queued is None and room > 0 and (self.row.cfg.pipeline or self.chosen):
             self.queued = self.start(self.chosen or self.sizes.size(room), anchor, room)
             self.chosen = None
 

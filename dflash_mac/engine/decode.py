@@ -19,7 +19,7 @@ from ..target.capture import FeatureCapture, queues_layers
 from .config import GenerationConfig, GenerationEvent
 from .cycle import CyclePipeline, Outcome, Sizes, trees_allowed
 from .drafts import Cycle
-from .row import Row, event, open_row, prefill_chunks, start
+from .row import Row, event, open_row, prefill_chunks, remember, start
 from .state import DecodeState
 from .stats import StatsRecorder
 
@@ -125,9 +125,7 @@ def speculative_stream(
             text, lps = start(row, logits, memory)
         yield event(row, text, 0, 0, lps, generated=1)
         yield from cycles(pair, row, sizes, should_stop)
-    # a request that ended: later ones may draft from its answer
-    if memory is not None and cfg.suffixes and row.out.finish_reason != "cancelled":
-        memory.add(row.out.tokens)
+    remember(row, memory)  # later requests may draft from its answer
     # Caches hold exactly a prefix of prompt + kept output (the last token may be pending).
     state.trim_to(len(prompt_ids) + row.out.count)
     mx.eval([c.state for c in state.target_cache + state.draft_cache if not c.empty()])

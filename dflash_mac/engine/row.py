@@ -83,6 +83,14 @@ def start(
     return row.out.push([row.anchor], cfg.max_tokens), lps
 
 
+def remember(row: Row, memory: SuffixMemory | None) -> None:
+    """A request that ended (not cancelled): later ones may draft from its answer, where its
+    settings draft from earlier answers (`start`'s rule)."""
+    ended = row.out.finish_reason not in (None, "cancelled")
+    if ended and memory is not None and row.cfg.suffixes:
+        memory.add(row.out.tokens)
+
+
 def first_token(
     logits: mx.array,  # [V] the prefill's last
     prompt: list[int],
