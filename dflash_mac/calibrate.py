@@ -29,7 +29,7 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -98,6 +98,7 @@ class ScriptedSizes:
         steady: bool = True,
         tree: int = 0,
         chain: int = 0,
+        odds: Sequence[float] = (),
     ) -> None:
         self.updates += 1
         if steady and seconds:
@@ -296,7 +297,14 @@ class TimedRule(BatchBlockRule):
 
     samples: list[float] = field(default_factory=list)
 
-    def update(self, batch: int, bs: int, seconds: float | None, accepted: list[int]) -> None:
+    def update(
+        self,
+        batch: int,
+        bs: int,
+        seconds: float | None,
+        accepted: list[int],
+        odds: Sequence[Sequence[float]] = (),
+    ) -> None:
         if seconds is not None:  # None: a cycle with copies, not one of this shape
             self.samples.append(seconds)
 

@@ -12,13 +12,14 @@ from types import SimpleNamespace
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
+from test_sampling import small_pair  # noqa: F401  (fixture)
 
 from dflash_mac.drafting.copies import CopyRates
 from dflash_mac.engine.decode import DecodeState, GenerationConfig, speculative_stream
 from dflash_mac.engine.drafts import DraftContext
 from dflash_mac.engine.verify import SamplingParams
 from dflash_mac.settings import parse_block_size
-from dflash_mac.sizing.acceptance import Acceptance
+from dflash_mac.sizing.acceptance import Acceptance, positions
 from dflash_mac.sizing.choice import BlockChoice, block_size_for
 from dflash_mac.sizing.controller import BlockController, Decision
 from dflash_mac.sizing.cost import ContextCost, CostCurve, CostModel
@@ -207,7 +208,7 @@ class Scripted:
         self.i += 1
         return self.last
 
-    def update(self, bs, accepted, seconds, steady=True, tree=0, chain=0) -> None:
+    def update(self, bs, accepted, seconds, steady=True, tree=0, chain=0, odds=()) -> None:
         pass
 
     def copy_length(self, longest: int, rate: float) -> int:
@@ -568,7 +569,7 @@ def test_cycles_are_timed_only_after_one_of_their_kind(tiny_pair):
             self.last = Decision(next(sizes), "scripted")
             return self.last
 
-        def update(self, bs, accepted, seconds, steady=True, tree=0, chain=0):
+        def update(self, bs, accepted, seconds, steady=True, tree=0, chain=0, odds=()):
             self.updates.append((bs, steady))
 
         def copy_length(self, longest: int, rate: float) -> int:
@@ -641,7 +642,7 @@ def test_a_probe_after_plain_steps_runs_outside_their_timing(tiny_pair):
     timed = []
 
     class Recording(Scripted):
-        def update(self, bs, accepted, seconds, steady=True, tree=0, chain=0):
+        def update(self, bs, accepted, seconds, steady=True, tree=0, chain=0, odds=()):
             timed.append((bs, seconds if steady else None))
 
     ids = tiny_pair.tokenizer.encode("hello world")
@@ -934,3 +935,124 @@ def test_copy_rates_are_remembered_between_processes(tiny_pair, tmp_path, monkey
     del data[c.memory]["copy"]  # written before copy rates were kept
     path.write_text(json.dumps(data))
     assert load_tuning(tiny_pair).controller(bs, sampled, sampled=True).copy_rates == CopyRates()
+
+
+def odds_world(rng: random.Random, n: int) -> tuple[int, list[float]]:
+    """One sampled cycle of n drafts in a toy world where the previous draft steers the target:
+    q = [0.6, 0.2, 0.2] at every position; p = GOOD after draft 0 (and at the first position),
+    BAD after 1 or 2. Drafts drawn from q, accepted while u * q(d) < p(d) (the rejection
+    sampler's rule); (accepted, odds) as `verify.acceptance_odds` gives them."""
+    q, good, bad = [0.6, 0.2, 0.2], [0.9, 0.05, 0.05], [0.05, 0.15, 0.8]
+    took, expect, accepted, ok, prev = [], [], 0, True, 0
+    for _ in range(n):
+        p = good if prev == 0 else bad
+        d = rng.choices(range(3), q)[0]
+        took.append(min(1.0, p[d] / q[d]))
+        expect.append(sum(min(a, b) for a, b in zip(p, q)))
+        ok = ok and rng.random() * q[d] < p[d]
+        accepted += ok
+        prev = d
+    return accepted, took + expect
+
+
+def odds_world_truth(n: int) -> list[float]:
+    """alpha_k = P(drafts 1..k accepted) / P(drafts 1..k-1 accepted), by enumeration."""
+    q, good, bad = [0.6, 0.2, 0.2], [0.9, 0.05, 0.05], [0.05, 0.15, 0.8]
+    mass = {0: 1.0}  # P(all accepted so far, last draft = d)
+    survive = [1.0]
+    for _ in range(n):
+        nxt = {0: 0.0, 1: 0.0, 2: 0.0}
+        for prev, m in mass.items():
+            p = good if prev == 0 else bad
+            for d in range(3):
+                nxt[d] += m * q[d] * min(1.0, p[d] / q[d])
+        mass = nxt
+        survive.append(sum(mass.values()))
+    return [survive[k + 1] / survive[k] for k in range(n)]
+
+
+def test_sampled_cycles_count_expected_acceptance_not_the_draws():
+    """A sampled cycle is counted by its acceptance odds: the same per-position estimate as
+    counting accepted drafts (both unbiased against the exact alphas, where acceptance at a
+    position depends on the drafts before it), with far less spread between runs, so `auto`
+    at T > 0 decides on fewer cycles. Control: counting every position as reached, ignoring
+    the odds of getting there, is biased and the test tells."""
+    n, runs, cycles = 4, 60, 200
+    truth = odds_world_truth(n)
+    est: dict[str, list[list[float]]] = {"odds": [], "draws": [], "control": []}
+    for seed in range(runs):
+        rng = random.Random(seed)
+        accs = {k: Acceptance(n + 1, decay=1.0, weight=0.0) for k in est}
+        for _ in range(cycles):
+            a, odds = odds_world(rng, n)
+            accs["odds"].observe(n + 1, a, odds=odds)
+            accs["draws"].observe(n + 1, a)
+            for k in range(n):  # the control: every position reached, hit by its expectation
+                accs["control"].reached[k] += 1
+                accs["control"].accepted[k] += odds[n + k]
+        for k, acc in accs.items():
+            est[k].append(acc.alphas(n))
+    mean = {k: [sum(r[j] for r in v) / runs for j in range(n)] for k, v in est.items()}
+    sd = {
+        k: [(sum((r[j] - mean[k][j]) ** 2 for r in v) / (runs - 1)) ** 0.5 for j in range(n)]
+        for k, v in est.items()
+    }
+    for j in range(n):
+        assert abs(mean["draws"][j] - truth[j]) < 4 * sd["draws"][j] / runs**0.5 + 0.01
+        assert abs(mean["odds"][j] - truth[j]) < 4 * sd["odds"][j] / runs**0.5 + 0.01
+        assert sd["odds"][j] < 0.75 * sd["draws"][j], (j, sd)
+    assert min(abs(mean["control"][j] - truth[j]) for j in range(1, n)) > 0.04
+
+
+def test_acceptance_odds_are_the_rejection_samplers_probabilities():
+    """`acceptance_odds` against a direct computation: min(1, p(d)/q(d)) per draft, then
+    sum(min(p, q)) per position."""
+    from dflash_mac.engine.verify import acceptance_odds
+
+    rng = random.Random(5)
+    n, v = 3, 7
+    q = [[rng.random() for _ in range(v)] for _ in range(n)]
+    p = [[rng.random() for _ in range(v)] for _ in range(n + 1)]
+    q = [[x / sum(r) for x in r] for r in q]
+    p = [[x / sum(r) for x in r] for r in p]
+    d = [2, 0, 5]
+    got = acceptance_odds(mx.array(d), mx.array(q), mx.array(p)).tolist()
+    want = [min(1.0, p[k][d[k]] / q[k][d[k]]) for k in range(n)]
+    want += [sum(min(a, b) for a, b in zip(p[k], q[k])) for k in range(n)]
+    assert got == pytest.approx(want, abs=1e-6)
+
+
+def test_sampled_chains_hand_auto_their_odds_and_greedy_ones_none(small_pair):  # noqa: F811
+    """Every sampled drafter cycle gives its controller 2 (bs - 1) odds in [0, 1] whose
+    expected accepted drafts match the drafts it accepted, over the cycles (a 5-token
+    vocabulary: a random drafter gets drafts accepted); greedy cycles give none. Control:
+    counting every position as reached overshoots what was accepted."""
+
+    class Recording(Scripted):
+        def __init__(self, sizes):
+            super().__init__(sizes)
+            self.seen = []
+
+        def update(self, bs, accepted, seconds, steady=True, tree=0, chain=0, odds=()):
+            self.seen.append((bs, accepted, tuple(odds)))
+
+    def run(temp: float):
+        plan = Recording([4])
+        cfg = GenerationConfig(
+            400, sampling=SamplingParams(temp), use_eos=False, copy=False, seed=1
+        )
+        list(speculative_stream(small_pair, [1, 4, 2, 0, 0], cfg, controller=plan))
+        return plan.seen
+
+    sampled = run(1.0)
+    expected = control = 0.0
+    for bs, accepted, odds in sampled:
+        assert len(odds) == 2 * (bs - 1) and all(-1e-6 <= x <= 1 + 1e-6 for x in odds)
+        expected += sum(positions(bs - 1, accepted, odds)[1])
+        control += sum(odds[bs - 1 :])
+    got = sum(a for _, a, _ in sampled)
+    n = len(sampled)
+    assert got > n / 4  # drafts do get accepted here
+    assert abs(expected - got) < 3 * n**0.5, (expected, got, n)
+    assert control > got + 6 * n**0.5, (control, got, n)
+    assert all(odds == () for _, _, odds in run(0.0))

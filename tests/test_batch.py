@@ -27,6 +27,7 @@ from dflash_mac.batching.scheduler import BatchEngine, BatchRequest
 from dflash_mac.engine.decode import DecodeState, GenerationConfig, speculative_stream
 from dflash_mac.engine.row import open_row
 from dflash_mac.engine.verify import SamplingParams
+from dflash_mac.sizing.acceptance import positions
 from dflash_mac.sizing.batch_rule import BatchBlockRule
 from dflash_mac.sizing.choice import BlockChoice
 from dflash_mac.testing.lossy import accepting_every_draft
@@ -773,3 +774,32 @@ def test_a_copying_row_asking_for_logprobs_gets_those_of_the_request_alone(tiny_
     refs, got, engine = on_thread(run)
     assert engine.stats.copy_cycles > 0
     assert_same_logprobs(got, refs, 24)
+
+
+def test_sampled_rows_hand_the_batch_rule_their_acceptance_odds(small_pair, on_thread):  # noqa: F811
+    """A batch's sampled rows give its block rule their acceptance odds (2 (bs - 1) each, the
+    expected accepted drafts close to those accepted), a greedy row its drafts alone; the
+    rule's running acceptance takes both (acceptance.positions)."""
+
+    class Recording(BatchBlockRule):
+        def update(self, batch, bs, seconds, accepted, odds=()):
+            self.seen.append((bs, list(accepted), [tuple(o) for o in odds]))
+            super().update(batch, bs, seconds, accepted, odds)
+
+    def run():
+        rule = Recording(4, fixed=True)
+        rule.seen = []
+        engine = BatchEngine(small_pair, 4, 4, auto=False, rule=rule)
+        sampled = [config(120, sampling=SamplingParams(1.0), seed=s) for s in range(3)]
+        batched(small_pair, [(PROMPT, cfg) for cfg in sampled + [config(120)]], engine)
+        return rule
+
+    rule = on_thread(run)
+    rows = [(a, o) for bs, acc, odds in rule.seen if bs == 4 for a, o in zip(acc, odds)]
+    sampled = [(a, o) for a, o in rows if o]
+    assert len(sampled) > 30 and all(len(o) == 6 for _, o in sampled)
+    assert any(o == () for _, o in rows)  # the greedy row
+    expected = sum(sum(positions(3, a, o)[1]) for a, o in sampled)
+    got = sum(a for a, _ in sampled)
+    assert got > len(sampled) / 4 and abs(expected - got) < 3 * len(sampled) ** 0.5
+    assert 0.0 < rule.alpha < 1.0

@@ -31,9 +31,13 @@ def test_each_cycle_gets_its_strategy():
 def test_every_strategy_reads_the_same_verdict():
     """A chain's outcome [accepted, bonus, drafts...] and a tree's [accepted, bonus, path
     tokens, path nodes, chain's accepted] read into one `Verdict`."""
-    chain = SimpleNamespace(bs=4)
+    chain = SimpleNamespace(bs=4, q=None)
     v = drafts.CHAIN.read(chain, [2, 9, 5, 6, 7])
     assert v == drafts.Verdict(2, 9, [5, 6, 7], [], 2, [])
+    # sampled: the drafts' acceptance odds follow them, then whatever rows were asked
+    sampled = SimpleNamespace(bs=3, q=object())
+    v = drafts.CHAIN.read(sampled, [1, 9, 5, 6, 1.0, 0.5, 0.9, 0.4, -1.5])
+    assert v == drafts.Verdict(1, 9, [5, 6], [], 1, [-1.5], (1.0, 0.5, 0.9, 0.4))
     tree = SimpleNamespace(tree=SimpleNamespace(max_depth=3))
     v = drafts.Tree(8).read(tree, [2, 9, 5, 6, 0, 1, 4, 0, 1])
     assert v == drafts.Verdict(2, 9, [5, 6, 0], [1, 4, 0], 1, [])

@@ -27,6 +27,7 @@ from ..engine.verify import (
     SamplingParams,
     accept_greedy,
     accept_sampled,
+    acceptance_odds,
     logprob_rows,
     probabilities,
     sample,
@@ -230,16 +231,17 @@ def accept_rows(
     penalties: list[PenaltyContext | None] | None = None,
     logprobs: list[int | None] | None = None,
     masks: list[mx.array | None] | None = None,
-) -> tuple[mx.array, list[mx.array | None]]:
+) -> tuple[mx.array, list[mx.array | None], list[mx.array | None]]:
     """Each row's verdict as `drafts.Strategy.accept` gives it alone: `[B, 2]` (accepted
-    drafts, bonus token), lazily. Greedy: the longest agreeing prefix; sampled: rejection
+    drafts, bonus token), lazily, and a sampled row's acceptance odds (`acceptance_odds`,
+    else None). Greedy: the longest agreeing prefix; sampled: rejection
     sampling with the residual, per row with its own settings, penalties and key. `sizes`:
     each row's own block size (≤ bs; None: bs): a row judges only its first size - 1 drafts,
     as a cycle of that size alone would (size 1: a plain step). With `logprobs` (the top k
     of a row, None: none) each such row also gets its `cycle.logprob_rows` over its size's
     positions (the committed drafts, then the bonus), else None. `masks`: a grammar's allowed
     tokens `[V]` for a row of size 1 (None: no grammar)."""
-    rows, lps = [], []
+    rows, lps, odds = [], [], []
     for i, (sp, key) in enumerate(zip(sps, keys)):
         lg = logits[i]
         n = lg.shape[0] if sizes is None else sizes[i]
@@ -247,6 +249,7 @@ def accept_rows(
             lg = pen.apply(lg, mx.zeros((0,), mx.int32) if drafts is None else drafts[i].drafts)
         if masks and (allowed := masks[i]) is not None:  # a grammar's row (size 1)
             lg = mx.where(allowed, lg[:1], -mx.inf)
+        odds.append(None)
         if drafts is None or n == 1:
             tok = mx.argmax(lg[0]) if sp.greedy else sample_logits(lg[:1], sp, key)[0]
             acc = mx.array(0)
@@ -254,7 +257,9 @@ def accept_rows(
             acc, tok = accept_greedy(drafts[i].drafts[: n - 1], lg[:n])
         else:
             p = probabilities(lg[:n], sp)
-            acc, tok = accept_sampled(drafts[i].drafts[: n - 1], drafts[i].q[: n - 1], p, key)
+            d, q = drafts[i].drafts[: n - 1], drafts[i].q[: n - 1]
+            acc, tok = accept_sampled(d, q, p, key)
+            odds[-1] = acceptance_odds(d, q, p)
         rows.append(mx.stack([acc.astype(mx.int32), tok.reshape(()).astype(mx.int32)]))
         k = logprobs[i] if logprobs else None
         if k is not None:  # as `drafts.Strategy.verify`: drafts up to acc, then the bonus
@@ -265,4 +270,4 @@ def accept_rows(
             lps.append(logprob_rows(lg[: row.shape[0]], row, k))
         else:
             lps.append(None)
-    return mx.stack(rows), lps
+    return mx.stack(rows), lps, odds

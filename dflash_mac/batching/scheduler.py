@@ -145,10 +145,11 @@ class Step:
     widths: list[int]  # the positions each row ran (bs, or its copy + 1 in a packed pass)
     copied: list[int]  # each row's copied drafts (0: none)
     suffixed: list[bool]  # each row's copy came from earlier answers (drafting/suffix.py)
+    odds: list[mx.array | None]  # a sampled row's acceptance odds (verify.acceptance_odds)
 
     @property
     def asked(self) -> list[mx.array]:
-        return [x for x in self.lp_rows if x is not None]
+        return [x for x in self.lp_rows + self.odds if x is not None]
 
 
 class Solo:
@@ -342,17 +343,19 @@ class BatchEngine:
         mx.eval(c.outcome, *c.asked)  # the cycle's one host sync
         out = c.outcome.tolist()
         flats = [None if x is None else x.tolist() for x in c.lp_rows]
+        odds = [() if x is None else tuple(x.tolist()) for x in c.odds]
         now = time.perf_counter()
         seconds, self.t_sync = now - max(c.t0, self.t_sync), now
         rows, bs, sizes = c.rows, c.bs, c.sizes
         # acceptance is learnt from the rows that could accept all of the batch's drafts
         full = [
-            row[0]
-            for row, n, k, r in zip(out, sizes, c.copied, rows)
+            i
+            for i, (n, k, r) in enumerate(zip(sizes, c.copied, rows))
             if n == bs and not k and not r.finished
         ]
         # a cycle with copies is no (B, bs) cycle: its drafting rows' acceptance still counts
-        self.rule.update(len(rows), bs, None if any(c.copied) else seconds, full)
+        accepted, sampled = [out[i][0] for i in full], [odds[i] for i in full]
+        self.rule.update(len(rows), bs, None if any(c.copied) else seconds, accepted, sampled)
         self.stats.cycles += 1
         self.stats.copy_cycles += any(c.copied)
         self.stats.suffix_cycles += any(c.suffixed)
@@ -478,7 +481,7 @@ class BatchEngine:
         asks = [r.cfg.logprobs for r in rows]
         masks = [None if r.row.con is None else r.row.con.mask() for r in rows]
         plain = bs == 1 and not any(copies)
-        verdict, lp_rows = accept_rows(
+        verdict, lp_rows, odds = accept_rows(
             logits, None if plain else drafts, sps, verify_keys, sizes, pens, asks, masks
         )
         outcome = verdict
@@ -488,7 +491,18 @@ class BatchEngine:
             outcome = mx.concatenate([verdict, mx.stack(pad)], 1)
         copied = [len(cp) for cp in copies]
         step = Step(
-            list(rows), bs, sizes, outcome, lp_rows, feats, t0, reason, widths, copied, suffixed
+            list(rows),
+            bs,
+            sizes,
+            outcome,
+            lp_rows,
+            feats,
+            t0,
+            reason,
+            widths,
+            copied,
+            suffixed,
+            odds,
         )
         mx.async_eval(outcome, *step.asked)
         return step

@@ -22,6 +22,7 @@ from .verify import (
     SamplingParams,
     accept_greedy,
     accept_sampled,
+    acceptance_odds,
     logprob_rows,
     probabilities,
     sample,
@@ -191,6 +192,7 @@ class Verdict:
     path: list[int]  # a tree's accepted node indices ([] for a chain)
     chain: int  # what the chain of the same drafter pass accepted (a chain's: `accepted`)
     rows: list[float]  # what follows in the outcome: the logprob rows, when asked
+    odds: tuple[float, ...] = ()  # a sampled chain's acceptance odds (verify.acceptance_odds)
 
 
 class Strategy:
@@ -210,15 +212,17 @@ class Strategy:
 
     def verify(self, lane: Lane, c: Cycle) -> None:
         """Queue the verify and the outcome the host reads: [accepted, bonus, drafts...,
-        logprob rows...] (`mx.async_eval`)."""
-        acc, bonus, logits = self.accept(lane, c)
+        a sampled draft's odds..., logprob rows...] (`mx.async_eval`)."""
+        acc, bonus, logits, odds = self.accept(lane, c)
         c.verdict = acc, bonus
         parts = [acc.reshape(1), bonus.reshape(1), c.drafts]
+        floats = [] if odds is None else [odds]
         if lane.logprobs is not None:  # every row's; the host reads the committed ones
             row_tokens = mx.concatenate([c.drafts.astype(mx.int32), bonus.reshape(1)])
             row_tokens = mx.where(mx.arange(c.bs) < acc, row_tokens, bonus)
-            rows = logprob_rows(logits, row_tokens, lane.logprobs)
-            parts = [p.astype(mx.float32) for p in parts] + [rows]
+            floats.append(logprob_rows(logits, row_tokens, lane.logprobs))
+        if floats:  # token ids stay exact in float32 below 2**24
+            parts = [p.astype(mx.float32) for p in parts] + floats
         c.outcome = mx.concatenate(parts)
         mx.async_eval(c.outcome)
 
@@ -226,9 +230,9 @@ class Strategy:
         """The drafts' distributions the rejection sampler weighs them by."""
         return c.q
 
-    def accept(self, lane: Lane, c: Cycle) -> tuple[mx.array, mx.array, mx.array]:
+    def accept(self, lane: Lane, c: Cycle) -> tuple[mx.array, mx.array, mx.array, mx.array | None]:
         """One target pass over [anchor, drafts]; (accepted drafts, bonus token, the
-        transformed logits [bs, V]), lazily."""
+        transformed logits [bs, V], a sampled chain's acceptance odds or None), lazily."""
         lane.state.rollback.before_verify()
         tokens = c.block if c.bs == 1 else mx.concatenate([c.block[:1], c.drafts])
         logits = lane.pair.target(tokens[None], cache=lane.state.target_cache)[0]  # [bs, V]
@@ -237,16 +241,24 @@ class Strategy:
         if c.masks is not None:  # and the same grammar, given the drafts before each position
             logits = mx.where(c.masks, logits, -mx.inf)
         if lane.sp.greedy:
-            return (*accept_greedy(c.drafts, logits), logits)
+            return (*accept_greedy(c.drafts, logits), logits, None)
         if c.bs == 1:
-            return mx.array(0), sample_logits(logits, lane.sp, c.key), logits
+            return mx.array(0), sample_logits(logits, lane.sp, c.key), logits, None
         p = probabilities(logits, lane.sp)
-        return (*accept_sampled(c.drafts, self.q(c, p), p, c.key), logits)
+        q = self.q(c, p)
+        odds = acceptance_odds(c.drafts, q, p) if self.counted(c) else None
+        return (*accept_sampled(c.drafts, q, p, c.key), logits, odds)
+
+    def counted(self, c: Cycle) -> bool:
+        """Whether a sampled cycle's acceptance odds go to `auto` (the drafter's, not a copy's)."""
+        return c.q is not None
 
     def read(self, c: Cycle, out: list) -> Verdict:
         n = c.bs - 1
         a, bonus = int(out[0]), int(out[1])
-        return Verdict(a, bonus, [int(d) for d in out[2 : 2 + n]], [], a, out[2 + n :])
+        m = 2 * n if n and self.counted(c) else 0  # a sampled drafter's odds
+        odds = tuple(out[2 + n : 2 + n + m])
+        return Verdict(a, bonus, [int(d) for d in out[2 : 2 + n]], [], a, out[2 + n + m :], odds)
 
 
 class Plain(Strategy):

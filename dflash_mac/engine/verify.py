@@ -51,6 +51,20 @@ def accept_sampled(
     return acc, sample(dist, key=k_bonus)
 
 
+@mx.compile
+def acceptance_odds(drafts: mx.array, q: mx.array, p: mx.array) -> mx.array:
+    """[2n] float32: each draft's acceptance probability min(1, p(d) / q(d)), then each
+    position's expected acceptance sum(min(p, q)) (drafts, q and p as `accept_sampled`): what
+    `auto` counts a sampled cycle by (sizing.acceptance.positions), not the draws themselves."""
+    n = drafts.shape[0]
+    idx = drafts[:, None]
+    q_d = mx.take_along_axis(q, idx, axis=-1)[:, 0]
+    p_d = mx.take_along_axis(p[:n], idx, axis=-1)[:, 0]
+    took = mx.minimum(p_d / mx.maximum(q_d, 1e-30), 1.0)
+    expect = mx.minimum(p[:n], q).sum(axis=-1)
+    return mx.concatenate([took, expect]).astype(mx.float32)
+
+
 def accept_sample_match(drafts: mx.array, p: mx.array, key: mx.array) -> tuple[mx.array, mx.array]:
     """Sample-and-match (what other MLX ports ship): the target samples its own token at every
     position and a draft is accepted on equality. Lossless but far lower acceptance; kept for

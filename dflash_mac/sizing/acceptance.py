@@ -2,9 +2,30 @@
 E[tokens | bs] = 1 + sum_j prod_{k<=j} alpha_k from the running acceptance curve (`Acceptance`:
 per-position conditional acceptance alpha_k with exponentially decayed counts; a position not
 yet observed inherits the estimate of the one before it), and a tree cycle's committed tokens
-by node budget (`TreeAcceptance`). Pure Python (no MLX)."""
+by node budget (`TreeAcceptance`). A sampled cycle is counted by its expectations
+(`positions`). Pure Python (no MLX)."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def positions(n: int, accepted: int, odds: Sequence[float] = ()) -> tuple[list[float], list[float]]:
+    """(reached, accepted) for draft positions 1..n of a cycle that judged n drafts and
+    accepted `accepted`: indicators, or, given a sampled cycle's `odds` (2n values: each
+    draft's acceptance probability min(1, p/q), then each position's expected acceptance
+    sum(min(p, q))), their expectations given the drafts. Same means, far less noise: a
+    rejection sampler's coin flips and the draws at each position average out (Rao-Blackwell),
+    and every cycle says something about its later positions, not only those it reached."""
+    if len(odds) != 2 * n:
+        reached = [float(k <= accepted + 1) for k in range(1, n + 1)]
+        return reached, [float(k <= accepted) for k in range(1, n + 1)]
+    reached, hits, w = [], [], 1.0
+    for k in range(n):
+        reached.append(w)
+        hits.append(w * odds[n + k])
+        w *= odds[k]
+    return reached, hits
 
 
 class Acceptance:
@@ -28,21 +49,21 @@ class Acceptance:
         self.reached = [0.0] * max(n_max, 1)  # index k-1: draft position k
         self.accepted = [0.0] * max(n_max, 1)
 
-    def observe(self, bs: int, a: int, elapsed: int = 1) -> None:
-        """A drafting cycle at `bs` accepted `a` of its bs-1 drafts, `elapsed` cycles after the
-        last one observed. Plain steps in between age the estimate as drafting cycles do (the
-        text moved on: after a poor stretch, probes on good text bring drafting back sooner),
-        up to AGE_MAX of them (one probe must not outweigh the history: a lucky block at
-        sampling-like acceptance would bring the probes back)."""
+    def observe(self, bs: int, a: int, elapsed: int = 1, odds: Sequence[float] = ()) -> None:
+        """A drafting cycle at `bs` accepted `a` of its bs-1 drafts (a sampled one: counted by
+        its `odds`, `positions`), `elapsed` cycles after the last one observed. Plain steps in
+        between age the estimate as drafting cycles do (the text moved on: after a poor
+        stretch, probes on good text bring drafting back sooner), up to AGE_MAX of them (one
+        probe must not outweigh the history: a lucky block at sampling-like acceptance would
+        bring the probes back)."""
         fade = self.decay ** min(elapsed, self.AGE_MAX)
         self.reached = [r * fade for r in self.reached]
         self.accepted = [x * fade for x in self.accepted]
         self.boost *= fade
-        for k in range(1, min(bs - 1, len(self.reached)) + 1):
-            if k > a + 1:
-                break
-            self.reached[k - 1] += 1
-            self.accepted[k - 1] += k <= a
+        reached, hits = positions(bs - 1, a, odds)
+        for k in range(min(bs - 1, len(self.reached))):
+            self.reached[k] += reached[k]
+            self.accepted[k] += hits[k]
 
     def state(self) -> dict:
         """The decayed counts, to remember between processes (`restore`)."""

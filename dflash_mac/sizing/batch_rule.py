@@ -19,7 +19,10 @@ size is chosen for its rows and their room and fed back with every row's accepta
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from .acceptance import positions
 
 
 @dataclass
@@ -81,12 +84,19 @@ class BatchBlockRule:
                 return self.cost[base] * self.prior[(batch, bs)] / self.prior[base]
         return None
 
-    def update(self, batch: int, bs: int, seconds: float | None, accepted: list[int]) -> None:
+    def update(
+        self,
+        batch: int,
+        bs: int,
+        seconds: float | None,
+        accepted: list[int],
+        odds: Sequence[Sequence[float]] = (),
+    ) -> None:
         """A cycle of `batch` rows at `bs` took `seconds` (None: not a cycle of that shape, as
         one where some rows verified copies); row i accepted `accepted[i]` of its bs - 1
-        drafts."""
+        drafts (a sampled row: counted by its `odds[i]`, acceptance.positions)."""
         if seconds is None:
-            self.learn(bs, accepted)
+            self.learn(bs, accepted, odds)
             return
         key = (batch, bs)
         n = self.timed.get(key, 0)
@@ -95,13 +105,14 @@ class BatchBlockRule:
         if n >= 1:  # the first cycle at a shape compiles
             old = self.cost.get(key)
             self.cost[key] = seconds if old is None else 0.7 * old + 0.3 * seconds
-        self.learn(bs, accepted)
+        self.learn(bs, accepted, odds)
 
-    def learn(self, bs: int, accepted: list[int]) -> None:
+    def learn(self, bs: int, accepted: list[int], odds: Sequence[Sequence[float]] = ()) -> None:
         """The running acceptance, from rows that judged all of a cycle's bs - 1 drafts."""
         if bs > 1 and accepted:
             # per-position acceptance: accepted positions over positions tried (a rejection
-            # ends a row's tries)
-            tried = sum(min(a + 1, bs - 1) for a in accepted)
-            rate = sum(accepted) / max(1, tried)
+            # ends a row's tries; a sampled row's are expectations)
+            counts = [positions(bs - 1, a, odds[i] if odds else ()) for i, a in enumerate(accepted)]
+            tried = sum(sum(reached) for reached, _ in counts)
+            rate = sum(sum(hits) for _, hits in counts) / max(1.0, tried)
             self.alpha = self.decay * self.alpha + (1 - self.decay) * rate

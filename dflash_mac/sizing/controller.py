@@ -31,10 +31,11 @@ controllers that requests continue; sizer.py says what the decode loop asks of a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from ..drafting.copies import CopyRates
-from .acceptance import Acceptance, TreeAcceptance
+from .acceptance import Acceptance, TreeAcceptance, positions
 from .cost import CostModel, tree_curve
 
 # A tree at first is guessed to commit this much more than the chain of its depth (DDTree
@@ -298,13 +299,15 @@ class BlockController:
         steady: bool = True,
         tree: int = 0,
         chain: int = 0,
+        odds: Sequence[float] = (),
     ) -> None:
         """Feed back a finished cycle: `accepted` drafts of bs-1 (a tree's: its accepted
         depth; `tree` its budget, `chain` what the chain of its likeliest children accepted,
-        which keeps the chains' estimate learning while trees run) and its time (None: not
-        timed); `steady`: the time is that of a cycle amid its kind, which the cost model
-        learns from (a probe's is not: it also appends the waiting context and restarts the
-        pipeline, but whether it paid is judged on what it really cost)."""
+        which keeps the chains' estimate learning while trees run; a sampled chain's `odds`:
+        acceptance.positions) and its time (None: not timed); `steady`: the time is that of a
+        cycle amid its kind, which the cost model learns from (a probe's is not: it also
+        appends the waiting context and restarts the pipeline, but whether it paid is judged on
+        what it really cost)."""
         self.cycles += 1
         self.idle += 1
         self.upside *= self.UPSIDE_DECAY
@@ -316,11 +319,13 @@ class BlockController:
             return
         if tree:
             self.tree_acc.observe(tree, accepted + 1)
-        self.acc.observe(bs, chain if tree else accepted, self.idle)
+        self.acc.observe(bs, chain if tree else accepted, self.idle, () if tree else odds)
         self.idle = 0
         spent = cost.cost(tree or bs)
         if seconds is not None and self.timed and self.cost.unit:
             spent = max(spent, seconds / self.cost.unit)
+        if odds and not tree:  # what it was expected to commit given its drafts: less noise
+            accepted = sum(positions(bs - 1, accepted, odds)[1])
         if not self.fallback:  # the upside is what drafting realised, never what it expected
             rate = (accepted + 1) / spent
             self.realised += self.GAIN_ALPHA * (rate - self.realised)

@@ -21,6 +21,7 @@ sizes (calibrate.py) each implement. Typing only: the loops take any object of t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 from ..drafting.copies import CopyRates
@@ -45,10 +46,12 @@ class BlockSizer(Protocol):
         steady: bool = True,
         tree: int = 0,
         chain: int = 0,
+        odds: Sequence[float] = (),
     ) -> None:
         """A finished cycle at `bs` (a tree's: of budget `tree`) accepted `accepted` drafts
         (`chain`: what the chain of a tree's likeliest children accepted) in `seconds` (None:
-        not timed); `steady`: timed amid cycles of its kind."""
+        not timed); `steady`: timed amid cycles of its kind; `odds`: a sampled chain's
+        acceptance probabilities (`acceptance.positions`), () where there are none."""
         ...
 
 
@@ -74,11 +77,18 @@ class BatchSizer(Protocol):
         """The block size of the next cycle of `batch` rows, at most `room`."""
         ...
 
-    def update(self, batch: int, bs: int, seconds: float | None, accepted: list[int]) -> None:
+    def update(
+        self,
+        batch: int,
+        bs: int,
+        seconds: float | None,
+        accepted: list[int],
+        odds: Sequence[Sequence[float]] = (),
+    ) -> None:
         """A cycle of `batch` rows at `bs` took `seconds` (None: not a cycle of that shape);
-        row i accepted `accepted[i]` drafts."""
+        row i accepted `accepted[i]` drafts (`odds[i]`: a sampled row's acceptance odds)."""
         ...
 
-    def learn(self, bs: int, accepted: list[int]) -> None:
+    def learn(self, bs: int, accepted: list[int], odds: Sequence[Sequence[float]] = ()) -> None:
         """Acceptance alone, from cycles at `bs` the batch did not run (a lone request's)."""
         ...
