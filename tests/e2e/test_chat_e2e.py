@@ -21,6 +21,8 @@ import pytest
 
 from dflash_mac.loading.loader import BUNDLED_DRAFT
 
+from .conftest import _CURVES
+
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed"),
@@ -198,4 +200,62 @@ def test_chat_says_what_its_blocks_are_and_what_its_numbers_mean(terminal):
     term.wait(lambda s: "back to back" not in s, "the help screen to close")
     term.ask("class Stack:")
     term.wait(lambda s: stats_lines(s) and "Ready." in s, "the reply", timeout=45)
+    assert term.quit() == 0
+
+
+def dear_curves(home: Path) -> None:
+    """The tiny pair's measured curves, every drafting cycle priced at six plain steps."""
+    shutil.copytree(_CURVES[0], home / "cost-curves")
+    for path in (home / "cost-curves").glob("*/*.json"):
+        data = json.loads(path.read_text())
+        for table in (data, data.get("sampled") or {}):
+            if not table.get("ratios"):
+                continue
+            unit = table.get("seconds", {}).get("1", 0.01)
+            table["ratios"] = {b: 1.0 if b == "1" else 6.0 for b in table["ratios"]}
+            table["seconds"] = {b: unit * r for b, r in table["ratios"].items()}
+            table["trees"] = {n: 6.0 for n in table.get("trees", {})}
+        path.write_text(json.dumps(data))
+
+
+def panel_row(screen: str, name: str) -> tuple[str, list[str]]:
+    """The panel's value of row `name`, its wrapped lines joined, and those lines as on the
+    screen from the value's column (a continuation starts where the value does)."""
+    lines = screen.splitlines()
+    label = re.compile(rf"▏ {re.escape(name):<10}")
+    at = next(i for i, line in enumerate(lines) if label.search(line))
+    col = label.search(lines[at]).end()
+    parts = [lines[at][col:]]
+    for line in lines[at + 1 :]:
+        if len(line) <= col or line[col - 10 : col].strip():  # the next row's name
+            break
+        parts.append(line[col:])
+    return " ".join(p.strip() for p in parts), parts
+
+
+def test_chat_says_why_it_takes_plain_steps_where_drafting_does_not_pay(terminal, tmp_path):
+    """Issue 55: "(drafting does not pay (0.75×))" wrapped and went unexplained. Where the
+    machine's saved cost curve prices a drafting cycle at six plain steps, `auto` takes plain
+    steps and the panel says why in words: the block it weighed and that block's expected
+    speed against plain decoding, wrapped under its own column; the block row says plain
+    steps, and a row counts the cycles that drafted. Control: on the measured curve the same
+    chat drafts, and its "why" says what it expects instead."""
+    dear_curves(tmp_path)
+    term = terminal(24)
+    term.ask("class Stack:")
+    screen = term.wait(lambda s: stats_lines(s) and "Ready." in s, "the reply", timeout=45)
+    why, parts = panel_row(screen, "why")
+    assert re.fullmatch(r"drafting does not pay: block \d+ expected at 0\.\d\d× plain speed", why)
+    assert all(p.strip() for p in parts), parts  # no blank continuation
+    assert panel_row(screen, "block")[0].endswith("now plain steps"), screen
+    assert re.fullmatch(r"\d+ of 2\d cycles", panel_row(screen, "drafting")[0]), screen
+    assert term.quit() == 0
+
+    shutil.rmtree(tmp_path / "cost-curves")
+    shutil.copytree(_CURVES[0], tmp_path / "cost-curves")
+    term = terminal(24)
+    term.ask("class Stack:")
+    screen = term.wait(lambda s: stats_lines(s) and "Ready." in s, "the reply", timeout=45)
+    why, _ = panel_row(screen, "why")
+    assert "does not pay" not in why and re.search(r"expected \d+\.\d\d× a plain step", why), why
     assert term.quit() == 0
