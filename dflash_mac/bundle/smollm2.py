@@ -457,8 +457,8 @@ def prompts3(chats: list[tuple[list[dict], str]]) -> list[dict]:
     return rows
 
 
-FIXED = ("fixed.jsonl", "fixed2.jsonl")  # in the cache: fixed text, part by part (`fixed_text`)
-FIXED_CODE = (300, 1_500)  # stdlib functions no prompt set asks for, a part
+FIXED = ("fixed.jsonl", "fixed2.jsonl", "fixed3.jsonl")  # cache files, a part each (`fixed_text`)
+FIXED_CODE = (300, 1_500, 800)  # stdlib functions no prompt set asks for, a part
 FIXED_PART = 1_500  # characters of a documentation topic's opening (the first part)
 MORE_ASKS = (
     "Tell me more about `{name}` in Python.",
@@ -501,12 +501,14 @@ def fixed_text(part: int = 0) -> list[dict]:
     in parts that never overlap: part 0 holds `FIXED_CODE[0]` functions no prompt set asks for
     and the opening of each topic of the language reference pydoc ships
     (`pydoc_data.topics`) as the answer to an "explain"; part 1 the next `FIXED_CODE[1]`
-    functions and the rest of every topic, a piece per "tell me more". The held-out modules of
-    the `code` suite stay out (`corpus.split_modules`)."""
+    functions and the rest of every topic, a piece per "tell me more"; later parts only the next
+    functions. The held-out modules of the `code` suite stay out (`corpus.split_modules`)."""
     from pydoc_data.topics import topics
 
     first = sum(FIXED_CODE[:part])
     rows = fixed_functions()[first : first + FIXED_CODE[part]]
+    if part > 1:  # the topics are used up by then
+        return rows
     seen = {topic_parts(topics[name])[0] for name in topics}  # part 0's openings
     for name in sorted(topics):
         pieces = topic_parts(topics[name])
