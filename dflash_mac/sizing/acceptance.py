@@ -118,27 +118,50 @@ class Acceptance:
 
 
 class TreeAcceptance:
-    """Committed tokens per tree cycle by node budget: decayed means that start from an
-    optimistic guess (`prior(budget)`, worth `WEIGHT` cycles) and drift back to it while no tree
-    runs, so a budget that lost is tried again now and then, on the text at hand."""
+    """What a tree cycle commits by node budget, as a gain over the chain of likeliest children
+    on the same cycles (what that chain of the same drafter pass would have committed,
+    `tree.chain_depth`): paired, so the text's difficulty cancels and a few cycles tell. The
+    gain starts from an optimistic guess worth `WEIGHT` chain tokens and drifts back to it
+    slowly while no tree runs (`DECAY` a cycle), so a budget that lost is tried again after
+    hundreds of cycles, not every few: each try of a losing tree costs what it loses."""
 
-    WEIGHT = 2.0
-    DECAY = 0.97
+    WEIGHT = 4.0
+    DECAY = 0.999
+    MEMORY = 64.0  # chain tokens' worth of evidence a remembered gain starts with, at most
 
     def __init__(self) -> None:
-        self.tokens: dict[int, float] = {}  # decayed sums
-        self.cycles: dict[int, float] = {}  # decayed counts
+        self.tokens: dict[int, float] = {}  # decayed sums of the trees' committed tokens
+        self.chains: dict[int, float] = {}  # ... and of their chains'
 
     def age(self) -> None:
         """One cycle passed (every cycle, whatever ran)."""
-        for b in self.cycles:
+        for b in self.chains:
             self.tokens[b] *= self.DECAY
-            self.cycles[b] *= self.DECAY
+            self.chains[b] *= self.DECAY
 
-    def observe(self, budget: int, committed: int) -> None:
+    def observe(self, budget: int, committed: int, chain: int) -> None:
+        """A tree of `budget` nodes committed `committed` tokens where its chain of likeliest
+        children would have committed `chain`."""
         self.tokens[budget] = self.tokens.get(budget, 0.0) + committed
-        self.cycles[budget] = self.cycles.get(budget, 0.0) + 1.0
+        self.chains[budget] = self.chains.get(budget, 0.0) + chain
 
-    def expected(self, budget: int, prior: float) -> float:
-        n, x = self.cycles.get(budget, 0.0), self.tokens.get(budget, 0.0)
-        return (x + self.WEIGHT * prior) / (n + self.WEIGHT)
+    def gain(self, budget: int, guess: float) -> float:
+        """Committed tokens per token of the chain, estimated."""
+        c, x = self.chains.get(budget, 0.0), self.tokens.get(budget, 0.0)
+        return (x + self.WEIGHT * guess) / (c + self.WEIGHT)
+
+    def state(self) -> dict:
+        """The decayed sums by budget, to remember between processes (`restore`)."""
+        return {str(b): [self.tokens[b], self.chains[b]] for b in self.chains}
+
+    def restore(self, state: object) -> None:
+        """Start from remembered sums, worth MEMORY chain tokens at most; an invalid `state`
+        changes nothing."""
+        try:
+            sums = {int(b): (float(x), float(c)) for b, (x, c) in state.items()}  # type: ignore[union-attr]
+        except (AttributeError, TypeError, ValueError):
+            return
+        for b, (x, c) in sums.items():
+            if c > 0 and x >= 0:
+                scale = min(1.0, self.MEMORY / c)
+                self.tokens[b], self.chains[b] = x * scale, c * scale

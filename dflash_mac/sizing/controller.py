@@ -39,7 +39,8 @@ from .acceptance import Acceptance, TreeAcceptance, positions
 from .cost import CostModel, tree_curve
 
 # A tree at first is guessed to commit this much more than the chain of its depth (DDTree
-# reports 1.3x and more; the guess only decides whether trees get tried, then they are measured)
+# reports 1.3x and more; the guess only decides whether trees get tried, then they are measured
+# against the chain of the same cycles: TreeAcceptance)
 TREE_GUESS = 1.3
 TREES = (4, 8, 16)  # node budgets `auto` weighs (docs/design.md §6)
 
@@ -155,8 +156,9 @@ class BlockController:
 
     def tree_rates(self) -> dict[int, float]:
         """Expected tokens per one-token-step time of a tree cycle, by budget."""
-        guess = TREE_GUESS * self.acc.expected_tokens(self.bs_max)
-        return {b: self.tree_acc.expected(b, guess) / self.tree_cost.cost(b) for b in self.trees}
+        chain = self.acc.expected_tokens(self.bs_max)
+        gain = self.tree_acc.gain
+        return {b: chain * gain(b, TREE_GUESS) / self.tree_cost.cost(b) for b in self.trees}
 
     def graft_pays(self, budget: int, copy: int, hit: float, zero: float) -> bool:
         """Whether a doubtful copy of `copy` tokens should ride on this cycle's tree of `budget`
@@ -164,8 +166,7 @@ class BlockController:
         of a verify of copy + 1; on the tree it also gains the tree's tokens where it misses
         from the first (`zero` of the time) and costs the tree plus its nodes. On a CPU, where
         a verify costs its width, the copy alone wins; where verifies are nearly flat, not."""
-        guess = TREE_GUESS * self.acc.expected_tokens(self.bs_max)
-        tree = self.tree_acc.expected(budget, guess)
+        tree = self.acc.expected_tokens(self.bs_max) * self.tree_acc.gain(budget, TREE_GUESS)
         alone = (1 + hit) / self.cost.cost(copy + 1)
         both = 1 + hit + zero * max(tree - 1, 0.0)
         return both / (self.tree_cost.cost(budget) + self.cost.cost(copy + 1) - 1) > alone
@@ -318,7 +319,7 @@ class BlockController:
         if bs < 2:
             return
         if tree:
-            self.tree_acc.observe(tree, accepted + 1)
+            self.tree_acc.observe(tree, accepted + 1, chain + 1)
         self.acc.observe(bs, chain if tree else accepted, self.idle, () if tree else odds)
         self.idle = 0
         spent = cost.cost(tree or bs)

@@ -112,16 +112,17 @@ class AutoTuning:
                 controller.memory = json.dumps([bs_max, list(setting), band > 0])
                 memory = self.remembered.get(controller.memory)
                 controller.start_from(memory, lower=band > 0)
-                if isinstance(memory, dict):  # what copies got then (none: the defaults)
+                if isinstance(memory, dict):  # what copies and trees got then
                     controller.copy_rates = CopyRates.read(memory.get("copy"))
+                    controller.tree_acc.restore(memory.get("trees"))
             self.controllers[key] = controller
         return controller
 
     def acceptance(self) -> dict:
-        """What to remember between processes: each kept controller's acceptance and copy
-        rates by setting."""
+        """What to remember between processes: each kept controller's acceptance, copy rates
+        and tree gains by setting."""
         return {
-            c.memory: c.acc.state() | {"copy": c.copy_rates.state()}
+            c.memory: c.acc.state() | {"copy": c.copy_rates.state(), "trees": c.tree_acc.state()}
             for c in self.controllers.values()
             if c.memory
         }
