@@ -191,8 +191,9 @@ def test_what_copies_got_carries_over_to_the_next_request_of_the_setting(tiny_pa
 def test_text_that_repeats_is_copied_after_poor_copies_elsewhere(tiny_pair, monkeypatch):
     """Rates carried over from text whose copies failed price every copy out, and rates move
     only when copies run: a probing copy after a few refusals, priced at a fresh start's
-    rates, finds out that this request repeats its prompt. Controls: without the probe it never
-    copies, nor where even a fresh start's rates would not pay (a long context's costs)."""
+    rate for a repeat taken whole, finds out that this request repeats its prompt. Controls:
+    without the probe it never copies, nor where even that rate would not pay (a long
+    context's costs)."""
     tok = tiny_pair.tokenizer
     src = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
     ids = tok.encode(src * 3 + "# again\n" + src[:20])
@@ -221,6 +222,30 @@ def test_text_that_repeats_is_copied_after_poor_copies_elsewhere(tiny_pair, monk
     monkeypatch.setattr(BlockController, "copy_length", costs)
     monkeypatch.setattr(CopyPolicy, "probe", lambda self, longest: 0)
     assert run().copy_cycles == 0
+
+
+def test_where_only_whole_repeats_pay_a_probe_finds_them(tiny_pair, monkeypatch):
+    """Where a verify is dear (the bundled tiny pair on a CPU: a 5-token verify costs over two
+    plain steps) a copy pays only if it is taken whole. A probe priced at a fresh start's
+    doubtful rate never ran there, and `auto` copied nothing on text that repeats, where
+    block 8 copied in 318 of its 701 cycles. Priced as a repeat taken whole, the probe runs,
+    is taken whole, and the copies after it are priced at the sure rate it taught. Control:
+    where even a whole repeat would not pay, nothing is copied."""
+    tok = tiny_pair.tokenizer
+    src = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
+    ids = tok.encode(src * 3 + "# again\n" + src[:20])
+    cfg = GenerationConfig(48, use_eos=False, tree=0)
+    plain = generate(tiny_pair, ids, max_tokens=48, use_eos=False, block_size=1, copy=False)
+
+    def run(pays: float) -> DecodeStats:
+        monkeypatch.setattr(BlockController, "copy_length", lambda s, n, r: n if r >= pays else 0)
+        events = list(speculative_stream(tiny_pair, ids, cfg, tuning=AutoTuning()))
+        assert [t for e in events for t in e.tokens] == plain.tokens
+        return events[-1].stats
+
+    stats = run(CopyRates().sure_rate)
+    assert stats.copy_cycles > 0 and stats.copy_tokens > 2 * stats.copy_cycles
+    assert run(1.0).copy_cycles == 0
 
 
 @pytest.mark.parametrize("pause", [8, 10**6])

@@ -172,10 +172,11 @@ class CopyPolicy:
     copying for `pause` cycles, each pause twice the last (reset by a hit). After a partial
     copy the next is not `sure`: where a tree is due, it may become a branch of that tree.
     `rates`: what copies got (`CopyRates`), passed in where they outlive the request. Where
-    the costs price every copy out (poor rates carried over from other text), `probe` lets
-    every `patience + 1`-th refused one through at up to `PROBE` tokens (the caller prices it at
-    a fresh start's rates): rates only move when copies run, so without it a request that
-    repeats its prompt would never find out."""
+    the costs price every copy out (poor rates carried over from other text, or a fresh
+    start's doubtful rate where a verify is dear), `probe` lets every `patience + 1`-th refused
+    one through at up to `PROBE` tokens (the caller prices it as what it looks for, a repeat
+    taken whole, at a fresh start's rate): rates only move when copies run, so without it a
+    request that repeats its prompt would never find out."""
 
     PROBE = 4  # tokens of a probing copy (a 5-token verify costs ~1.5 plain steps on a CPU)
     longest: int = 32  # a 32-token verify costs ~3 plain steps on a CPU, less on a GPU

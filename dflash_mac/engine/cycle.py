@@ -199,8 +199,8 @@ class CyclePipeline:
         sizes = self.sizes
         if copy and sizes.priced:  # as long as the costs say it pays
             n = sizes.copy_len(len(copy), self.row.policy)
-            if n == 0 and (k := self.row.policy.probe(len(copy))):  # priced at a fresh start's
-                n = sizes.copy_len(k, CopyPolicy())  # rates: where even those lose, no probe
+            if n == 0 and (k := self.row.policy.probe(len(copy))):  # priced as what it looks
+                n = sizes.copy_len(k, CopyPolicy(sure=True))  # for: a repeat taken whole
             copy = copy[:n]
         budget = sizes.budget() if self.trees and bs > 1 else 0
         grafts = bool(copy and budget) and not self.row.policy.sure
