@@ -182,6 +182,33 @@ def test_cost_curve_files(tmp_path):
     assert CostCurve.load(tmp_path / "missing.json") is None
 
 
+def test_a_copy_is_priced_without_the_drafter_pass(tmp_path):
+    """A copy verifies as many tokens as a chain but runs no drafter pass: priced as the
+    chain's cycle less the pass the curve timed alone (`draft_seconds`). On the tiny pair's
+    measured curve (block 8 at 2.88 plain steps, of which 0.75 the drafter) a doubtful 8-token
+    copy at a fresh start's rate beats the guessed chain; priced as a chain it lost, and auto
+    copied in 64 cycles where block 8 copied in 318. Control: a curve that timed no drafter
+    pass prices copies as chains, as before."""
+    seconds = {"1": 0.0045, "2": 0.0100, "8": 0.0130}
+    table = {"ratios": {"1": 1.0, "2": 2.22, "8": 2.88}, "seconds": seconds}
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps(table | {"draft_seconds": {"2": 0.0027, "8": 0.0034}}))
+    curve = CostCurve.load(p)
+    assert curve.copy(9) == pytest.approx(2.88 - 0.0034 / 0.0045)
+    assert curve.copy(2) == pytest.approx(2.22 - 0.0027 / 0.0045)
+    assert CostCurve.generic(8).copy(9) == pytest.approx(CostCurve.generic(8).ratio(9) - 0.5)
+
+    def copies(curve: CostCurve) -> int:
+        c = BlockController(8, CostModel(curve), timed=False)
+        c.choose()
+        return c.copy_length(8, CopyRates().doubtful_rate)
+
+    assert copies(curve) == 8
+    p.write_text(json.dumps(table))
+    assert CostCurve.load(p).copy(9) == CostCurve.load(p).ratio(9)
+    assert copies(CostCurve.load(p)) == 0
+
+
 def test_policy_auto_is_the_default_and_a_number_is_exact(tiny_pair):
     trained = tiny_pair.drafter.config.block_size
     assert block_size_for(tiny_pair, None) == BlockChoice(trained, auto=True)

@@ -167,23 +167,23 @@ class BlockController:
         from the first (`zero` of the time) and costs the tree plus its nodes. On a CPU, where
         a verify costs its width, the copy alone wins; where verifies are nearly flat, not."""
         tree = self.acc.expected_tokens(self.bs_max) * self.tree_acc.gain(budget, TREE_GUESS)
-        alone = (1 + hit) / self.cost.cost(copy + 1)
+        alone = (1 + hit) / self.cost.copy(copy + 1)
         both = 1 + hit + zero * max(tree - 1, 0.0)
-        return both / (self.tree_cost.cost(budget) + self.cost.cost(copy + 1) - 1) > alone
+        return both / (self.tree_cost.cost(budget) + self.cost.copy(copy + 1) - 1) > alone
 
     def copy_length(self, longest: int, rate: float) -> int:
         """How many tokens a copy proposes (0: none). A copy of n tokens commits 1 + rate +
         ... + rate^n expected tokens (`rate`: how often a copied token follows an accepted one)
-        for a verify of n + 1, here costed as a chain of that width (an upper bound: a copy has
-        no drafter pass). `longest` if that beats the cycle the controller chose (a plain step at
-        least), else the best shorter length that does: at a short context every useful copy
-        passes, at a long one (each verified token attends to the whole context) long doubtful
-        copies do not."""
+        for a verify of n + 1, costed as a chain of that width less its drafter pass (a copy
+        has none: `CostModel.copy`). `longest` if that beats the cycle the controller chose (a
+        plain step at least), else the best shorter length that does: at a short context every
+        useful copy passes, at a long one (each verified token attends to the whole context)
+        long doubtful copies do not."""
         chosen = max(self.last.rates.get(self.last.size, 0.0), 1.0 / self.cost.cost(1))
         rates, expected = {}, 1.0
         for n in range(1, longest + 1):
             expected += rate**n
-            rates[n] = expected / self.cost.cost(n + 1)
+            rates[n] = expected / self.cost.copy(n + 1)
         if rates and rates[longest] > chosen:
             return longest
         best = max(rates, key=rates.get, default=0)

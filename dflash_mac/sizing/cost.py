@@ -112,11 +112,24 @@ class CostCurve:
     trees: dict[int, float] = field(default_factory=dict)  # tree cycles by node budget
     batches: dict[tuple[int, int], float] = field(default_factory=dict)  # (B rows, bs)
     context: ContextCost = field(default_factory=ContextCost)  # growth with the context
+    drafts: dict[int, float] = field(default_factory=dict)  # the drafter pass alone, by bs
 
     @classmethod
     def generic(cls, bs_max: int) -> CostCurve:
         r = {b: 1.0 + PRIOR_DRAFT_OVERHEAD + PRIOR_PER_TOKEN * (b - 1) for b in range(2, 33)}
-        return cls({1: 1.0, **r})
+        return cls({1: 1.0, **r}, drafts={2: PRIOR_DRAFT_OVERHEAD})
+
+    def draft(self, bs: int) -> float:
+        """The drafter pass's share of a cycle at `bs` (the timed size at or below it, else
+        the smallest; 0 where the curve timed none: a copy is then priced as a chain)."""
+        if not self.drafts or bs < 2:
+            return 0.0
+        return self.drafts[max((b for b in self.drafts if b <= bs), default=min(self.drafts))]
+
+    def copy(self, width: int) -> float:
+        """A copy cycle verifying `width` tokens: a chain cycle as wide, less its drafter pass
+        (a copy has none; on a small model on a CPU that pass is a third of the cycle)."""
+        return max(1.0, self.ratio(width) - self.draft(width))
 
     def ratio(self, bs: int) -> float:
         if bs in self.ratios:
@@ -141,8 +154,9 @@ class CostCurve:
 
         ratios = {b: at(b, r) for b, r in self.ratios.items()}
         trees = {n: at(1 + n, r) for n, r in self.trees.items()}
+        drafts = {b: d / unit for b, d in self.drafts.items()}  # the drafter's context is short
         measured = self.measured and c.measured
-        return CostCurve(ratios, measured, trees=trees, batches=self.batches, context=c)
+        return CostCurve(ratios, measured, trees, self.batches, c, drafts)
 
     @classmethod
     def load(cls, path: Path, sampled: bool = False) -> CostCurve | None:
@@ -160,6 +174,10 @@ class CostCurve:
             ratios = {int(k): float(v) for k, v in (table or data["ratios"]).items()}
             trees = part.get("trees") if table else data.get("trees")
             trees = {int(k): float(v) for k, v in (trees or {}).items()}
+            timed = part if table else data  # the drafter pass alone, as a share of a step
+            unit = float(timed.get("seconds", {}).get("1", 0.0))
+            drafts = timed.get("draft_seconds", {}) if unit > 0 else {}
+            drafts = {int(k): float(v) / unit for k, v in drafts.items()}
             batches = {  # timed greedy only: a batched cycle's cost barely depends on sampling
                 (int(b), int(k)): float(v)
                 for b, row in data.get("batches", {}).items()
@@ -171,7 +189,8 @@ class CostCurve:
         if ratios.get(1) != 1.0 or any(v <= 0 for v in values):
             return None
         context = ContextCost.read(data.get("long_context"))
-        return cls(ratios, measured=True, trees=trees, batches=batches, context=context)
+        drafts = {b: d for b, d in drafts.items() if d > 0}
+        return cls(ratios, True, trees, batches, context, drafts)
 
 
 class CostModel:
@@ -228,6 +247,11 @@ class CostModel:
         trust = self.TRUST if self.prior.measured else 2 * self.TRUST
         low = 1.0 + (prior - 1.0) / trust  # a drafting cycle's overhead shrinks by `trust` at most
         return min(max(r, low), prior * trust)
+
+    def copy(self, width: int) -> float:
+        """Relative cost of a copy verifying `width` tokens: the cycle as wide, less the
+        prior's drafter pass (`CostCurve.copy`)."""
+        return max(1.0, self.cost(width) - self.prior.draft(width))
 
     @property
     def calibrated(self) -> bool:
