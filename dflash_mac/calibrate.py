@@ -59,6 +59,7 @@ FULL_REPS = 12  # `bench --cost-curve`
 LONG_CONTEXTS = (1024, 2048, 4096)  # where `bench --cost-curve` times how costs grow
 CONTEXT_REPS = 3  # measured rounds at each of them
 QUICK_REPS = 3  # the curve measured at first use of `auto` (at `quick_sizes`)
+QUICK_SECONDS = 3.0  # more quick rounds (up to FULL_REPS) while the first took under this
 QUICK_TRIES = 3  # first uses that measure it again while it comes out noisy (a busy host)
 NOISY_RETRIES = 2  # times a measurement adds `reps` more rounds while its medians look busy
 WARMUP_ROUNDS = 1  # a short one (`script(..., warmup=True)`)
@@ -134,12 +135,20 @@ def timed_rounds(
     reps: int,
     state: DecodeState,
     progress: Progress | None = None,
+    budget: float = 0.0,
 ) -> Iterator[tuple[DecodeState, dict[Arm, list[float]]]]:
     """Run `reps` measured rounds (after WARMUP_ROUNDS) of every arm's cycles on the prompt
     `ids`, cut back to it after each round; yield the state and the steady cycle times by arm
-    of each measured round."""
+    of each measured round. Then more rounds, up to max(reps, FULL_REPS), while the measured
+    ones took under `budget` seconds (not counted by `progress`): a small model's cycles take
+    milliseconds, and three rounds of them priced its block 8 at 2.9 plain steps where twelve
+    said 2.4."""
     rng = random.Random(0)
-    for r in range(reps + WARMUP_ROUNDS):
+    start = time.perf_counter()
+    for r in range(max(reps, FULL_REPS) + WARMUP_ROUNDS):
+        measured = r - WARMUP_ROUNDS
+        if measured >= reps and time.perf_counter() - start >= budget:
+            break
         timer = ScriptedSizes(script(arms, rng, warmup=r < WARMUP_ROUNDS))
         longest = sum(bs for bs, _ in timer.script) + 1
         cfg = GenerationConfig(
@@ -155,7 +164,9 @@ def timed_rounds(
             yield state, timer.seconds
         if state.rollback.hybrid:  # its state cannot be cut back to the prompt: anew
             state = DecodeState(pair)
-        if progress:
+        if r < WARMUP_ROUNDS:
+            start = time.perf_counter()
+        if progress and measured < reps:
             progress()
 
 
@@ -185,6 +196,7 @@ def measure(
     temperature: float = 0.0,
     progress: Progress | None = None,
     sizes: list[int] | None = None,
+    budget: float = 0.0,
 ) -> dict:
     """Median seconds per cycle for bs = 1..max_bs and the ratios to bs = 1, greedy or (with
     `temperature`) sampled: drafts drawn, verified by rejection, plain steps drawn too; where
@@ -193,7 +205,8 @@ def measure(
     cycle is its verify and the host sync. Given `sizes` (1 and max_bs among them), only those
     are timed and the others interpolated (listed under `interpolated`). Where the medians
     read as a busy machine's (`sizing.cost.noise`), `reps` more rounds are timed, up to
-    NOISY_RETRIES times (`retried`)."""
+    NOISY_RETRIES times (`retried`). `budget`: seconds the first `reps` rounds may grow to
+    with more (`timed_rounds`); `reps` in the table is the first rounds' count."""
     ids = prompt_ids(pair.drafter.config.vocab_size, context)
     sp = SamplingParams(temperature)
     sizes = sorted(sizes) if sizes else list(range(1, max_bs + 1))
@@ -205,11 +218,14 @@ def measure(
     times: dict[Arm, list[float]] = {arm: [] for arm in arms}
     drafting: dict[int, list[float]] = {bs: [] for bs in sizes[1:]}
     mask, key = pair.drafter.config.mask_token_id, mx.random.key(0)
+    measured = 0
     for attempt in range(1 + NOISY_RETRIES):  # more rounds while the medians look busy
         if attempt and state.rollback.hybrid:
             state = DecodeState(pair)
-        rounds = timed_rounds(pair, ids, arms, max_bs, sp, reps, state, progress)
+        more = 0.0 if attempt else budget
+        rounds = timed_rounds(pair, ids, arms, max_bs, sp, reps, state, progress, more)
         for now, seconds in rounds:
+            measured += 0 if attempt else 1
             for arm, timed in seconds.items():
                 times[arm] += timed
             for bs in drafting:  # the drafter pass alone (it leaves its context as it was)
@@ -225,7 +241,7 @@ def measure(
     between = [b for b in range(1, max_bs + 1) if b not in sizes]  # interpolated
     return (
         table
-        | {"tree_depth": max_bs - 1, "context": context, "reps": reps}
+        | {"tree_depth": max_bs - 1, "context": context, "reps": measured}
         | ({"interpolated": between} if between else {})
         | ({"retried": attempt} if attempt else {})  # `reps` more rounds, `attempt` times
     )
@@ -376,14 +392,15 @@ def measure_both(
     batched: bool = False,
     contexts: bool = False,
     sizes: list[int] | None = None,
+    budget: float = 0.0,
 ) -> dict:
     """The greedy curve, with the curve at SAMPLED_TEMP under "sampled" (what `auto` uses as
     its prior for requests with a temperature); `batched`, where the pair decodes in batches
     (serve --max-batch), also the batched cycles up to the pair's block size
     (`measure_batches`); `contexts`, also how a cycle at the pair's block size grows with the
-    context (`measure_contexts`). `sizes`: as `measure`'s."""
-    curve = measure(pair, max_bs, context, reps, progress=progress, sizes=sizes)
-    sampled = measure(pair, max_bs, context, reps, SAMPLED_TEMP, progress, sizes)
+    context (`measure_contexts`). `sizes`, `budget`: as `measure`'s."""
+    curve = measure(pair, max_bs, context, reps, progress=progress, sizes=sizes, budget=budget)
+    sampled = measure(pair, max_bs, context, reps, SAMPLED_TEMP, progress, sizes, budget)
     curve |= {"sampled": {"temperature": SAMPLED_TEMP} | sampled}
     if batched and batch_reason(pair) is None:
         plain = curve["seconds"]["1"]
@@ -485,8 +502,9 @@ def steps() -> int:
 def calibrate(pair: Pair, bs_max: int, progress: Progress | None = None) -> Path | str:
     """Measure the quick curve up to `bs_max`, greedy and sampled, and save it for `auto`:
     its path, or why it could not be saved (a sentence; generation goes on regardless)."""
+    sizes = quick_sizes(bs_max)
     curve = measure_both(
-        pair, bs_max, reps=QUICK_REPS, progress=progress, sizes=quick_sizes(bs_max)
+        pair, bs_max, reps=QUICK_REPS, progress=progress, sizes=sizes, budget=QUICK_SECONDS
     )
     path = cost_curve_path(pair)
     before = saved(pair) or {}

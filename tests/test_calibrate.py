@@ -79,7 +79,23 @@ def test_the_curve_times_tree_cycles_and_auto_takes_them(pair, tmp_path):
     assert prior.measured and prior.ratio(8) == pytest.approx(curve["trees"]["8"])
 
 
-def test_first_use_measures_and_saves_a_quick_curve_that_auto_takes(pair):
+def test_a_quick_curve_of_fast_cycles_times_more_rounds(pair, monkeypatch, tmp_path):
+    """Where the quick rounds take less than QUICK_SECONDS (a small model: cycles of a few
+    milliseconds, whose medians over three rounds priced the tiny pair's block 8 at 2.9 plain
+    steps where twelve said 2.4) more are timed, up to FULL_REPS, beyond the progress count
+    the front ends show; the control: a budget already spent stops at QUICK_REPS."""
+    monkeypatch.setattr(calibrate, "cost_curve_path", lambda pair: tmp_path / "curve.json")
+    for budget, reps in ((1e9, calibrate.FULL_REPS), (0.0, calibrate.QUICK_REPS)):
+        monkeypatch.setattr(calibrate, "QUICK_SECONDS", budget)
+        steps = []
+        calibrate.calibrate(pair, 2, progress=lambda: steps.append(1))
+        saved = json.loads((tmp_path / "curve.json").read_text())
+        assert saved["reps"] == saved["sampled"]["reps"] == reps
+        assert len(steps) == calibrate.rounds(calibrate.QUICK_REPS)
+
+
+def test_first_use_measures_and_saves_a_quick_curve_that_auto_takes(pair, monkeypatch):
+    monkeypatch.setattr(calibrate, "QUICK_SECONDS", 0.0)  # the rounds it always times
     bs = 3
     assert calibrate.missing(pair, bs)
     assert not load_tuning(pair).controller(bs).cost.prior.measured  # before: the guess
