@@ -88,7 +88,7 @@ def test_a_quick_curve_of_fast_cycles_times_more_rounds(pair, monkeypatch, tmp_p
     for budget, reps in ((1e9, calibrate.FULL_REPS), (0.0, calibrate.QUICK_REPS)):
         monkeypatch.setattr(calibrate, "QUICK_SECONDS", budget)
         steps = []
-        calibrate.calibrate(pair, 2, progress=lambda: steps.append(1))
+        calibrate.calibrate(pair, 2, progress=lambda s=steps: s.append(1))
         saved = json.loads((tmp_path / "curve.json").read_text())
         assert saved["reps"] == saved["sampled"]["reps"] == reps
         assert len(steps) == calibrate.rounds(calibrate.QUICK_REPS)
