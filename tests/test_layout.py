@@ -369,3 +369,27 @@ def test_front_end_packages_import_each_other_one_way(graph):
         packages[a] |= {b for d in dsts if (b := front_end_of(d)) not in (None, a)}
     cycle = find_cycle(packages)
     assert cycle is None, "front-end package cycle: " + " → ".join(cycle)
+
+
+def test_scripts_import_names_that_exist():
+    """Every `from dflash_mac… import name` in scripts/ resolves: a module moved or a name
+    renamed must take the scripts along (cpu_costs.py and compare_drafters.py kept importing
+    `propose` from the module it left)."""
+    import importlib
+
+    missing = []
+    for path in sorted((ROOT / "scripts").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dflash_mac"):
+                module = importlib.import_module(node.module)
+                for alias in node.names:
+                    found = hasattr(module, alias.name)
+                    try:
+                        found = found or bool(
+                            importlib.import_module(f"{node.module}.{alias.name}")
+                        )
+                    except ImportError:
+                        pass
+                    if not found:
+                        missing.append(f"{path.name}: {node.module}.{alias.name}")
+    assert not missing, missing
