@@ -23,8 +23,8 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from dflash_mac.engine.drafts import propose
 from dflash_mac.engine.decode import GenerationConfig, speculative_stream
+from dflash_mac.engine.drafts import propose
 from dflash_mac.engine.verify import SamplingParams
 from dflash_mac.loading.loader import load
 from dflash_mac.sizing.choice import BlockChoice

@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from dflash_mac.engine.drafts import propose
 from dflash_mac.engine.decode import DecodeState, prefill
+from dflash_mac.engine.drafts import propose
 from dflash_mac.engine.verify import SamplingParams
 from dflash_mac.loading.loader import load
 from dflash_mac.target.capture import FeatureCapture

@@ -445,6 +445,34 @@ def test_a_tree_that_loses_is_not_tried_again_every_few_cycles():
     assert losing_trees(fresh.controller(8, trees=TREES), 100) > 0  # unremembered: tried
 
 
+def test_a_small_tree_is_weighed_against_the_largest_chain_not_its_own():
+    """A tree of 4 nodes reaches 4 deep at most: it commits 8 % more than its own chain of
+    likeliest children, and less than the chain of 8 (acceptance 0.8 a position), for 6 %
+    less cost. Weighed against its own chain, its gain was applied to the 8-chain's tokens and
+    `auto` drafted such trees in most cycles (the stage-12 drafter on code: 0.906x of block 8).
+    Against the largest chain's expected tokens it loses and `auto` drafts chains; the control:
+    a 4-node tree that commits 15 % more than the 8-chain is taken."""
+
+    def trees(better: float) -> int:
+        c, rng, n = controller((4,), costs={4: 1.7}), random.Random(1), 0
+        for _ in range(600):
+            d = c.choose()
+            a = 0
+            while a < 7 and rng.random() < 0.8:
+                a += 1
+            if d.tree:
+                n += 1
+                t = min(a, 4) if better < 1 else a
+                t = max(min(round((t + 1) * abs(better) - 1 + rng.random() - 0.5), 7), 0)
+                c.update(d.size, t, None, tree=d.tree, chain=min(a, 4))
+            else:
+                c.update(d.size, a, None)
+        return n
+
+    assert trees(-1.08) < 60  # 8 % over its own 4-deep chain (was 121 of 600)
+    assert trees(1.15) > 300
+
+
 def test_a_forced_budget_drafts_trees_only_and_falls_back_to_plain_steps():
     assert tree_arms(None)[1] and tree_arms(0) == ((), True) and tree_arms(5) == ((5,), False)
     c = controller(chains=False)

@@ -118,12 +118,13 @@ class Acceptance:
 
 
 class TreeAcceptance:
-    """What a tree cycle commits by node budget, as a gain over the chain of likeliest children
-    on the same cycles (what that chain of the same drafter pass would have committed,
-    `tree.chain_depth`): paired, so the text's difficulty cancels and a few cycles tell. The
-    gain starts from an optimistic guess worth `WEIGHT` chain tokens and drifts back to it
-    slowly while no tree runs (`DECAY` a cycle), so a budget that lost is tried again after
-    hundreds of cycles, not every few: each try of a losing tree costs what it loses."""
+    """What a tree cycle commits by node budget, as a gain over what the largest chain was
+    expected to commit on the same cycles (the controller's running estimate, which follows
+    the text: so the text's difficulty mostly cancels and a few cycles tell; the tree's own
+    chain of likeliest children is no yardstick, a 4-node tree's is 4 deep at most). The gain
+    starts from an optimistic guess worth `WEIGHT` chain tokens and drifts back to it slowly
+    while no tree runs (`DECAY` a cycle), so a budget that lost is tried again after hundreds
+    of cycles, not every few: each try of a losing tree costs what it loses."""
 
     WEIGHT = 4.0
     DECAY = 0.999
@@ -139,9 +140,9 @@ class TreeAcceptance:
             self.tokens[b] *= self.DECAY
             self.chains[b] *= self.DECAY
 
-    def observe(self, budget: int, committed: int, chain: int) -> None:
-        """A tree of `budget` nodes committed `committed` tokens where its chain of likeliest
-        children would have committed `chain`."""
+    def observe(self, budget: int, committed: int, chain: float) -> None:
+        """A tree of `budget` nodes committed `committed` tokens where the chain was expected
+        to commit `chain`."""
         self.tokens[budget] = self.tokens.get(budget, 0.0) + committed
         self.chains[budget] = self.chains.get(budget, 0.0) + chain
 

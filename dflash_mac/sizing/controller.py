@@ -318,8 +318,8 @@ class BlockController:
             cost.observe(tree or bs, seconds)
         if bs < 2:
             return
-        if tree:
-            self.tree_acc.observe(tree, accepted + 1, chain + 1)
+        if tree:  # against what the largest chain was expected to commit, as `tree_rates` uses
+            self.tree_acc.observe(tree, accepted + 1, self.acc.expected_tokens(self.bs_max))
         self.acc.observe(bs, chain if tree else accepted, self.idle, () if tree else odds)
         self.idle = 0
         spent = cost.cost(tree or bs)
