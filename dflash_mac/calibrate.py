@@ -222,10 +222,10 @@ def measure(
     for attempt in range(1 + NOISY_RETRIES):  # more rounds while the medians look busy
         if attempt and state.rollback.hybrid:
             state = DecodeState(pair)
-        more = 0.0 if attempt else budget
-        rounds = timed_rounds(pair, ids, arms, max_bs, sp, reps, state, progress, more)
+        first = attempt == 0  # only the first rounds may grow with `budget`, and are counted
+        rounds = timed_rounds(pair, ids, arms, max_bs, sp, reps, state, progress, budget * first)
         for now, seconds in rounds:
-            measured += 0 if attempt else 1
+            measured += first
             for arm, timed in seconds.items():
                 times[arm] += timed
             for bs in drafting:  # the drafter pass alone (it leaves its context as it was)

@@ -40,7 +40,7 @@ from .cost import CostModel, tree_curve
 
 # A tree at first is guessed to commit this much more than the chain of its depth (DDTree
 # reports 1.3x and more; the guess only decides whether trees get tried, then they are measured
-# against the chain of the same cycles: TreeAcceptance)
+# against what the largest chain was expected to commit on the same cycles: TreeAcceptance)
 TREE_GUESS = 1.3
 TREES = (4, 8, 16)  # node budgets `auto` weighs (docs/design.md §6)
 
