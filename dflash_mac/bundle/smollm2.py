@@ -814,7 +814,7 @@ def stage_data(cache: Path, out: Path) -> None:
     keep(data.file, COMMITTED / f"{data.file.name}.gz")
     console.log(f"{len(data.seqs)} sequences, {data.response_tokens:,} response tokens")
     s = train_settings(args, target_text_config(resolve(args.target)), tokenizer)
-    feature_store(target, s, data, args, console.log)
+    feature_store(target, s, data, args, console.log, resolve(args.target))
 
 
 def stage_drafter(

@@ -32,8 +32,8 @@ from .data import Sequence
 from .soft import (
     LossSpec,
     SoftLabels,
+    host_log_normalisers,
     label_positions,
-    log_normalisers,
     soft_from_top,
     top_k_logits,
 )
@@ -81,6 +81,20 @@ class FeatureStore:
 
     # --- building -------------------------------------------------------------------------
 
+    @staticmethod
+    def folder_of(data_file: Path, layer_ids: list[int], max_length: int, spec: LossSpec) -> Path:
+        """The store's folder: its name hashes the data file and the settings it holds."""
+        top_k = spec.top_k if spec.soft else 0
+        temps = list(spec.temperatures) if spec.soft else []
+        key = json.dumps([data_file.name, layer_ids, max_length, top_k, temps]).encode()
+        return data_file.parent / f"features-{hashlib.sha256(key).hexdigest()[:12]}"
+
+    @staticmethod
+    def done(folder: Path) -> int:
+        """Sequences a store's build has finished (0 before it starts)."""
+        meta = folder / "meta.json"
+        return json.loads(meta.read_text())["done"] if meta.exists() else 0
+
     @classmethod
     def open_or_build(
         cls,
@@ -95,8 +109,7 @@ class FeatureStore:
         """The store for these sequences next to `data_file`, built (or finished) first."""
         top_k = spec.top_k if spec.soft else 0
         temps = list(spec.temperatures) if spec.soft else []
-        key = json.dumps([data_file.name, layer_ids, max_length, top_k, temps]).encode()
-        folder = data_file.parent / f"features-{hashlib.sha256(key).hexdigest()[:12]}"
+        folder = cls.folder_of(data_file, layer_ids, max_length, spec)
         lengths = [min(len(s.ids), max_length) for s in seqs]
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(int).tolist()
         meta = folder / "meta.json"
@@ -114,7 +127,8 @@ class FeatureStore:
             store = cls(folder, layout, "r+")
         head = target_head(target) if top_k else None
         for i in range(done, len(seqs)):
-            store._write(i, target, layer_ids, seqs[i].ids[:max_length], head, spec)
+            ids = seqs[i].ids[:max_length]
+            store._write(i, target, layer_ids, ids, len(seqs[i].prompt), head, spec)
             if (i + 1) % 16 == 0 or i + 1 == len(seqs):
                 for a in store.arrays.values():
                     a.flush()
@@ -123,20 +137,25 @@ class FeatureStore:
                     progress(i + 1, len(seqs))
         return cls(folder, layout)
 
-    def _write(self, i: int, target, layer_ids, ids: list[int], head, spec: LossSpec) -> None:
+    def _write(
+        self, i: int, target, layer_ids, ids: list[int], prompt: int, head, spec: LossSpec
+    ) -> None:
         feats, hidden = target_forward(
             target, layer_ids, mx.array([ids]), want_hidden=head is not None
         )
-        rows = slice(self.layout.starts[i], self.layout.starts[i] + len(ids))
-        self.arrays["features"][rows] = np.array(feats[0])
+        start = self.layout.starts[i]
+        self.arrays["features"][start : start + len(ids)] = np.array(feats[0])
         if head is None:
             return
-        logits = head.logits(hidden[0])  # [L, V]
-        ids, top = top_k_logits(logits, spec.top_k)
-        lse = log_normalisers(logits, spec.temperatures)  # [L, nT]
-        self.arrays["top_ids"][rows] = np.array(ids)
+        # rows whose next token is a response token, the only ones read (`label_positions`
+        # from the prompt's length, the vocabulary counts from one before): the rest stay 0
+        lo, hi = min(max(prompt - 1, 0), len(ids) - 1), len(ids) - 1
+        logits = head.logits(hidden[0, lo:hi]).astype(mx.float32)  # [hi - lo, V]
+        top_ids, top = top_k_logits(logits, spec.top_k)
+        rows = slice(start + lo, start + hi)
+        self.arrays["top_ids"][rows] = np.array(top_ids)
         self.arrays["top_logits"][rows] = np.array(top)
-        self.arrays["lse"][rows] = np.array(lse)
+        self.arrays["lse"][rows] = host_log_normalisers(np.array(logits), spec.temperatures)
 
     # --- reading --------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 LOSS_KINDS = ("ce", "kl", "mix")
 
@@ -79,8 +80,25 @@ def top_k_logits(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
     """The ids of the top-k logits (in no particular order) and their float32 values."""
     k = min(k, logits.shape[-1])
     logits = logits.astype(mx.float32)
-    ids = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k].astype(mx.int32)
+    flat = logits.reshape(-1, logits.shape[-1])
+    ids = top_k_ids(flat, k).reshape(*logits.shape[:-1], k)
     return ids, mx.take_along_axis(logits, ids, axis=-1)
+
+
+def top_k_ids(x: mx.array, k: int, group: int = 128) -> mx.array:
+    """Ids of the `k` largest of each row of ``[N, V]``, in two partitions: the `k` groups of
+    `group` columns with the largest maxima hold every top-k value (a group holding one has a
+    maximum at least as large), so the second partition sees ``k·group`` columns, not `V` (6x
+    faster at V = 49k on a CPU). Small vocabularies take one partition."""
+    n, v = x.shape
+    if v < 4 * k * group:
+        return mx.argpartition(-x, kth=k - 1, axis=-1)[:, :k].astype(mx.int32)
+    g = mx.pad(x, [(0, 0), (0, -v % group)], constant_values=-mx.inf).reshape(n, -1, group)
+    best = mx.argpartition(-g.max(axis=-1), kth=k - 1, axis=-1)[:, :k]  # [N, k] groups
+    cand = mx.take_along_axis(g, best[..., None], axis=1).reshape(n, -1)
+    pick = mx.argpartition(-cand, kth=k - 1, axis=-1)[:, :k]
+    cols = (best[..., None] * group + mx.arange(group)).reshape(n, -1)
+    return mx.take_along_axis(cols, pick, axis=-1).astype(mx.int32)
 
 
 def soft_from_top(
@@ -97,6 +115,20 @@ def log_normalisers(logits: mx.array, temperatures: tuple[float, ...] | list[flo
     """``log Σ_v exp(logit_v / T)`` per temperature ``[..., nT]``."""
     logits = logits.astype(mx.float32)
     return mx.stack([mx.logsumexp(logits / t, axis=-1) for t in temperatures], axis=-1)
+
+
+def host_log_normalisers(logits: np.ndarray, temperatures: tuple[float, ...] | list[float]):
+    """`log_normalisers` of host logits ``[L, V]`` in NumPy, summed in float64: MLX's CPU
+    `exp` is scalar, six times slower than NumPy's over a 49k vocabulary."""
+    top = logits.max(axis=-1, keepdims=True)
+    shifted = logits - top
+    return np.stack(
+        [
+            top[:, 0] / t + np.log(np.exp(shifted / np.float32(t)).sum(-1, dtype=np.float64))
+            for t in temperatures
+        ],
+        axis=-1,
+    ).astype(np.float32)
 
 
 def top_k_soft(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,6 +35,7 @@ from .config import build_drafter, drafter_config, target_text_config, train_set
 from .data import Sequence, load_fixed, load_or_regenerate
 from .features import FeatureStore, StoreSet
 from .loop import Trainee, make_optimizer, train_loop
+from .parallel_features import build_in_workers
 from .vocab import token_counts
 
 
@@ -118,27 +120,47 @@ def prepare_data(
 
 
 def feature_store(
-    model: nn.Module, s: TrainSettings, data: TrainingData, args: TrainingArgs, log
+    model: nn.Module,
+    s: TrainSettings,
+    data: TrainingData,
+    args: TrainingArgs,
+    log,
+    target_dir: Path | None = None,
 ) -> StoreSet:
     """The target's features (and soft-label logits) of every sequence, computed once: a
-    store per data file, so new data adds a store and leaves the others as they are."""
+    store per data file, so new data adds a store and leaves the others as they are. On a CPU
+    with `target_dir` given, unfinished stores are built in one process a core."""
     t0 = time.perf_counter()
-    stores, first = [], 0
+    parts, first = [], 0
     for file, n in data.parts:
-        stores.append(
-            FeatureStore.open_or_build(
-                model,
-                s.target_layer_ids,
-                data.seqs[first : first + n],
-                file,
-                s.max_length,
-                args.loss_spec,
-                progress=lambda d, n: log(
-                    f"target features: {d}/{n} sequences ({time.perf_counter() - t0:.0f} s)"
-                ),
-            )
-        )
+        parts.append((data.seqs[first : first + n], file))
         first += n
+    workers = (os.cpu_count() or 1) if mx.default_device() == mx.cpu else 1
+    if target_dir is not None and workers > 1 and len(parts) > 1:
+        build_in_workers(
+            load_target,
+            target_dir,
+            parts,
+            s.target_layer_ids,
+            s.max_length,
+            args.loss_spec,
+            workers,
+            log,
+        )
+    stores = [
+        FeatureStore.open_or_build(
+            model,
+            s.target_layer_ids,
+            seqs,
+            file,
+            s.max_length,
+            args.loss_spec,
+            progress=lambda d, n: log(
+                f"target features: {d}/{n} sequences ({time.perf_counter() - t0:.0f} s)"
+            ),
+        )
+        for seqs, file in parts
+    ]
     store = StoreSet(stores)
     folders = ", ".join(x.folder.name for x in stores)
     log(f"target features of {store.rows:,} tokens in {folders}")
@@ -261,7 +283,7 @@ def train_drafter(args: TrainingArgs, callback: TrainingCallback | None = None) 
         f"({data.file.name})"
     )
 
-    store = feature_store(model, s, data, args, cb.log) if args.cache_features else None
+    store = feature_store(model, s, data, args, cb.log, target_dir) if args.cache_features else None
     vocab = None
     if args.draft_vocab:
         vocab = draft_vocabulary(
