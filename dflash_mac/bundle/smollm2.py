@@ -29,6 +29,7 @@ import json
 import random
 import re
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -36,6 +37,11 @@ from rich.console import Console
 
 from dflash_mac.bundle import corpus
 from dflash_mac.bundle.stages2 import shared_data
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 console = Console(stderr=True, log_path=False)
 CACHE = Path(".cache/smollm2")
@@ -49,332 +55,29 @@ RECOMMENDED_TEMP = 0.7
 STAGES = ("prompts", "data", "dflash2", "dflash")  # `all`; `data2`..`data4` and `eval` alone
 CURVE = OUT / "curve.csv"  # the DFlash 2 drafter's held-out τ after every stage (campaign.py)
 ANSWERED = COMMITTED / "answered.json"  # second-set shard -> the file of its answers
+# the seed lists the prompts are written from (topics, asks, follow-ups): data, not code
+SEEDS = tomllib.loads((Path(__file__).parents[2] / COMMITTED / "prompts.toml").read_text())
 
 # Seed topics for the questions the target writes itself (none is a `chat` suite topic).
-TOPICS = [
-    "saving money on groceries",
-    "learning a second language",
-    "how vaccines work",
-    "writing a cover letter",
-    "the water cycle",
-    "starting a vegetable garden",
-    "photosynthesis",
-    "public speaking",
-    "sleep and health",
-    "the history of the bicycle",
-    "how a car engine works",
-    "training a puppy",
-    "planning a birthday party",
-    "volcanoes",
-    "recycling plastic",
-    "the solar system",
-    "making bread at home",
-    "time zones",
-    "how the internet works",
-    "choosing a laptop",
-    "running a first 5k",
-    "the French Revolution",
-    "writing a poem",
-    "negotiating a salary",
-    "caring for houseplants",
-    "black holes",
-    "electric cars",
-    "meditation for beginners",
-    "how bees make honey",
-    "reading more books",
-    "organising a small kitchen",
-    "renewable energy",
-    "the human heart",
-    "learning to cook rice",
-    "moving to a new city",
-    "job interviews",
-    "how airplanes fly",
-    "keeping a journal",
-    "the Roman Empire",
-    "writing clear instructions",
-    "earthquakes",
-    "budgeting for students",
-    "drinking enough water",
-    "how rainbows form",
-    "teaching children to read",
-    "chess openings",
-    "composting",
-    "the moon's phases",
-    "making friends as an adult",
-    "how credit cards work",
-    "version control with git",
-    "unit testing",
-    "SQL databases",
-    "regular expressions",
-    "recursion",
-    "sorting algorithms",
-    "HTTP requests",
-    "JSON files",
-    "command-line tools",
-    "object-oriented programming",
-    "debugging a program",
-    "big-O notation",
-    "linked lists",
-]
-CODE_ASKS = [
-    "Explain what this Python function does, step by step:",
-    "Rewrite this Python function so it is easier to read, and say what you changed:",
-    "Add type hints and a docstring to this Python function:",
-    "Write three unit tests with pytest for this Python function:",
-    "Is there a bug in this Python function? Explain and fix it if so:",
-]
-FOLLOW_UPS = [
-    "Can you explain how it works?",
-    "Now add type hints.",
-    "Write a short usage example.",
-    "Can you make it shorter?",
-    "What are the edge cases?",
-]
+TOPICS = SEEDS["topics"]
+CODE_ASKS = SEEDS["code_asks"]
+FOLLOW_UPS = SEEDS["follow_ups"]
 COUNTS = {"write": 300, "ask": 180, "long": 16, "multi": 80, "topic": len(TOPICS)}
 KEEP = 512  # of the 671 shuffled prompts: what two CPU cores answer in about half an hour
 
 # The second prompt set (stage `prompts2`): more everyday requests (chat answers were 95 of the
 # first 512 prompts), and code asks over stdlib functions the first set did not use.
-TOPICS2 = [
-    "baking sourdough",
-    "learning to swim",
-    "the history of tea",
-    "owning a cat",
-    "birdwatching",
-    "packing for a beach holiday",
-    "cycling to work",
-    "writing a resume",
-    "saving for retirement",
-    "first aid for burns",
-    "growing tomatoes",
-    "the Great Wall of China",
-    "how magnets work",
-    "the life of honeybees",
-    "learning chess",
-    "buying a used car",
-    "making pasta from scratch",
-    "dealing with stress",
-    "the printing press",
-    "ancient Egypt",
-    "how clouds form",
-    "hosting a dinner party",
-    "renting a first apartment",
-    "public libraries",
-    "the human brain",
-    "climate-friendly habits",
-    "camping in the rain",
-    "learning to draw",
-    "the piano's history",
-    "running a bake sale",
-    "smartphone battery life",
-    "backing up photos",
-    "choosing running shoes",
-    "the Olympic Games",
-    "how tides work",
-    "writing a thank-you note",
-    "keeping a plant alive",
-    "learning Spanish",
-    "coffee brewing",
-    "the Industrial Revolution",
-    "how a refrigerator works",
-    "visiting a museum",
-    "planning a road trip",
-    "fixing a flat bicycle tyre",
-    "the speed of light",
-    "introducing yourself at work",
-    "giving constructive feedback",
-    "the history of maps",
-    "healthy breakfasts",
-    "waking up early",
-    "volunteering",
-    "the rainforest",
-    "how vaccines are tested",
-    "deep sea creatures",
-    "writing a short speech",
-    "organising a closet",
-    "the Silk Road",
-    "how bridges stay up",
-    "learning the guitar",
-    "making a budget spreadsheet",
-    "online privacy",
-    "strong passwords",
-    "email etiquette",
-    "sorting a list in Python",
-    "reading a CSV file in Python",
-    "Python dictionaries",
-    "Python virtual environments",
-    "writing docstrings",
-    "list comprehensions",
-    "exceptions in Python",
-    "the difference between a list and a tuple",
-    "binary search",
-    "hash functions",
-    "stacks and queues",
-    "writing clean functions",
-    "code reviews",
-    "naming variables",
-    "logging in Python",
-    "testing with pytest",
-    "Python generators",
-    "async programming",
-    "reading files line by line",
-    "string formatting in Python",
-    "the Python standard library",
-    "debugging with print statements",
-    "recursion limits",
-    "dates and times in Python",
-    "regular expression groups",
-    "command-line arguments",
-    "dataclasses in Python",
-    "type hints",
-    "refactoring long functions",
-    "pair programming",
-    "learning to code as an adult",
-    "open-source contributions",
-    "writing a README",
-    "the history of computers",
-    "how a CPU works",
-    "the difference between RAM and storage",
-    "what an API is",
-    "how search engines work",
-    "spreadsheets for beginners",
-]
-CHAT_ASKS = [
-    "Give me three practical tips about {t}.",
-    "Explain {t} to a beginner in plain language.",
-    "What are common mistakes people make with {t}?",
-    "Write a short, friendly message to a friend about {t}.",
-    "Summarise the most important things to know about {t} in five sentences.",
-    "I'm new to {t}. Where should I start?",
-    "Write a short poem about {t}.",
-    "What are the pros and cons of {t}?",
-    "Answer in a few sentences: why does {t} matter?",
-    "Write a two-sentence story that involves {t}.",
-    "Make a short checklist for {t}.",
-    "What questions should I ask an expert about {t}?",
-]
+TOPICS2 = SEEDS["topics2"]
+CHAT_ASKS = SEEDS["chat_asks"]
 COUNTS2 = {"write": 420, "ask": 240, "multi": 120, "long": 24, "chat_per_topic": 3}
 
 # The third prompt set (stage `data3`): weighted to everyday requests, where the drafter is
 # weakest (chat τ 1.24 after stage 7), answered at T 0.7 (the first two sets are greedy): new
 # topics, follow-ups on the second set's own chat answers (multi-turn), and code asks on
 # functions neither earlier set used.
-TOPICS3 = [
-    "planting a tree",
-    "the history of chocolate",
-    "how a bicycle gear works",
-    "snow and ice",
-    "learning to knit",
-    "adopting a rescue dog",
-    "the first moon landing",
-    "how soap works",
-    "writing a birthday card",
-    "choosing a houseplant",
-    "staying safe in a thunderstorm",
-    "the life cycle of a butterfly",
-    "making a smoothie",
-    "how glasses correct vision",
-    "a weekend in the mountains",
-    "saving electricity at home",
-    "how elections work",
-    "learning sign language",
-    "the history of jazz",
-    "packing a school lunch",
-    "how batteries store energy",
-    "keeping a sourdough starter",
-    "board games for families",
-    "writing a short story",
-    "the water in the oceans",
-    "how to iron a shirt",
-    "the history of the telephone",
-    "starting to jog",
-    "a rainy day at home",
-    "how wind turbines work",
-    "learning to juggle",
-    "caring for a goldfish",
-    "the pyramids of Giza",
-    "making homemade pizza",
-    "how to say no politely",
-    "the human skeleton",
-    "planning a picnic",
-    "how maps are made",
-    "the invention of paper",
-    "writing a complaint letter",
-    "how to read a nutrition label",
-    "learning a musical instrument",
-    "the seasons",
-    "how trains run on time",
-    "decorating a small bedroom",
-    "how a compass works",
-    "the history of the Olympics",
-    "visiting a farmers market",
-    "how coral reefs grow",
-    "a good night routine",
-    "learning to type faster",
-    "the history of football",
-    "caring for leather shoes",
-    "how to apologise",
-    "the Amazon river",
-    "how a microwave oven works",
-    "making pancakes",
-    "starting a book club",
-    "the northern lights",
-    "the history of writing",
-    "learning to ride a bike",
-    "how wolves live in packs",
-    "preparing for an exam",
-    "how hot air balloons fly",
-    "making a paper airplane",
-    "the story of the printing of books",
-    "choosing a gift for a friend",
-    "how vaccines are stored",
-    "the history of cinema",
-    "keeping chickens",
-    "how to write an email subject line",
-    "the planets beyond Mars",
-    "travelling by train in Europe",
-    "how ants find food",
-    "tidying a messy desk",
-    "learning to meditate at work",
-    "how a thermostat works",
-    "the history of the piano",
-    "caring for a newborn kitten",
-    "cooking with lentils",
-    "how rivers shape valleys",
-    "writing a wedding toast",
-    "the life of a firefighter",
-    "how the heart pumps blood",
-    "an evening walk",
-    "choosing a good book",
-    "the history of glass",
-    "how owls hunt at night",
-    "fixing a squeaky door",
-    "planning a garden for bees",
-    "how tea is grown",
-    "learning to whistle",
-    "the history of money",
-    "how phones connect to the internet",
-]
-CHAT_ASKS3 = [
-    "Tell me something interesting about {t}.",
-    "Give me a short step-by-step guide to {t}.",
-    "Can you explain {t} like I'm ten years old?",
-    "Write a friendly paragraph about {t}.",
-    "What should a beginner know about {t}? Keep it short.",
-    "List five facts about {t}.",
-    "I have ten minutes. What can I learn about {t}?",
-    "Write a short dialogue between two friends talking about {t}.",
-]
-CHAT_FOLLOW_UPS = [
-    "Can you make that shorter?",
-    "Thanks! Can you give me one more tip?",
-    "Why is that?",
-    "Can you give me an example?",
-    "Could you say that more simply?",
-    "What would you do first?",
-    "Can you turn that into a list?",
-    "That's helpful. What mistakes should I avoid?",
-]
+TOPICS3 = SEEDS["topics3"]
+CHAT_ASKS3 = SEEDS["chat_asks3"]
+CHAT_FOLLOW_UPS = SEEDS["chat_follow_ups"]
 COUNTS3 = {"write": 0, "ask": 160, "multi": 60, "long": 16, "chat_per_topic": 3, "follow": 200}
 # The fourth set (stage `data4`): the second set's prompts again, answered at T 0.7 (they were
 # answered greedily): sampled answers to code and everyday requests with no new prompts to
@@ -460,11 +163,7 @@ def prompts3(chats: list[tuple[list[dict], str]]) -> list[dict]:
 FIXED = ("fixed.jsonl", "fixed2.jsonl", "fixed3.jsonl")  # cache files, a part each (`fixed_text`)
 FIXED_CODE = (300, 1_500, 800)  # stdlib functions no prompt set asks for, a part
 FIXED_PART = 1_500  # characters of a documentation topic's opening (the first part)
-MORE_ASKS = (
-    "Tell me more about `{name}` in Python.",
-    "Go on: what else should I know about `{name}` in Python?",
-    "Explain the details of `{name}` in Python.",
-)
+MORE_ASKS = tuple(SEEDS["more_asks"])
 
 
 def fixed_functions() -> list[dict]:
