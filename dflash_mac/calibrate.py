@@ -100,6 +100,7 @@ class ScriptedSizes:
         tree: int = 0,
         chain: int = 0,
         odds: Sequence[float] = (),
+        reach: int = 0,
     ) -> None:
         self.updates += 1
         if steady and seconds:

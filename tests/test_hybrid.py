@@ -327,7 +327,7 @@ class Sizes:
         self.i += 1
         return self.last
 
-    def update(self, bs, accepted, seconds, steady=True, tree=0, chain=0, odds=()) -> None:
+    def update(self, bs, accepted, seconds, steady=True, tree=0, chain=0, odds=(), reach=0) -> None:
         pass
 
     def copy_length(self, longest: int, rate: float) -> int:

@@ -18,7 +18,15 @@ from mlx_lm.models.cache import make_prompt_cache
 from test_sampling import chi_square_p, exact_joint, small_pair  # noqa: F401  (fixture)
 
 from dflash_mac.api import generate
-from dflash_mac.drafting.tree import DraftTree, graft, grow, keep_path, verify_logits, walk
+from dflash_mac.drafting.tree import (
+    DraftTree,
+    chain_reach,
+    graft,
+    grow,
+    keep_path,
+    verify_logits,
+    walk,
+)
 from dflash_mac.session import Session
 from dflash_mac.sizing.controller import TREES, BlockController, tree_arms
 from dflash_mac.sizing.cost import CostCurve, CostModel
@@ -471,6 +479,35 @@ def test_a_small_tree_is_weighed_against_the_largest_chain_not_its_own():
 
     assert trees(-1.08) < 60  # 8 % over its own 4-deep chain (was 121 of 600)
     assert trees(1.15) > 300
+
+
+def test_a_trees_chain_teaches_only_the_positions_the_tree_drafted():
+    """A 4-node tree's chain of likeliest children is 4 deep at most: where it accepted all 4,
+    the chain's 5th draft was never judged, and the chains' estimate must not read it as
+    rejected (it did, and the largest chain looked worse while trees ran, so trees kept
+    running). The control: the same cycles counted over the whole block lower position 5."""
+
+    def alpha5(reach: int) -> float:
+        c = controller((4,))
+        for _ in range(40):
+            c.update(8, 4, None, tree=4, chain=4, reach=reach)
+        return c.acc.alphas(7)[4]
+
+    assert alpha5(4) > 0.9  # positions 1-4 always accepted, 5 inherits position 4's estimate
+    assert alpha5(0) < 0.2
+
+
+def test_the_chain_of_likeliest_children_reaches_as_deep_as_the_tree_holds_it():
+    """`chain_reach` against a walk down the likeliest children by hand, grafted or not."""
+    for budget in (1, 2, 3, 5, 9):
+        tree = grow(mx.array(7), fixed_expand, 3, budget)
+        for t in (tree, graft(tree, mx.array([10, 20, 30]))):
+            parents, top = t.parents.tolist(), t.top.tolist()
+            node, depth = 0, 0
+            while kids := [i for i in range(1, t.width) if parents[i] == node and top[i]]:
+                node, depth = kids[0], depth + 1
+            assert chain_reach(t).item() == depth, (budget, depth)
+    assert chain_reach(grow(mx.array(7), fixed_expand, 3, 9)).item() == 3  # the control: deep
 
 
 def test_a_forced_budget_drafts_trees_only_and_falls_back_to_plain_steps():

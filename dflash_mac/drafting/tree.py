@@ -152,6 +152,14 @@ def chain_depth(tree: DraftTree, acc: mx.array, path: mx.array) -> mx.array:
     return mx.cumprod(on.astype(mx.int32)).sum()
 
 
+def chain_reach(tree: DraftTree) -> mx.array:
+    """How deep the chain of likeliest children goes in the tree (a small budget cuts it
+    short): the positions past it were never drafted, so the chain's estimate learns nothing
+    of them."""
+    chain = (tree.ancestors & ~tree.top[None, :]).sum(axis=-1) == 0  # all its ancestors top
+    return mx.max(mx.where(chain, tree.depth, 0))
+
+
 def attention_mask(tree: DraftTree, start: int) -> mx.array:
     """[1 + B, start + 1 + B] bool: every node sees the cached prefix and its ancestors."""
     prefix = mx.ones((tree.width, start), mx.bool_)

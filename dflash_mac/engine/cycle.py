@@ -51,6 +51,7 @@ class Outcome:
     chain: int = 0  # a tree's: what the chain of the same drafter pass would have accepted
     drafted: int = 0  # accepted drafts the drafter proposed (less a grafted copy's)
     odds: tuple[float, ...] = ()  # a sampled chain's acceptance odds (drafts.Verdict)
+    reach: int = 0  # a tree's: how deep its chain of likeliest children went
 
 
 class Sizes:
@@ -165,7 +166,7 @@ class CyclePipeline:
         steady = self.last_bs > 0 and (c.bs > 1) == (self.last_bs > 1)
         steady = steady and not (ahead and self.queued is None)
         self.last_bs = c.bs
-        return Outcome(a, committed, seconds, steady, host, lps, chain, own, v.odds)
+        return Outcome(a, committed, seconds, steady, host, lps, chain, own, v.odds, v.reach)
 
     def ahead(self, anchor: int, room: int) -> None:
         """Queue the next cycle right after the sync, before the host's bookkeeping."""

@@ -153,7 +153,9 @@ def cycles(
                 row.anchor = r.committed[-1]  # the bonus token: the next cycle's anchor
                 if plan and not c.copied:  # copies say nothing about the drafter's blocks
                     timed = r.seconds if not c.copy else None  # a graft's nodes: a dearer tree
-                    plan.update(c.bs, r.drafted, timed, r.steady, c.budget, r.chain, r.odds)
+                    plan.update(
+                        c.bs, r.drafted, timed, r.steady, c.budget, r.chain, r.odds, r.reach
+                    )
                 pipe.ahead(row.anchor, room - len(r.committed))  # queued before the bookkeeping
                 before = out.count
                 text = out.push(r.committed, cfg.max_tokens)

@@ -14,7 +14,15 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..drafting.tree import DraftTree, chain_depth, graft, grow, verify_logits, walk
+from ..drafting.tree import (
+    DraftTree,
+    chain_depth,
+    chain_reach,
+    graft,
+    grow,
+    verify_logits,
+    walk,
+)
 from ..models.penalties import PenaltyContext, draft_sequential
 from ..pair import Pair
 from .constraints import Constraint
@@ -193,6 +201,7 @@ class Verdict:
     chain: int  # what the chain of the same drafter pass accepted (a chain's: `accepted`)
     rows: list[float]  # what follows in the outcome: the logprob rows, when asked
     odds: tuple[float, ...] = ()  # a sampled chain's acceptance odds (verify.acceptance_odds)
+    reach: int = 0  # a tree's: how deep its chain of likeliest children went (chain_reach)
 
 
 class Strategy:
@@ -334,7 +343,7 @@ class Tree(Strategy):
         return c
 
     def verify(self, lane: Lane, c: Cycle) -> None:
-        """[accepted, bonus, path tokens, path nodes, the chain's accepted]."""
+        """[accepted, bonus, path tokens, path nodes, the chain's accepted, its reach]."""
         c.start = lane.state.target_cache[0].offset
         logits = verify_logits(lane.pair.target, c.tree, lane.state.target_cache, lane.ropes)
         if lane.sp.greedy:
@@ -346,6 +355,7 @@ class Tree(Strategy):
         tokens, chain = c.tree.tokens[path], chain_depth(c.tree, acc, path)
         c.outcome = mx.concatenate(
             [acc.reshape(1), bonus.reshape(1), tokens, path, chain.reshape(1)]
+            + [chain_reach(c.tree).reshape(1)]
         )
         mx.async_eval(c.outcome)
 
@@ -353,7 +363,7 @@ class Tree(Strategy):
         n = c.tree.max_depth
         a, bonus, drafted = int(out[0]), int(out[1]), [int(d) for d in out[2 : 2 + n]]
         path = [int(i) for i in out[2 + n : 2 + 2 * n]]
-        return Verdict(a, bonus, drafted, path, int(out[2 + 2 * n]), [])
+        return Verdict(a, bonus, drafted, path, int(out[2 + 2 * n]), [], reach=int(out[3 + 2 * n]))
 
 
 PLAIN, CHAIN, CONSTRAINED, COPY = Plain(), Chain(), Constrained(), Copy()

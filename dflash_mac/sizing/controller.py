@@ -21,7 +21,9 @@ most 256 steps apart, fewer the more drafting gained lately (realised: tokens pe
 never the guess a fresh controller starts from). It falls back 5 % below a plain step's rate
 and resumes only 10 % above it, so it does not flap. A size next to the chosen one
 that is within 5 % of it and still has only the prior's cost runs now and then until it was
-timed a few times, so a prior that is a few per cent off at a size is corrected. Greedy and
+timed a few times, so a prior that is a few per cent off at a size is corrected; and while
+drafting, a few plain steps now and then time the one-token step the costs are ratios of (the
+host's speed drifts: cost.py). Greedy and
 sampled decoding keep apart cost models (`AutoTuning.controller`). Pure Python (no MLX):
 unit-testable with synthetic inputs (docs/bench.md).
 
@@ -83,6 +85,10 @@ class BlockController:
     GUESS = 0.7  # the generic guess of each position's acceptance (a well-trained drafter's)
     GUESS_WEIGHT = 8.0  # drafting cycles the generic guess is worth at first (fading as theirs)
     GAIN_ALPHA = 0.1  # the realised rate's average: a lucky block alone moves it little
+    UNIT_EVERY = (64, 128, 512)  # cycles between plain steps timed while drafting: least, first,
+    # most (a host's speed drifts by a third within minutes; the costs are ratios to it)
+    UNIT_STEPS = 3  # plain steps a timing takes: the middle one is timed amid its kind
+    UNIT_MATCH = 0.1  # a timed step this close to the unit the drafting cycles tracked agrees
 
     def __init__(
         self,
@@ -130,6 +136,7 @@ class BlockController:
         self.timed = timed  # False: decide from the prior costs only (reproducible choices)
         self.calibrate_from = 3 if timed and not cost.calibrated else None
         self.neighbour_countdown = self.NEIGHBOUR_EVERY
+        self.unit_every, self.unit_timed, self.unit_steps = self.UNIT_EVERY[1], 0, 0
         self.last = Decision(1 if plain_first else bs_max, "start")
         self.memory: str | None = None  # where its acceptance is remembered (files.py)
         self.copy_rates = CopyRates()  # what its requests' copies got (they go on from it)
@@ -260,6 +267,8 @@ class BlockController:
             self.acc.boost = 0.0  # the guess kept drafting on until the evidence spoke
             self.interval = self.countdown = self.probe_base
             self.last = Decision(1, f"drafting does not pay: {pace(cur, rates)}", rates)
+        elif rates[cur] < rates[1] * self.cost.TRUST and self.unit_due():
+            self.last = Decision(1, "timing a plain step (the machine's speed drifts)", rates)
         elif (near := self.untimed_neighbour(rates)) is not None:
             self.last = Decision(near, f"timing block {near} (close to {cur})", rates)
         else:
@@ -267,6 +276,33 @@ class BlockController:
         if self.plain_first and self.last.size == 1:
             self.last = replace(self.last, reason=f"long context, {self.last.reason}")
         return self.last
+
+    def unit_due(self) -> bool:
+        """Whether this drafting stretch's cycle is a plain step that times the unit the costs
+        are ratios of (UNIT_STEPS of them every `unit_every` cycles): a size run for minutes
+        tracks the host's speed through its own ratio, and only a timed plain step shows
+        that ratio was off (a curve timed at another moment). Asked only where drafting's
+        expected gain is within the costs' TRUST (beyond it no ratio error the costs may
+        learn turns the choice); further apart while they agree with the tracked unit, closer
+        while not (`retime`)."""
+        if not self.timed:
+            return False
+        if self.unit_steps:
+            self.unit_steps -= 1
+            return True
+        if self.cycles - self.unit_timed < self.unit_every:
+            return False
+        self.unit_steps, self.unit_timed = self.UNIT_STEPS - 1, self.cycles
+        return True
+
+    def retime(self, seconds: float) -> None:
+        """A plain step timed amid its kind: the next timing comes twice as late if it agrees
+        with the unit (UNIT_MATCH), at the least interval if not."""
+        least, _, most = self.UNIT_EVERY
+        unit, self.unit_timed = self.cost.unit, self.cycles
+        if unit:
+            agrees = abs(seconds / unit - 1.0) <= self.UNIT_MATCH
+            self.unit_every = min(2 * self.unit_every, most) if agrees else least
 
     def untimed_neighbour(self, rates: dict[int, float]) -> int | None:
         """A size next to the chosen one whose cost is still the prior's and whose expected
@@ -290,6 +326,7 @@ class BlockController:
         if not near:
             return None
         self.neighbour_countdown = self.NEIGHBOUR_EVERY
+        self.unit_every, self.unit_timed, self.unit_steps = self.UNIT_EVERY[1], 0, 0
         return max(near, key=rates.get)
 
     def update(
@@ -301,10 +338,12 @@ class BlockController:
         tree: int = 0,
         chain: int = 0,
         odds: Sequence[float] = (),
+        reach: int = 0,
     ) -> None:
         """Feed back a finished cycle: `accepted` drafts of bs-1 (a tree's: its accepted
         depth; `tree` its budget, `chain` what the chain of its likeliest children accepted,
-        which keeps the chains' estimate learning while trees run; a sampled chain's `odds`:
+        which keeps the chains' estimate learning while trees run, of its first `reach`
+        positions (those the tree drafted; 0: all); a sampled chain's `odds`:
         acceptance.positions) and its time (None: not timed); `steady`: the time is that of a
         cycle amid its kind, which the cost model learns from (a probe's is not: it also
         appends the waiting context and restarts the pipeline, but whether it paid is judged on
@@ -315,12 +354,17 @@ class BlockController:
         self.tree_acc.age()
         cost = self.tree_cost if tree else self.cost
         if seconds is not None and steady and self.timed:
+            if bs == 1:
+                self.retime(seconds)
             cost.observe(tree or bs, seconds)
         if bs < 2:
             return
         if tree:  # against what the largest chain was expected to commit, as `tree_rates` uses
             self.tree_acc.observe(tree, accepted + 1, self.acc.expected_tokens(self.bs_max))
-        self.acc.observe(bs, chain if tree else accepted, self.idle, () if tree else odds)
+        if tree:  # the chain's positions past the tree's reach were not judged: not rejected
+            self.acc.observe(min(bs, reach + 1) if reach else bs, chain, self.idle)
+        else:
+            self.acc.observe(bs, accepted, self.idle, odds)
         self.idle = 0
         spent = cost.cost(tree or bs)
         if seconds is not None and self.timed and self.cost.unit:

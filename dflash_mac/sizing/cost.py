@@ -4,8 +4,9 @@ cost(bs), the time of a cycle at block size bs relative to a one-token target st
 A prior curve (`CostCurve`: measured once per pair and machine by `dflash-mac bench
 --cost-curve`, else a generic guess; `at_context` prices it at a long context through
 `ContextCost`; `noise` refuses one timed on a busy machine) is scaled and refined online by the
-measured cycle times (`CostModel`: exponential moving averages; the first cycle at each size,
-which compiles its graphs, is not used). Pure Python (no MLX)."""
+measured cycle times (`CostModel`: the host's one-token step times each size's ratio to it,
+exponential moving averages; the first cycle at each size, which compiles its graphs, is not
+used). Pure Python (no MLX)."""
 
 from __future__ import annotations
 
@@ -194,19 +195,32 @@ class CostCurve:
 
 
 class CostModel:
-    """Seconds per cycle at each block size: measured averages where there are some, else the
-    prior curve times the estimated one-token step."""
+    """Seconds per cycle at each block size, as a one-token step's seconds (`unit`: the host's
+    speed now) times each size's ratio to it (`ratios`, else the prior curve's).
+
+    A host's speed drifts by a third within minutes, so past a size's FIRST timings its ratio
+    is learned only from cycles timed within FRESH observations of the unit being timed by
+    another kind of cycle (a plain step, or a size whose ratio is known); the other cycles
+    track the unit through their ratio. A size run for minutes on end keeps the ratio it was
+    learned at while the host speeds up or slows down, instead of its current seconds being
+    divided by a plain step timed minutes earlier."""
 
     SPIKE = 2.0  # one observation moves at most this factor from the average
     TRUST = 1.25  # measured ratios stay within this factor of a measured prior
+    FRESH = 8  # observations after the unit was timed in which other sizes learn their ratio
+    FIRST = 3  # a size's first timings learn its ratio whenever they come (nothing to track by)
 
     def __init__(self, prior: CostCurve, alpha: float = 0.2, unit_of: CostModel | None = None):
         self.prior, self.alpha = prior, alpha
         self.unit_of = unit_of  # a tree model takes the one-token step from the chain model
-        self.seconds: dict[int, float] = {}
+        self.seconds: dict[int, float] = {}  # each size's cycle seconds, averaged (damped)
         self.counts: dict[int, int] = {}
+        self.ratios: dict[int, float] = {}  # each size's seconds over a fresh unit, averaged
+        self.learned: dict[int, int] = {}  # cycles each ratio was learned from
         self.unit: float | None = None  # estimated seconds of a one-token step
-        self.units = 0  # drafting cycles the unit was estimated from (while no plain step is)
+        self.units = 0  # observations the unit was timed from
+        self.source: tuple[int, int] | None = None  # (model, size) that timed the unit last
+        self.age = 0  # observations since
         self.first_seen: set[int] = set()
 
     def observe(self, bs: int, seconds: float) -> None:
@@ -221,18 +235,33 @@ class CostModel:
             seconds = min(max(seconds, old / self.SPIKE), old * self.SPIKE)
         n = self.counts[bs] = self.counts.get(bs, 0) + 1
         self.seconds[bs] = self.average(self.seconds.get(bs), seconds, n)
-        if self.unit_of is not None:
-            return
-        if 1 in self.seconds:
-            self.unit = self.seconds[1]
-        else:
-            self.units += 1
-            self.unit = self.average(self.unit, seconds / self.prior.ratio(bs), self.units)
+        base, me = self.unit_of or self, (id(self), bs)
+        base.age += 1
+        if bs == 1 and self.unit_of is None:  # a plain step times the unit itself (the first
+            base.time_unit(seconds, me, restart=n == 1)  # replaces estimates through ratios)
+        elif base.unit is not None and (
+            self.learned.get(bs, 0) < self.FIRST or (base.source != me and base.age <= self.FRESH)
+        ):
+            m = self.learned[bs] = self.learned.get(bs, 0) + 1
+            self.ratios[bs] = self.average(self.ratios.get(bs), seconds / base.unit, m)
+        else:  # the host's speed through this size's ratio
+            base.time_unit(seconds / self.ratio(bs), me)
+
+    def time_unit(self, seconds: float, source: tuple[int, int], restart: bool = False) -> None:
+        """One estimate of the one-token step's seconds, from `source` (`restart`: the first
+        of a new average)."""
+        self.units = 1 if restart else self.units + 1
+        self.unit = self.average(self.unit, seconds, self.units)
+        self.source, self.age = source, 0
 
     def average(self, old: float | None, new: float, n: int) -> float:
         """An exponential moving average that is the plain mean of its first 1/alpha values
         (so no single early value weighs more than the later ones)."""
         return new if old is None else old + max(self.alpha, 1 / n) * (new - old)
+
+    def ratio(self, bs: int) -> float:
+        """A size's learned ratio to a one-token step, else the prior's (unclamped)."""
+        return self.ratios.get(bs) or self.prior.ratio(bs)
 
     def cost(self, bs: int) -> float:
         """Relative cost of a cycle at `bs` (1.0 for a one-token step); its overhead over a
@@ -240,13 +269,11 @@ class CostModel:
         the prior's: timings taken at different moments on a loaded machine must not turn a
         paying size into a losing one, or a losing one into a paying one."""
         prior = self.prior.ratio(bs)
-        unit = self.unit_of.unit if self.unit_of is not None else self.unit
-        if unit is None or (bs == 1 and self.unit_of is None):
+        if bs not in self.ratios:
             return prior
-        r = self.seconds.get(bs, unit * prior) / unit
         trust = self.TRUST if self.prior.measured else 2 * self.TRUST
         low = 1.0 + (prior - 1.0) / trust  # a drafting cycle's overhead shrinks by `trust` at most
-        return min(max(r, low), prior * trust)
+        return min(max(self.ratios[bs], low), prior * trust)
 
     def copy(self, width: int) -> float:
         """Relative cost of a copy verifying `width` tokens: the cycle as wide, less the

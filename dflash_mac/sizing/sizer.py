@@ -47,9 +47,11 @@ class BlockSizer(Protocol):
         tree: int = 0,
         chain: int = 0,
         odds: Sequence[float] = (),
+        reach: int = 0,
     ) -> None:
         """A finished cycle at `bs` (a tree's: of budget `tree`) accepted `accepted` drafts
-        (`chain`: what the chain of a tree's likeliest children accepted) in `seconds` (None:
+        (`chain`: what the chain of a tree's likeliest children accepted, `reach` how deep
+        that chain went in the tree) in `seconds` (None:
         not timed); `steady`: timed amid cycles of its kind; `odds`: a sampled chain's
         acceptance probabilities (`acceptance.positions`), () where there are none."""
         ...

@@ -24,15 +24,21 @@ from .soft import LossSpec
 POLL_SECONDS = 30.0  # how often the parent reports the workers' progress
 
 _target = None  # a worker process's target, loaded once by `_start` (the pool's initializer)
+_parent = 0  # ... and its parent's pid: a worker whose parent was killed stops
 
 
 def _start(load: Callable, target_dir: Path) -> None:
-    global _target
-    _target = load(target_dir)[0]
+    global _target, _parent
+    _target, _parent = load(target_dir)[0], os.getppid()
+
+
+def _orphaned(done: int, total: int) -> None:
+    if os.getppid() != _parent:  # the parent died: stop at this chunk (a rerun resumes)
+        raise SystemExit(1)
 
 
 def _build(layer_ids: list[int], seqs: list[Sequence], file: Path, max_length: int, spec) -> None:
-    FeatureStore.open_or_build(_target, layer_ids, seqs, file, max_length, spec)
+    FeatureStore.open_or_build(_target, layer_ids, seqs, file, max_length, spec, _orphaned)
 
 
 @contextmanager
