@@ -30,7 +30,7 @@ def test_each_cycle_gets_its_strategy():
 
 def test_every_strategy_reads_the_same_verdict():
     """A chain's outcome [accepted, bonus, drafts...] and a tree's [accepted, bonus, path
-    tokens, path nodes, chain's accepted] read into one `Verdict`."""
+    tokens, path nodes, chain's accepted, chain's reach] read into one `Verdict`."""
     chain = SimpleNamespace(bs=4, q=None)
     v = drafts.CHAIN.read(chain, [2, 9, 5, 6, 7])
     assert v == drafts.Verdict(2, 9, [5, 6, 7], [], 2, [])
@@ -39,5 +39,5 @@ def test_every_strategy_reads_the_same_verdict():
     v = drafts.CHAIN.read(sampled, [1, 9, 5, 6, 1.0, 0.5, 0.9, 0.4, -1.5])
     assert v == drafts.Verdict(1, 9, [5, 6], [], 1, [-1.5], (1.0, 0.5, 0.9, 0.4))
     tree = SimpleNamespace(tree=SimpleNamespace(max_depth=3))
-    v = drafts.Tree(8).read(tree, [2, 9, 5, 6, 0, 1, 4, 0, 1])
-    assert v == drafts.Verdict(2, 9, [5, 6, 0], [1, 4, 0], 1, [])
+    v = drafts.Tree(8).read(tree, [2, 9, 5, 6, 0, 1, 4, 0, 1, 3])
+    assert v == drafts.Verdict(2, 9, [5, 6, 0], [1, 4, 0], 1, [], reach=3)

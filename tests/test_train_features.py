@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -174,3 +178,48 @@ def test_stores_built_in_worker_processes_equal_one_process(tiny_dirs, tiny_pair
         built = FeatureStore.open_or_build(target, [1, 2], part, file, 64, spec)
         for name in one.arrays:
             assert np.allclose(built.arrays[name], one.arrays[name], atol=1e-5), name
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc").exists(), reason="reads the process tree from /proc")
+def test_workers_stop_when_their_parent_is_killed(tiny_dirs, tmp_path):
+    """A build killed (SIGKILL, no clean-up) leaves no worker computing on: each exits at its
+    next written chunk (`_orphaned`), and a rerun resumes from there."""
+    script = f"""
+import numpy as np
+from pathlib import Path
+from dflash_mac.train.data import Sequence
+from dflash_mac.train.parallel_features import build_in_workers
+from dflash_mac.train.soft import LossSpec
+from dflash_mac.train.trainer import load_target
+rng = np.random.default_rng(0)
+seqs = [Sequence(rng.integers(5, 200, 7).tolist(), rng.integers(5, 200, 60).tolist())
+        for _ in range(40_000)]
+out = Path({str(tmp_path)!r})
+parts = [(seqs[:20_000], out / "a.jsonl"), (seqs[20_000:], out / "b.jsonl")]
+build_in_workers(load_target, Path({str(tiny_dirs[0])!r}), parts, [1, 2], 64,
+                 LossSpec("mix", (0.7, 1.0), 0.5, 8), 2, print)
+"""
+    parent = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("features-*/meta.json"))) < 2:  # both workers writing
+            assert time.monotonic() < deadline and parent.poll() is None
+            time.sleep(0.5)
+        children = Path(f"/proc/{parent.pid}/task/{parent.pid}/children").read_text().split()
+        workers = [int(c) for c in children if "spawn_main" in _cmdline(int(c))]
+        assert len(workers) == 2
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 60
+    while any(Path(f"/proc/{w}").exists() and _cmdline(w) for w in workers):
+        assert time.monotonic() < deadline, "a worker outlived its parent by a minute"
+        time.sleep(0.5)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text()
+    except OSError:
+        return ""

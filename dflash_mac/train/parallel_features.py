@@ -33,8 +33,10 @@ def _start(load: Callable, target_dir: Path) -> None:
 
 
 def _orphaned(done: int, total: int) -> None:
-    if os.getppid() != _parent:  # the parent died: stop at this chunk (a rerun resumes)
-        raise SystemExit(1)
+    """A worker whose parent died exits at the chunk just written (a rerun resumes there);
+    an exception would only go back to the dead pool."""
+    if os.getppid() != _parent:
+        os._exit(1)
 
 
 def _build(layer_ids: list[int], seqs: list[Sequence], file: Path, max_length: int, spec) -> None:
