@@ -267,7 +267,7 @@ class BlockController:
             self.acc.boost = 0.0  # the guess kept drafting on until the evidence spoke
             self.interval = self.countdown = self.probe_base
             self.last = Decision(1, f"drafting does not pay: {pace(cur, rates)}", rates)
-        elif rates[cur] < rates[1] * self.cost.TRUST and self.unit_due():
+        elif (self.unit_steps or rates[cur] < rates[1] * self.cost.TRUST) and self.unit_due():
             self.last = Decision(1, "timing a plain step (the machine's speed drifts)", rates)
         elif (near := self.untimed_neighbour(rates)) is not None:
             self.last = Decision(near, f"timing block {near} (close to {cur})", rates)
@@ -283,8 +283,8 @@ class BlockController:
         tracks the host's speed through its own ratio, and only a timed plain step shows
         that ratio was off (a curve timed at another moment). Asked only where drafting's
         expected gain is within the costs' TRUST (beyond it no ratio error the costs may
-        learn turns the choice); further apart while they agree with the tracked unit, closer
-        while not (`retime`)."""
+        learn turns the choice; one begun is finished, or its first step is wasted); further
+        apart while they agree with the tracked unit, closer while not (`retime`)."""
         if not self.timed:
             return False
         if self.unit_steps:
