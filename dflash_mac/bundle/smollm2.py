@@ -443,6 +443,7 @@ def drafter_args(
     steps: int | None = None,
     layers: int = 1,
     anchors: int = 16,
+    lr: float = 2e-3,
 ):
     """The recipe (MODEL_CARD.md): one layer over five target layers, block 8, KL + CE
     (`layers` differs only in A/Bs; 16 `anchors` a sequence since stage 10, 48 before)."""
@@ -465,7 +466,7 @@ def drafter_args(
         # prompt decodes every row at its length); the KL at T 0.7 and 1.0 covers sampling
         temps=[0.0],
         gen_batch_size=48,
-        lr=2e-3,
+        lr=lr,  # 2e-3 from scratch; a --more stage on the same data may anneal from less
         batch_size=4,
         anchors=anchors,  # with the target's side cached a step costs about its blocks
         max_length=2048,
@@ -528,6 +529,7 @@ def stage_drafter(
     steps: int | None = None,
     layers: int = 1,
     anchors: int = 16,
+    lr: float = 2e-3,
 ) -> None:
     from dflash_mac.train import train_drafter
     from dflash_mac.train.command import ProgressReporter
@@ -535,7 +537,7 @@ def stage_drafter(
     stage_prompts(cache)
     stage_fixed(cache)
     args = drafter_args(
-        cache, out, arch, minutes, more, seed, draft_vocab, layer_init, steps, layers, anchors
+        cache, out, arch, minutes, more, seed, draft_vocab, layer_init, steps, layers, anchors, lr
     )
     restore_answers(args.cache_dir)
     summary = train_drafter(args, ProgressReporter(console))
@@ -599,6 +601,13 @@ def main(argv: list[str] | None = None) -> None:
         help="blocks per sequence a step, at most (16 since stage 10: +7 %% code tau at equal "
         "time against 48, docs/training.md)",
     )
+    ap.add_argument(
+        "--lr",
+        type=float,
+        default=2e-3,
+        help="peak learning rate (warmup, then cosine): 2e-3 is the recipe's; a --more stage "
+        "on data the drafter has seen can start lower",
+    )
     args = ap.parse_args(argv)
     args.cache.mkdir(parents=True, exist_ok=True)
     for st in STAGES if args.stage == "all" else (args.stage,):
@@ -624,6 +633,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.steps,
                 args.layers,
                 args.anchors,
+                args.lr,
             )
 
 
