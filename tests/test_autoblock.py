@@ -241,6 +241,9 @@ class Scripted:
     def copy_length(self, longest: int, rate: float) -> int:
         return longest
 
+    def plain_step(self) -> float | None:
+        return None  # untimed: waits for a copy are not priced
+
 
 def baseline(pair, ids, n):
     return [t for t, _ in generate_step(mx.array(ids), pair.target, max_tokens=n)]
@@ -601,6 +604,9 @@ def test_cycles_are_timed_only_after_one_of_their_kind(tiny_pair):
 
         def copy_length(self, longest: int, rate: float) -> int:
             return longest
+
+        def plain_step(self) -> float | None:
+            return None  # untimed: waits for a copy are not priced
 
     plan = Scripted()
     ids = tiny_pair.tokenizer.encode("hello world")

@@ -269,3 +269,68 @@ def test_a_pause_ends_among_plain_steps_queued_ahead(tiny_pair, monkeypatch, pau
         assert out.stats.copy_cycles == 0
     else:
         assert out.stats.copy_cycles > 0 and out.stats.copy_tokens > out.stats.copy_cycles
+
+
+def test_waits_for_an_anchor_stop_where_they_lost_but_every_eighth():
+    """Where waiting for a plain step's token on the host (a copy may follow it) gained
+    lately, every chance waits; where it lost, only every WAIT_PROBE-th, so the gain stays
+    measured. What a wait gained moves the average, clamped to a missed step at worst."""
+    policy = CopyPolicy()
+    assert all(policy.waits() for _ in range(20))  # the prior: waits run until measured
+    for _ in range(40):
+        policy.waited(-5.0)  # clamped: a wait never costs more than a step
+    assert -1.0 <= policy.rates.wait_gain < -0.9
+    waits = [policy.waits() for _ in range(4 * CopyPolicy.WAIT_PROBE)]
+    assert sum(waits) == 4 and waits[CopyPolicy.WAIT_PROBE - 1]
+    for _ in range(40):
+        policy.waited(6.0)  # a long copy taken whole
+    assert policy.rates.wait_gain > 5 and all(policy.waits() for _ in range(20))
+    assert CopyRates.read(CopyRates(wait_gain=-3.0).state()) == CopyRates()  # out of range
+
+
+class PlainSteps:
+    """Plain steps only, with copies priced in and a one-token step of `unit` seconds."""
+
+    def __init__(self, unit: float, rates: CopyRates):
+        from dflash_mac.sizing.controller import Decision
+
+        self.unit, self.copy_rates = unit, rates
+        self.last = Decision(1, "scripted")
+
+    def choose(self):
+        return self.last
+
+    def update(self, *args, **kwargs) -> None:
+        pass
+
+    def copy_length(self, longest: int, rate: float) -> int:
+        return longest
+
+    def plain_step(self) -> float | None:
+        return self.unit
+
+
+@pytest.mark.parametrize("unit, pays", [(1e3, True), (1e-9, False)])
+def test_the_cycle_learns_what_waiting_for_an_anchor_gains(tiny_pair, monkeypatch, unit, pays):
+    """Plain steps on text that repeats: each that may be followed by a copy waits for its
+    token, and the cycle after it teaches the policy what the wait gained against a step
+    queued ahead, in plain steps of the controller's timing: with a dear step (1,000 s) the
+    copies' tokens dwarf any wait, so waits go on; with a cheap one (1 ns) every wait is
+    a lost step, so they stop but for every 8th. Output is the target's either way."""
+    tok = tiny_pair.tokenizer
+    src = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
+    ids = tok.encode(src * 3 + "# again\n" + src[:20])
+    plain = generate(tiny_pair, ids, max_tokens=64, use_eos=False, block_size=1, copy=False)
+    asked = []
+    real = CopyPolicy.waits
+    monkeypatch.setattr(CopyPolicy, "waits", lambda self: asked.append(real(self)) or asked[-1])
+    plan = PlainSteps(unit, CopyRates())
+    cfg = GenerationConfig(64, use_eos=False, tree=0)
+    events = list(speculative_stream(tiny_pair, ids, cfg, controller=plan))
+    assert [t for e in events for t in e.tokens] == plain.tokens
+    assert len(asked) > 8
+    if pays:
+        assert plan.copy_rates.wait_gain > 0.5 and all(asked)
+        assert events[-1].stats.copy_cycles > 0
+    else:
+        assert plan.copy_rates.wait_gain < 0 and sum(asked) < len(asked) / 2

@@ -333,6 +333,9 @@ class Sizes:
     def copy_length(self, longest: int, rate: float) -> int:
         return longest
 
+    def plain_step(self) -> float | None:
+        return None  # untimed: waits for a copy are not priced
+
 
 def test_plain_step_runs_between_drafting_cycles_stay_exact(pair, cases):
     """Plain steps queue the next cycle on the still-lazy token; a hybrid's GatedDeltaNet

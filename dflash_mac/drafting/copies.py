@@ -141,12 +141,14 @@ class CopyRates:
     suite's replay, docs/design.md §6). Kept by whoever continues requests of one setting (the
     `auto` controller, and remembered with its acceptance between processes), so a request
     starts from what the last ones' copies got: a sampled target turns down more copied tokens
-    than a greedy one."""
+    than a greedy one. `wait_gain`: what a plain step that waited for its anchor (a copy
+    may come) gained over one queued ahead, in plain steps, averaged (`CopyPolicy.waits`)."""
 
     sure_rate: float = 0.95
     doubtful_rate: float = 0.6
     doubtful_hit: float = 2.7
     doubtful_zero: float = 0.3
+    wait_gain: float = 0.5  # optimistic: waits run until they are measured
 
     def state(self) -> dict[str, float]:
         """The rates, to remember between processes (`read`)."""
@@ -161,6 +163,8 @@ class CopyRates:
             return cls()
         unit = (rates.sure_rate, rates.doubtful_rate, rates.doubtful_zero)
         if not all(0.0 <= x <= 1.0 for x in unit) or not 0.0 <= rates.doubtful_hit <= 64:
+            return cls()
+        if not -1.0 <= rates.wait_gain <= CopyPolicy.longest:
             return cls()
         return rates
 
@@ -179,6 +183,7 @@ class CopyPolicy:
     request that repeats its prompt would never find out."""
 
     PROBE = 4  # tokens of a probing copy (a 5-token verify costs ~1.5 plain steps on a CPU)
+    WAIT_PROBE = 8  # where waits lost lately, every 8th still waits: the gain stays measured
     longest: int = 32  # a 32-token verify costs ~3 plain steps on a CPU, less on a GPU
     budget: int = 8
     patience: int = 3
@@ -187,6 +192,7 @@ class CopyPolicy:
     paused: int = 0
     sure: bool = False  # the last copy was accepted whole (else a tree cycle may hedge it)
     refused: int = 0  # copies the costs refused since the last one ran
+    skipped: int = 0  # waits for an anchor passed up since the last one
     rates: CopyRates = field(default_factory=CopyRates)
     counts: dict[str, int] = field(default_factory=lambda: {"cycles": 0, "tokens": 0})
 
@@ -209,6 +215,23 @@ class CopyPolicy:
         if self.refused <= self.patience:
             return 0
         return min(longest, self.PROBE)
+
+    def waits(self) -> bool:
+        """Whether a plain step waits for its anchor on the host, where a copy may follow it,
+        instead of being queued ahead on the lazy token (the pipeline's overlap lost: a tenth
+        of a step on the tiny pair on a CPU): while waits gained lately (`rates.wait_gain`),
+        else every WAIT_PROBE-th time. A sampled target turns down most copies, and waiting
+        for each cost more than the copies caught (tiny pair, T 0.7: 221 waits, 44 copies)."""
+        if self.rates.wait_gain > 0:
+            return True
+        self.skipped = (self.skipped + 1) % self.WAIT_PROBE
+        return self.skipped == 0
+
+    def waited(self, gain: float) -> None:
+        """What a wait gained, in plain steps: a copy's tokens less its cost, the wait in it,
+        or (no copy) minus the wait alone."""
+        r = self.rates
+        r.wait_gain += 0.1 * (min(max(gain, -1.0), float(self.longest)) - r.wait_gain)
 
     def update(self, proposed: int, accepted: int) -> None:
         self.refused = 0

@@ -80,6 +80,14 @@ class Sizes:
         """Tokens to copy of the `longest` proposed: as long as the costs say it pays."""
         return self.plan.copy_length(longest, policy.rate)
 
+    def waited(self, policy: CopyPolicy, copied: bool, tokens: int, seconds: float, idle: float):
+        """Teach `policy` what a plain step's wait for its anchor gained, in plain steps: the
+        cycle after it commits `tokens` in `seconds` (a copy), else (a plain step) only the
+        wait's `idle` seconds were lost; where the controller has timed a plain step."""
+        unit = self.plan.plain_step() if self.plan else None
+        if unit:
+            policy.waited(tokens - seconds / unit if copied else -idle / unit)
+
     def graft(self, copy: int, budget: int, policy: CopyPolicy) -> bool:
         """Whether a doubtful copy rides on the tree of `budget` nodes, where the costs say so."""
         rates = policy.rates
@@ -116,6 +124,8 @@ class CyclePipeline:
         self.queued: Cycle | None = None  # the next cycle, queued ahead
         self.chosen: int | None = None  # the next size, chosen before a plain step's sync
         self.last_bs = 0  # the previous cycle's size (0: none yet)
+        self.wait: float | None = None  # a plain step's sync that the next cycle waited at
+        self.waited: tuple[Cycle, float] | None = None  # that cycle, and the wait's idle
         self.queue_time = 0.0  # spent queueing device work since the last sync
         self.t_sync = time.perf_counter()  # the row's last sync (its first token's, just read)
 
@@ -132,10 +142,11 @@ class CyclePipeline:
         """Accept → commit → roll back: the cycle's one host sync, its rejected positions rolled
         back and its kept features handed to the drafter."""
         ahead = self.lookahead and c.bs == 1 and room > 1
+        waits = False  # the next plain step waits for its anchor: a copy may come
         if ahead:
             self.settle(c, [anchor])
             self.chosen = self.sizes.size(room - 1)
-            if self.chosen == 1 and not self.may_copy():
+            if self.chosen == 1 and not (waits := self.may_copy()):
                 self.queued = self.start(1, c.verdict[1])
         t_host = time.perf_counter()
         v = c.kind.read(c, c.outcome.tolist())  # the one host sync of the cycle
@@ -157,14 +168,19 @@ class CyclePipeline:
         t_now = time.perf_counter()
         host, seconds = t_host - self.t_sync - self.queue_time, t_now - self.t_sync
         self.t_sync, self.queue_time = t_now, 0.0
+        after_wait = self.waited is not None and self.waited[0] is c
+        if after_wait:
+            self.sizes.waited(self.row.policy, c.copied, a + 1, seconds, self.waited[1])
+        self.wait, self.waited = (t_now if waits else None), None
         if not ahead:
             self.settle(c, [anchor] + committed[:-1], path[:a])
         # the cost model learns from cycles amid their kind: a plain step between plain steps
-        # (the last one before a drafting cycle builds nothing ahead: its interval is short),
+        # (the last one before a drafting cycle builds nothing ahead: its interval is short;
+        # one that waited for its anchor also idled),
         # a drafting cycle after a drafting one (the first after plain steps also appends their
         # context and restarts the pipeline, a one-off that would make drafting look dear)
         steady = self.last_bs > 0 and (c.bs > 1) == (self.last_bs > 1)
-        steady = steady and not (ahead and self.queued is None)
+        steady = steady and not (ahead and self.queued is None) and not after_wait
         self.last_bs = c.bs
         return Outcome(a, committed, seconds, steady, host, lps, chain, own, v.odds, v.reach)
 
@@ -217,7 +233,10 @@ class CyclePipeline:
             if bs > 1 and queues_layers():  # the drafter runs while the verify is built
                 mx.async_eval(c.drafts)
             self.queue_verify(c)
-        self.queue_time += time.perf_counter() - t
+        t_queued = time.perf_counter()
+        self.queue_time += t_queued - t
+        if self.wait is not None:  # the device idled from the wait's sync until now
+            self.waited, self.wait = (c, t_queued - self.wait), None
         return c
 
     def queue_verify(self, c: Cycle) -> None:

@@ -160,8 +160,9 @@ def copy_index(
 
 
 def may_copy(index: CopyIndex | None, policy: CopyPolicy) -> bool:
-    """Whether the next cycle may copy (then it waits for its anchor on the host)."""
-    return index is not None and policy.paused == 0 and index.may_match()
+    """Whether the next cycle may copy: then it waits for its anchor on the host, where waiting
+    has paid (`CopyPolicy.waits`)."""
+    return index is not None and policy.paused == 0 and index.may_match() and policy.waits()
 
 
 def propose_copy(index: CopyIndex | None, policy: CopyPolicy, anchor: Any, room: int) -> list[int]:

@@ -196,6 +196,10 @@ class BlockController:
         best = max(rates, key=rates.get, default=0)
         return best if best and rates[best] > chosen else 0
 
+    def plain_step(self) -> float | None:
+        """A one-token step's seconds now, as the costs track it (None: not timed yet)."""
+        return self.cost.unit if self.timed else None
+
     def calibrating(self) -> bool:
         """Without a measured curve, a short run of plain steps from cycle 3 measures one: its
         first step waits for its own queueing and its first timing is not used (CostModel),

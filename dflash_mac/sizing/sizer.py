@@ -8,10 +8,11 @@ sizes (calibrate.py) each implement. Typing only: the loops take any object of t
   `copy_rates` to keep (what its copies got). `BlockController` and calibrate's
   `ScriptedSizes` implement it.
 - `CopySizer`: a `BlockSizer` that also prices copies: how long a copy runs (`copy_length`)
-  and whether a doubtful one rides on the cycle's tree (`graft_pays`). The loop asks these only
-  when a cycle has a copy to verify (copy or suffix drafting: `GenerationConfig.copies`,
-  `suffixes`); `BlockController` implements them, `ScriptedSizes` (whose measurement runs with
-  copies off) does not.
+  and whether a doubtful one rides on the cycle's tree (`graft_pays`), asked only when a cycle
+  has a copy to verify (copy or suffix drafting: `GenerationConfig.copies`, `suffixes`); and
+  a one-token step's seconds (`plain_step`), what a plain step's wait for its token on the
+  host (a copy may follow it) is priced in. `BlockController` implements them,
+  `ScriptedSizes` (whose measurement runs with copies off) does not.
 - `BatchSizer`: the batch scheduler's (`batching/scheduler.py`). It is not a `BlockSizer`: a
   batch's cycle has one block size for all its rows, chosen for the number of rows and the room
   they have left (`choose(batch, room)` gives a size, not a `Decision`: no trees, no copies),
@@ -66,6 +67,10 @@ class CopySizer(BlockSizer, Protocol):
 
     def graft_pays(self, budget: int, copy: int, hit: float, zero: float) -> bool:
         """Whether a copy of `copy` tokens should ride on this cycle's tree of `budget` nodes."""
+        ...
+
+    def plain_step(self) -> float | None:
+        """A one-token step's seconds now (None: not timed yet): what a wait is priced in."""
         ...
 
 
