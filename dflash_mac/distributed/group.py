@@ -8,7 +8,6 @@ packet with an `all_sum` in which they contribute zeros (docs/distributed.md).""
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -115,21 +114,6 @@ def parallel_mode() -> str | None:
 
         raise LoadError(f"--parallel must be tensor or pipeline (got {mode}).")
     return mode
-
-
-@dataclass
-class Collectives:
-    """Counts and times what this rank spent in the packet broadcasts."""
-
-    packets: int = 0
-    wait_time: float = 0.0  # workers: blocked waiting for the next packet
-
-    def timed_sum(self, x: mx.array, group: mx.distributed.Group) -> tuple[mx.array, float]:
-        """`all_sum(x)` evaluated now; returns it and the seconds it took."""
-        t = time.perf_counter()
-        out = mx.distributed.all_sum(x, group=group)
-        mx.eval(out)
-        return out, time.perf_counter() - t
 
 
 def packet(header: Header, tokens: mx.array | None = None) -> mx.array:
