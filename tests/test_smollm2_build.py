@@ -129,6 +129,15 @@ def test_the_fourth_set_is_the_second_answered_at_t07(tmp_path):
     assert smollm2.ANSWERS["data4"] == "prompts4" and smollm2.ANSWERS["data2"] == "prompts2"
 
 
+def test_the_fifth_set_is_the_first_answered_at_t07(tmp_path):
+    """Stage data5 answers the first set's prompts again, sampled (they were answered
+    greedily): the committed first set's rows in its order, its own stage."""
+    rows = smollm2.prompts5(tmp_path)
+    first = (smollm2.COMMITTED / "prompts.jsonl").read_text().splitlines()
+    assert len(rows) == smollm2.KEEP and rows == [json.loads(x) for x in first if x.strip()]
+    assert "prompts5" in smollm2.SAMPLED_SETS and smollm2.ANSWERS["data5"] == "prompts5"
+
+
 def test_a_restarted_drafter_starts_a_lineage_of_its_own():
     rows = [
         {"stage": s, "steps": n} for s, n in (("6", 3337), ("7", 4456), ("8a", 400), ("8", 1191))

@@ -52,7 +52,7 @@ COMMITTED = OUT / "data"
 SOURCE = "smollm2-135m-gguf"  # registry [[source]]: the pinned wheel's GGUF file
 MASK_ID = 16  # `<empty_output>`: a control token the instruct model never writes
 RECOMMENDED_TEMP = 0.7
-STAGES = ("prompts", "data", "dflash2", "dflash")  # `all`; `data2`..`data4` and `eval` alone
+STAGES = ("prompts", "data", "dflash2", "dflash")  # `all`; `data2`..`data5` and `eval` alone
 CURVE = OUT / "curve.csv"  # the DFlash 2 drafter's held-out τ after every stage (campaign.py)
 ANSWERED = COMMITTED / "answered.json"  # second-set shard -> the file of its answers
 # the seed lists the prompts are written from (topics, asks, follow-ups): data, not code
@@ -81,8 +81,9 @@ CHAT_FOLLOW_UPS = SEEDS["chat_follow_ups"]
 COUNTS3 = {"write": 0, "ask": 160, "multi": 60, "long": 16, "chat_per_topic": 3, "follow": 200}
 # The fourth set (stage `data4`): the second set's prompts again, answered at T 0.7 (they were
 # answered greedily): sampled answers to code and everyday requests with no new prompts to
-# write, where the drafter's T 0.7 figures trail its greedy ones.
-SAMPLED_SETS = ("prompts3", "prompts4")  # sets answered at RECOMMENDED_TEMP, not greedily
+# write, where the drafter's T 0.7 figures trail its greedy ones. The fifth (`data5`): the first
+# set's prompts answered at T 0.7 the same way (they too were answered greedily).
+SAMPLED_SETS = ("prompts3", "prompts4", "prompts5")  # answered at RECOMMENDED_TEMP, not greedily
 
 
 def fenced(code: str) -> str:
@@ -261,7 +262,7 @@ def answered_chats(cache: Path, decode) -> list[tuple[list[dict], str]]:
 
 
 SHARD = 256  # prompts a shard: its answers take ~12 min of two cores
-SETS = ("prompts2", "prompts3", "prompts4")  # the sets after the first, shard by shard
+SETS = ("prompts2", "prompts3", "prompts4", "prompts5")  # after the first, shard by shard
 ANSWERS = {f"data{n.removeprefix('prompts')}": n for n in SETS}  # the stage answering each
 
 
@@ -273,6 +274,8 @@ def stage_shards(cache: Path, name: str, decode=None) -> list[Path]:
     if not restore(COMMITTED / first.name, first):
         if name == "prompts4":
             rows = prompts4(cache)
+        elif name == "prompts5":
+            rows = prompts5(cache)
         elif name == "prompts3":
             rows = prompts3(answered_chats(cache, decode))
         else:
@@ -298,6 +301,13 @@ def prompts4(cache: Path) -> list[dict]:
         for x in f.read_text().splitlines()
         if x.strip()
     ]
+
+
+def prompts5(cache: Path) -> list[dict]:
+    """The fifth set: the first set's rows in its order, to be answered at T 0.7 this time
+    (their assistant turns, the functions' source, are dropped as every prompt's are)."""
+    path = stage_prompts(cache)
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
 def shard_order(name: str) -> tuple[str, int]:
