@@ -183,6 +183,7 @@ class CopyPolicy:
     request that repeats its prompt would never find out."""
 
     PROBE = 4  # tokens of a probing copy (a 5-token verify costs ~1.5 plain steps on a CPU)
+    TOKEN_ALPHA = 0.05  # the rates' step per copied token judged
     WAIT_PROBE = 8  # where waits lost lately, every 8th still waits: the gain stays measured
     longest: int = 32  # a 32-token verify costs ~3 plain steps on a CPU, less on a GPU
     budget: int = 8
@@ -241,11 +242,16 @@ class CopyPolicy:
         if not self.sure:
             r.doubtful_hit += 0.1 * (accepted - r.doubtful_hit)
             r.doubtful_zero += 0.1 * ((accepted == 0) - r.doubtful_zero)
-        rate = accepted / max(min(accepted + 1, proposed), 1)  # a rejection ends the tries
+        # counted per copied token judged (each accepted one a success, the rejection that
+        # ended a partial copy a failure; a whole copy ends with none): counted per copy, five
+        # 1-token misses outweighed a 32-token repeat taken whole, and `auto` cut the repeats
+        # of an edit to 5 tokens a cycle where block 8 copied them whole
+        kept = (1.0 - self.TOKEN_ALPHA) ** accepted
+        fail = 1.0 - self.TOKEN_ALPHA if accepted < proposed else 1.0
         if self.sure:
-            r.sure_rate += 0.1 * (rate - r.sure_rate)
+            r.sure_rate = (1.0 - (1.0 - r.sure_rate) * kept) * fail
         else:
-            r.doubtful_rate += 0.1 * (rate - r.doubtful_rate)
+            r.doubtful_rate = (1.0 - (1.0 - r.doubtful_rate) * kept) * fail
         self.sure = accepted == proposed
         if accepted == proposed:
             self.budget = min(self.longest, 2 * self.budget)
