@@ -7,6 +7,8 @@ import gzip
 import json
 import re
 
+import pytest
+
 from dflash_mac.bench.inputs import suite_prompts
 from dflash_mac.bundle import campaign, corpus, smollm2
 
@@ -193,3 +195,10 @@ def test_a_topic_is_cut_into_whole_paragraphs():
     assert "\n\n".join(pieces) == "\n\n".join(paras)
     assert all(len(p) <= 1_000 + 410 for p in pieces) and len(pieces) == 5
     assert smollm2.topic_parts("y" * 5_000, size=1_000) == ["y" * 2_000]
+
+
+def test_a_learning_rate_that_is_not_positive_is_refused_in_one_sentence(capsys, tmp_path):
+    with pytest.raises(SystemExit) as ended:
+        smollm2.main(["--stage", "eval", "--lr", "0", "--cache", str(tmp_path)])
+    assert ended.value.code == 2
+    assert "--lr must be a positive learning rate" in capsys.readouterr().err

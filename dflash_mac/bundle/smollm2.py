@@ -619,6 +619,8 @@ def main(argv: list[str] | None = None) -> None:
         "on data the drafter has seen can start lower",
     )
     args = ap.parse_args(argv)
+    if args.lr <= 0:
+        ap.error(f"--lr must be a positive learning rate (got {args.lr}).")
     args.cache.mkdir(parents=True, exist_ok=True)
     for st in STAGES if args.stage == "all" else (args.stage,):
         console.rule(f"stage {st}")
