@@ -21,14 +21,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from compare_drafters import cycle_times, tau_run  # noqa: E402
+from helpers.oracle import with_drafter  # noqa: E402
+from helpers.subset import subset_copy  # noqa: E402
 
 from dflash_mac.bench.inputs import code_suite_path  # noqa: E402
 from dflash_mac.draft_vocab import control_ids, coverage, rank  # noqa: E402
 from dflash_mac.loading.loader import load  # noqa: E402
 from dflash_mac.target.structure import target_head  # noqa: E402
-from dflash_mac.testing.oracle import with_drafter  # noqa: E402
-from dflash_mac.testing.subset import subset_copy  # noqa: E402
 from dflash_mac.train.data import _read_cache, encode_prompts, read_prompts  # noqa: E402
 from dflash_mac.train.evaluate import baseline_run  # noqa: E402
 from dflash_mac.train.features import FeatureStore, StoreLayout  # noqa: E402

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from helpers.tiny import build_tiny_pair
 
 from dflash_mac.loading.loader import load
-from dflash_mac.testing.tiny import build_tiny_pair
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
+from helpers.oracle import OracleDrafter, with_drafter
 from mlx_lm.generate import generate_step
 from test_sampling import small_pair  # noqa: F401  (fixture)
 
@@ -24,7 +25,6 @@ from dflash_mac.sizing.choice import BlockChoice, block_size_for
 from dflash_mac.sizing.controller import BlockController, Decision
 from dflash_mac.sizing.cost import ContextCost, CostCurve, CostModel
 from dflash_mac.sizing.tuning import AutoTuning
-from dflash_mac.testing.oracle import OracleDrafter, with_drafter
 
 BS = 8
 CURVE = CostCurve({1: 1.0, **{b: 1.5 + 0.07 * (b - 1) for b in range(2, 17)}}, measured=True)

@@ -14,6 +14,8 @@ from dataclasses import replace
 import mlx.core as mx
 import pytest
 from dflash_mac.models.penalties import Penalties, PenaltyContext
+from helpers.lossy import accepting_every_draft
+from helpers.oracle import OracleDrafter, with_drafter
 from mlx_lm.generate import generate_step
 from test_copydraft import PERIODIC
 from test_dflash2 import d2_pair, small_d2_pair  # noqa: F401  (fixtures)
@@ -30,8 +32,6 @@ from dflash_mac.engine.verify import SamplingParams
 from dflash_mac.sizing.acceptance import positions
 from dflash_mac.sizing.batch_rule import BatchBlockRule
 from dflash_mac.sizing.choice import BlockChoice
-from dflash_mac.testing.lossy import accepting_every_draft
-from dflash_mac.testing.oracle import OracleDrafter, with_drafter
 
 PROMPTS = ["def add(a, b):", "import os", "class Stack:", "hello world the quick brown fox"]
 V_TINY = 320  # the tiny pair's vocabulary (the oracle's drafts must be in it)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from helpers.oracle import OracleDrafter, with_drafter
 from mlx_lm.generate import generate_step
 from typer.testing import CliRunner
 
@@ -37,7 +38,6 @@ from dflash_mac.engine.stats import (
 )
 from dflash_mac.engine.verify import SamplingParams
 from dflash_mac.loading.loader import BUNDLED_DRAFT
-from dflash_mac.testing.oracle import OracleDrafter, with_drafter
 
 # -- synthetic data ---------------------------------------------------------------------
 

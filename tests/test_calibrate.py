@@ -9,13 +9,13 @@ import threading
 
 import mlx.core as mx
 import pytest
+from helpers.oracle import with_drafter
 from mlx_lm.generate import generate_step
 
 from dflash_mac import calibrate
 from dflash_mac.engine.decode import GenerationConfig, speculative_stream
 from dflash_mac.sizing.choice import BlockChoice
 from dflash_mac.sizing.files import cost_curve_path, load_tuning
-from dflash_mac.testing.oracle import with_drafter
 
 
 @pytest.fixture

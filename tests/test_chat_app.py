@@ -492,7 +492,7 @@ def test_chat_command_is_registered():
 def real_dirs(tmp_path_factory):
     if (BUNDLED_DRAFT / "config.json").exists():
         return BUNDLED_TARGET, BUNDLED_DRAFT
-    from dflash_mac.testing.tiny import build_tiny_pair
+    from helpers.tiny import build_tiny_pair
 
     return build_tiny_pair(tmp_path_factory.mktemp("chat-tiny"), seed=0)
 

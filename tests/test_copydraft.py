@@ -8,6 +8,8 @@ from dataclasses import replace
 
 import pytest
 from dflash_mac.models.distribution import SamplingParams
+from helpers.lossy import accepting_every_draft
+from helpers.oracle import OracleDrafter, with_drafter
 from test_sampling import chi_square_p, exact_joint, small_pair  # noqa: F401  (fixture)
 
 from dflash_mac.api import generate
@@ -18,8 +20,6 @@ from dflash_mac.session import Session
 from dflash_mac.sizing.choice import BlockChoice
 from dflash_mac.sizing.controller import BlockController
 from dflash_mac.sizing.tuning import AutoTuning
-from dflash_mac.testing.lossy import accepting_every_draft
-from dflash_mac.testing.oracle import OracleDrafter, with_drafter
 
 # (0, 3, x) occurred for every token x, and the prompt ends with (0, 3): whatever the first
 # token, the next cycle copies what followed it

@@ -11,6 +11,8 @@ import pytest
 from dflash_mac.models.config import DraftConfig
 from dflash_mac.models.dflash import DFlashDraftModel
 from dflash_mac.models.dflash2 import DFlash2DraftModel, GroupedDynamicCausalConv
+from helpers.oracle import with_drafter
+from helpers.tiny import draft_config
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models import qwen3
 from test_greedy_exact import PROMPTS, baseline, run
@@ -20,8 +22,6 @@ from dflash_mac.engine.verify import SamplingParams
 from dflash_mac.loading.loader import LoadedPair, load_drafter
 from dflash_mac.target.capture import FeatureCapture
 from dflash_mac.target.structure import target_head
-from dflash_mac.testing.oracle import with_drafter
-from dflash_mac.testing.tiny import draft_config
 
 REFERENCE = Path(__file__).parent / "data" / "reference"
 

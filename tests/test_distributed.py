@@ -97,7 +97,7 @@ def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
 
 @pytest.fixture(scope="module")
 def hybrid_dirs(tmp_path_factory):
-    from dflash_mac.testing.tiny_hybrid import build_tiny_hybrid_pair
+    from helpers.tiny_hybrid import build_tiny_hybrid_pair
 
     return build_tiny_hybrid_pair(tmp_path_factory.mktemp("hybrid"), block_size=8)
 

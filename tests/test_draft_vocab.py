@@ -11,6 +11,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from dflash_mac.models.config import DraftConfig
+from helpers.lossy import accepting_every_draft
+from helpers.oracle import with_drafter
+from helpers.subset import copy_drafter, subset_copy
 from test_dflash2 import (
     d2_config,
     randomize,
@@ -25,9 +28,6 @@ from dflash_mac.loading.loader import load_drafter
 from dflash_mac.sizing.choice import BlockChoice
 from dflash_mac.target.capture import FeatureCapture
 from dflash_mac.target.structure import target_head
-from dflash_mac.testing.lossy import accepting_every_draft
-from dflash_mac.testing.oracle import with_drafter
-from dflash_mac.testing.subset import copy_drafter, subset_copy
 from dflash_mac.train.data import Sequence
 from dflash_mac.train.vocab import token_counts
 
@@ -188,8 +188,7 @@ def test_a_subset_drafter_folder_loads(tiny_pair, tmp_path):
 
 def test_draft_vocab_size_is_checked():
     from dflash_mac.models.config import ConfigError
-
-    from dflash_mac.testing.tiny import draft_config, target_config
+    from helpers.tiny import draft_config, target_config
 
     raw = draft_config(target_config(vocab=50), mask_id=49)
     raw["dflash_config"]["draft_vocab_size"] = 60

@@ -7,12 +7,12 @@ from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
+from helpers.oracle import OracleDrafter, with_drafter
 from mlx_lm.generate import generate_step
 
 from dflash_mac.engine.decode import DecodeState, GenerationConfig, speculative_stream
 from dflash_mac.engine.textstream import TextStream
 from dflash_mac.sizing.choice import BlockChoice
-from dflash_mac.testing.oracle import OracleDrafter, with_drafter
 
 PROMPTS = [
     "def add(a, b):",

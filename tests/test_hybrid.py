@@ -10,6 +10,13 @@ import numpy as np
 import pytest
 from dflash_mac.models.config import DraftConfig
 from dflash_mac.models.dflash import DFlashDraftModel
+from helpers.oracle import OracleDrafter, with_drafter
+from helpers.tiny import draft_config
+from helpers.tiny_hybrid import (
+    build_hybrid_target,
+    build_tiny_hybrid_pair,
+    hybrid_text_config,
+)
 from mlx_lm.generate import generate_step
 from mlx_lm.models import qwen3_5
 from mlx_lm.models.cache import ArraysCache, KVCache
@@ -24,13 +31,6 @@ from dflash_mac.sizing.choice import BlockChoice
 from dflash_mac.target import hooks, hybrid
 from dflash_mac.target.rollback import RollbackError, TargetRollback
 from dflash_mac.target.structure import target_head
-from dflash_mac.testing.oracle import OracleDrafter, with_drafter
-from dflash_mac.testing.tiny import draft_config
-from dflash_mac.testing.tiny_hybrid import (
-    build_hybrid_target,
-    build_tiny_hybrid_pair,
-    hybrid_text_config,
-)
 
 PROMPTS = ["def add(a, b):", "The quick brown fox"]
 N = 200

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
+from helpers.oracle import OracleDrafter, with_drafter
 from mlx_lm.generate import generate_step
 
 from dflash_mac.api import generate
@@ -15,7 +16,6 @@ from dflash_mac.errors import PromptError, RollbackError, UserError
 from dflash_mac.session import Session
 from dflash_mac.sizing.choice import BlockChoice
 from dflash_mac.target.kvwindow import KEEP, SLACK, WindowKVCache, check_max_kv_size
-from dflash_mac.testing.oracle import OracleDrafter, with_drafter
 
 LONG = "def fibonacci(n):\n    if n < 2:\n        return n\n"  # 49 byte tokens
 N = 72

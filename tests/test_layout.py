@@ -2,8 +2,8 @@
 
 Layers, bottom up: metal_kernels (imports nothing of ours) → models (may use metal_kernels) →
 the engine (dflash_mac's own folders and the modules at its top) → distributed (plugs into the
-engine from above, through `pair.Mirror`) → front ends (cli, serve, bench, app, train, bundle,
-testing). Every import counts, including those inside functions.
+engine from above, through `pair.Mirror`) → front ends (cli, serve, bench, app, train, bundle).
+Every import counts, including those inside functions.
 
 Inside the engine layer the folders have floors of their own (docs/architecture.md): the leaves
 at the top of dflash_mac (pair, settings, errors, host) under everything, target/ (the mlx-lm
@@ -27,7 +27,7 @@ FOLDERS = {
     "metal_kernels": "dflash_mac.metal_kernels",
     "app": "dflash_mac.app",
 }
-FRONT_ENDS = ("__main__", "entry", "cli", "serve", "bench", "app", "train", "bundle", "testing")
+FRONT_ENDS = ("__main__", "entry", "cli", "serve", "bench", "app", "train", "bundle")
 # what each engine folder may not reach, directly or through other modules: what sits above it
 # (or beside it: loading and drafting know nothing of each other, nor batching and prefix), and
 # the modules at the top of dflash_mac that front ends call (`TOP`)
@@ -171,14 +171,15 @@ def test_kernels_import_nothing_of_ours(graph):
     } == {src: [] for src in graph if src.startswith("dflash_mac.metal_kernels")}
 
 
-def test_product_code_imports_nothing_of_testing(graph):
-    """Test helpers are not the product: no module outside dflash_mac/testing imports them."""
-
-    def testing(name: str) -> bool:
-        return name == "dflash_mac.testing" or name.startswith("dflash_mac.testing.")
-
-    found = {src: sorted(filter(testing, dsts)) for src, dsts in graph.items() if not testing(src)}
-    assert {src: dsts for src, dsts in found.items() if dsts} == {}
+def test_product_code_imports_nothing_of_the_tests():
+    """Test helpers are not the product: they live in tests/helpers, and no installed module
+    imports them (nor anything else of tests/)."""
+    found = {
+        name: sorted(m for m in external_imports(path) if m.split(".")[0] in ("helpers", "tests"))
+        for name, path in modules().items()
+    }
+    assert {name: ms for name, ms in found.items() if ms} == {}
+    assert not (ROOT / "dflash_mac" / "testing").exists()
 
 
 def test_engine_imports_nothing_of_distributed(graph):

@@ -10,6 +10,7 @@ import threading
 
 import mlx.core as mx
 import pytest
+from helpers.tiny_hybrid import build_tiny_hybrid_pair
 from mlx_lm.models.cache import ArraysCache
 
 from dflash_mac.api import generate
@@ -19,7 +20,6 @@ from dflash_mac.prefix.disk import DiskTier, decode, encode
 from dflash_mac.prefix.tree import PrefixTree, Span
 from dflash_mac.session import Session
 from dflash_mac.sizing.choice import BlockChoice
-from dflash_mac.testing.tiny_hybrid import build_tiny_hybrid_pair
 
 N = 12
 CFG = dict(max_tokens=N, use_eos=False, block_size=4)

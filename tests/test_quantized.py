@@ -6,6 +6,8 @@ import json
 
 import mlx.core as mx
 import pytest
+from helpers.oracle import OracleDrafter, with_drafter
+from helpers.tiny_hybrid import build_tiny_hybrid_pair
 from mlx import nn
 from mlx_lm.generate import generate_step
 from typer.testing import CliRunner
@@ -15,8 +17,6 @@ from dflash_mac.cli.terminal import load_pair
 from dflash_mac.engine.decode import GenerationConfig, speculative_stream
 from dflash_mac.loading.loader import LoadError, load, quantize_drafter
 from dflash_mac.sizing.choice import BlockChoice, block_size_for
-from dflash_mac.testing.oracle import OracleDrafter, with_drafter
-from dflash_mac.testing.tiny_hybrid import build_tiny_hybrid_pair
 
 runner = CliRunner()
 PROMPTS = ["def add(a, b):", "hello world"]

@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 from dflash_mac.models.config import DraftConfig
 from dflash_mac.models.dflash import DFlashDraftModel
+from helpers.lossy import accepting_every_draft
+from helpers.tiny import draft_config, target_config
 from mlx_lm.models import qwen3
 from scipy.stats import chisquare
 
@@ -21,8 +23,6 @@ from dflash_mac.engine.verify import (
 from dflash_mac.loading.loader import LoadedPair
 from dflash_mac.session import Session
 from dflash_mac.target.structure import target_head
-from dflash_mac.testing.lossy import accepting_every_draft
-from dflash_mac.testing.tiny import draft_config, target_config
 
 V = 5
 N = 1500

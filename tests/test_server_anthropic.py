@@ -10,6 +10,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+from helpers.tiny import build_tiny_pair, set_chat_template
 from servers import running
 from test_server_tools import CALL_TEXT, CHATML_TOOLS, pieces_of, scripted  # noqa: F401
 
@@ -17,7 +18,6 @@ from dflash_mac.loading.loader import load
 from dflash_mac.serve.anthropic import apply_thinking
 from dflash_mac.serve.app import create_app
 from dflash_mac.serve.schema import GenRequest
-from dflash_mac.testing.tiny import build_tiny_pair, set_chat_template
 
 WEATHER = {
     "name": "get_weather",

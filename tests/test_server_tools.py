@@ -9,19 +9,19 @@ import json
 import httpx
 import openai
 import pytest
-from mlx_lm.tokenizer_utils import load as load_tokenizer
-from servers import running
-
-from dflash_mac.loading.loader import load
-from dflash_mac.serve.app import create_app
-from dflash_mac.serve.tools import ToolStream, ToolSupport
-from dflash_mac.testing.tiny import (
+from helpers.tiny import (
     CHATML,
     CHATML_TOOLS,
     build_tiny_pair,
     set_chat_template,
     write_byte_tokenizer,
 )
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+from servers import running
+
+from dflash_mac.loading.loader import load
+from dflash_mac.serve.app import create_app
+from dflash_mac.serve.tools import ToolStream, ToolSupport
 
 WEATHER = {
     "type": "function",

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from helpers.lossy import accepting_every_draft
+from helpers.oracle import OracleDrafter, with_drafter
 from test_batch import CHUNK, PROMPTS, V_TINY, alone, batched, config, on_thread  # noqa: F401
 from test_sampling import PROMPT, chi_square_p, exact_joint, small_pair  # noqa: F401
 
@@ -16,8 +18,6 @@ from dflash_mac.engine import drafts
 from dflash_mac.engine.verify import SamplingParams
 from dflash_mac.sizing.choice import BlockChoice
 from dflash_mac.sizing.tuning import AutoTuning
-from dflash_mac.testing.lossy import accepting_every_draft
-from dflash_mac.testing.oracle import OracleDrafter, with_drafter
 
 
 def test_a_lone_request_runs_alone_then_shares_the_batch_and_stays_exact(tiny_pair, on_thread):  # noqa: F811

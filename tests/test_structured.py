@@ -10,6 +10,7 @@ import llguidance
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers.oracle import OracleDrafter, with_drafter
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 from mlx_lm.generate import generate_step
 from test_dflash2 import d2_pair, small_d2_pair  # noqa: F401  (fixtures)
@@ -22,7 +23,6 @@ from dflash_mac.api import PromptError, generate, make_config
 from dflash_mac.engine.constraints import JSON_OPTIONS, first_line, json_grammar
 from dflash_mac.engine.verify import SamplingParams, probabilities
 from dflash_mac.session import Session
-from dflash_mac.testing.oracle import OracleDrafter, with_drafter
 
 SCHEMA = {
     "type": "object",

@@ -9,6 +9,7 @@ import threading
 
 import pytest
 from dflash_mac.models.distribution import SamplingParams
+from helpers.lossy import accepting_every_draft
 from test_sampling import chi_square_p, exact_joint, small_pair  # noqa: F401  (fixture)
 
 from dflash_mac.api import generate, make_config
@@ -17,7 +18,6 @@ from dflash_mac.engine.decode import DecodeState
 from dflash_mac.session import Session
 from dflash_mac.sizing.choice import block_size_for
 from dflash_mac.sizing.tuning import AutoTuning
-from dflash_mac.testing.lossy import accepting_every_draft
 
 SRC = "def add(a, b):\n    return a + b\n"
 

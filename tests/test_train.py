@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from dflash_mac.models.config import DraftConfig
 from dflash_mac.models.dflash import DFlashDraftModel
+from helpers.tiny import draft_config
 
 from dflash_mac.loading.loader import load
 from dflash_mac.target.structure import target_head
-from dflash_mac.testing.tiny import draft_config
 from dflash_mac.train import TrainError, TrainingArgs, TrainingCallback, train_drafter
 from dflash_mac.train.batches import target_features
 from dflash_mac.train.blocks import (

@@ -14,6 +14,7 @@ import threading
 import mlx.core as mx
 import pytest
 from dflash_mac.models.distribution import SamplingParams
+from helpers.oracle import OracleDrafter, with_drafter
 from mlx_lm.models.cache import make_prompt_cache
 from test_sampling import chi_square_p, exact_joint, small_pair  # noqa: F401  (fixture)
 
@@ -32,7 +33,6 @@ from dflash_mac.sizing.controller import TREES, BlockController, tree_arms
 from dflash_mac.sizing.cost import CostCurve, CostModel
 from dflash_mac.sizing.tuning import AutoTuning
 from dflash_mac.target.capture import FeatureCapture
-from dflash_mac.testing.oracle import OracleDrafter, with_drafter
 
 # log q of 3 candidates (tokens 10+i at position t) at each of 3 positions, whatever the parent
 LOGQ = [[-0.1, -2.5, -3.0], [-0.7, -0.8, -4.0], [-0.05, -3.5, -4.5]]

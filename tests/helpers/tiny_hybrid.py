@@ -7,7 +7,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_map
 
-from .tiny import draft_config, save_model, write_byte_tokenizer
+from helpers.tiny import draft_config, save_model, write_byte_tokenizer
 
 
 def hybrid_text_config(

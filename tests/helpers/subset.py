@@ -4,10 +4,10 @@ vocabulary; what the tests and the sweep script compare against the original."""
 from __future__ import annotations
 
 import mlx.core as mx
+from dflash_mac.models.config import DraftConfig
 from mlx.utils import tree_flatten
 
 from dflash_mac.loading.loader import build_drafter
-from dflash_mac.models.config import DraftConfig
 
 
 def copy_drafter(drafter, head):

@@ -1,6 +1,6 @@
 """Rollback strategies for hybrid targets, measured per decode cycle (docs/rollback.md).
 
-    python -m dflash_mac.testing.rollback_bench [--hidden 512] [--layers 8] [--tokens 160]
+    python scripts/rollback_bench.py [--hidden 512] [--layers 8] [--tokens 160]
 
 Builds a random qwen3_5 target (GatedDeltaNet + attention) in memory, decodes with a drafter
 that knows the target's greedy text but is wrong 30% of the time (so rejections happen), and
@@ -13,23 +13,26 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-from dflash_mac.engine.decode import DecodeState, GenerationConfig, speculative_stream
-from dflash_mac.loading.loader import LoadedPair
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from dflash_mac.models.config import DraftConfig
 from dflash_mac.models.dflash import DFlashDraftModel
+from helpers.oracle import OracleDrafter  # noqa: E402
+from helpers.tiny import draft_config  # noqa: E402
+from helpers.tiny_hybrid import build_hybrid_target, hybrid_text_config  # noqa: E402
+
+from dflash_mac.engine.decode import DecodeState, GenerationConfig, speculative_stream
+from dflash_mac.loading.loader import LoadedPair
 from dflash_mac.sizing.choice import BlockChoice
 from dflash_mac.target.rollback import TargetRollback
 from dflash_mac.target.structure import target_head
-
-from .oracle import OracleDrafter
-from .tiny import draft_config
-from .tiny_hybrid import build_hybrid_target, hybrid_text_config
 
 
 @dataclass

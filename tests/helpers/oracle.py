@@ -7,7 +7,6 @@ import copy
 import random
 
 import mlx.core as mx
-
 from dflash_mac.models.dflash import independent_expansion
 
 
