@@ -241,6 +241,10 @@ class Scripted:
     def copy_length(self, longest: int, rate: float) -> int:
         return longest
 
+    def copied(self, width: int, seconds: float) -> None:
+
+        pass
+
     def plain_step(self) -> float | None:
         return None  # untimed: waits for a copy are not priced
 
@@ -613,6 +617,10 @@ def test_cycles_are_timed_only_after_one_of_their_kind(tiny_pair):
         def copy_length(self, longest: int, rate: float) -> int:
             return longest
 
+        def copied(self, width: int, seconds: float) -> None:
+
+            pass
+
         def plain_step(self) -> float | None:
             return None  # untimed: waits for a copy are not priced
 
@@ -945,6 +953,33 @@ def test_a_copy_is_as_long_as_it_pays():
     trusting = BlockController(BS, CostModel(CURVE))
     trusting.last = Decision(1, "plain", {1: 1.0})
     assert trusting.copy_length(8, 0.6) == 8
+
+
+def test_copies_learn_their_cost_from_their_own_cycles():
+    """A copy is priced as a chain as wide less its drafter pass, never timed until copies
+    run: on the tiny pair short copies ran a fifth under that estimate and `auto` dropped
+    doubtful ones that block 6 took. Copies timed at half their estimate make doubtful copies
+    run longer; timed at twice it, shorter. The factor stays within the costs' TRUST, and a
+    controller that times nothing learns nothing (reproducible choices)."""
+
+    def controller(timed: bool = True) -> BlockController:
+        ctl = BlockController(BS, CostModel(CURVE), timed=timed)
+        ctl.cost.observe(1, 0.01)
+        ctl.cost.observe(1, 0.01)  # the unit: 10 ms (a size's first timing is not used)
+        ctl.last = Decision(4, "drafting", {1: 1.0, 4: 1.585})  # a copy must beat this chain
+        return ctl
+
+    before = controller().copy_length(8, 0.7)
+    cheap, dear, untimed = controller(), controller(), controller(timed=False)
+    for width in (3, 5, 9, 4) * 5:
+        for ctl, times in ((cheap, 0.5), (dear, 2.0), (untimed, 0.5)):
+            ctl.copied(width, times * CostModel(CURVE).copy(width) * 0.01)
+    assert 0 < before < 8  # cut to the length that pays best
+    assert cheap.cost.copy_scale < 0.6 and dear.cost.copy_scale > 1.8
+    assert cheap.copy_length(8, 0.7) == 8 and dear.copy_length(8, 0.7) == 0
+    estimate = CostModel(CURVE).copy(9)
+    assert cheap.cost.copy(9) == pytest.approx(max(1.0, estimate / CostModel.TRUST))
+    assert untimed.cost.copies == 0 and untimed.copy_length(8, 0.7) == before
 
 
 def test_copy_rates_are_remembered_between_processes(tiny_pair, tmp_path, monkeypatch):

@@ -306,6 +306,10 @@ class PlainSteps:
     def copy_length(self, longest: int, rate: float) -> int:
         return longest
 
+    def copied(self, width: int, seconds: float) -> None:
+
+        pass
+
     def plain_step(self) -> float | None:
         return self.unit
 
@@ -334,3 +338,39 @@ def test_the_cycle_learns_what_waiting_for_an_anchor_gains(tiny_pair, monkeypatc
         assert events[-1].stats.copy_cycles > 0
     else:
         assert plan.copy_rates.wait_gain < 0 and sum(asked) < len(asked) / 2
+
+
+def test_copy_cycles_teach_the_controller_what_a_copy_costs(tiny_pair, monkeypatch):
+    """A copy is priced from the curve (a chain as wide less its drafter pass) and corrected
+    by what copy cycles measure: each steady copy cycle's width and time reach the cost model
+    (`CostModel.observe_copy`), no drafting cycle's do. Output is the target's. Control: a
+    controller that times nothing (seeded sampling) learns nothing."""
+    from dflash_mac.sizing.cost import CostModel
+
+    tok = tiny_pair.tokenizer
+    src = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
+    ids = tok.encode(src * 3 + "# again\n" + src[:20])
+    plain = generate(tiny_pair, ids, max_tokens=48, use_eos=False, block_size=1, copy=False)
+    seen = []
+    real = CostModel.observe_copy
+    monkeypatch.setattr(
+        CostModel, "observe_copy", lambda self, w, s: seen.append((w, s)) or real(self, w, s)
+    )
+    monkeypatch.setattr(BlockController, "copy_length", lambda self, longest, rate: longest)
+    for timed in (True, False):
+        seen.clear()
+        tuning = AutoTuning()
+        ctl = tuning.controller(tiny_pair.block_size, (0.0, 1.0, 0, 0.0), timed=timed)
+        cfg = GenerationConfig(48, use_eos=False, tree=0)
+        events = list(speculative_stream(tiny_pair, ids, cfg, controller=ctl))
+        assert [t for e in events for t in e.tokens] == plain.tokens
+        stats = events[-1].stats
+        assert stats.copy_cycles > 1
+        if timed:
+            widths = [b for b, c in zip(stats.block_sizes, stats.copied) if c]
+            assert seen and len(seen) <= stats.copy_cycles
+            assert all(w in widths and s > 0 for w, s in seen)
+            assert 0 < ctl.cost.copies <= len(seen)  # those after a plain step was timed
+            assert ctl.cost.copy_scale != 1.0
+        else:
+            assert ctl.cost.copies == 0

@@ -333,6 +333,10 @@ class Sizes:
     def copy_length(self, longest: int, rate: float) -> int:
         return longest
 
+    def copied(self, width: int, seconds: float) -> None:
+
+        pass
+
     def plain_step(self) -> float | None:
         return None  # untimed: waits for a copy are not priced
 

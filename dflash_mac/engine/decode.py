@@ -151,7 +151,10 @@ def cycles(
                 c = pipe.cycle(row.anchor, room)  # draft, and the verify queued behind it
                 r = pipe.finish(c, row.anchor, room)  # accept: the one host sync; roll back
                 row.anchor = r.committed[-1]  # the bonus token: the next cycle's anchor
-                if plan and not c.copied:  # copies say nothing about the drafter's blocks
+                if plan and c.copied:  # copies say nothing about the drafter's blocks
+                    if r.steady:
+                        plan.copied(c.width, r.seconds)
+                elif plan:
                     timed = r.seconds if not c.copy else None  # a graft's nodes: a dearer tree
                     plan.update(
                         c.bs, r.drafted, timed, r.steady, c.budget, r.chain, r.odds, r.reach

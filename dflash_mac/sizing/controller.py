@@ -196,6 +196,11 @@ class BlockController:
         best = max(rates, key=rates.get, default=0)
         return best if best and rates[best] > chosen else 0
 
+    def copied(self, width: int, seconds: float) -> None:
+        """A copy cycle verifying `width` tokens took `seconds` amid cycles of its kind."""
+        if self.timed:
+            self.cost.observe_copy(width, seconds)
+
     def plain_step(self) -> float | None:
         """A one-token step's seconds now, as the costs track it (None: not timed yet)."""
         return self.cost.unit if self.timed else None

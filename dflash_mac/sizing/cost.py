@@ -222,6 +222,8 @@ class CostModel:
         self.source: tuple[int, int] | None = None  # (model, size) that timed the unit last
         self.age = 0  # observations since
         self.first_seen: set[int] = set()
+        self.copy_scale = 1.0  # copy cycles' time over their estimate (`copy`), averaged
+        self.copies = 0  # copy cycles it was learned from
 
     def observe(self, bs: int, seconds: float) -> None:
         """Feed one cycle's time. The first cycle at each size is not used: it builds and
@@ -277,8 +279,21 @@ class CostModel:
 
     def copy(self, width: int) -> float:
         """Relative cost of a copy verifying `width` tokens: the cycle as wide, less the
-        prior's drafter pass (`CostCurve.copy`)."""
-        return max(1.0, self.cost(width) - self.prior.draft(width))
+        prior's drafter pass (`CostCurve.copy`), times what copy cycles measured of that
+        estimate (`observe_copy`, within `TRUST`)."""
+        scale = min(max(self.copy_scale, 1 / self.TRUST), self.TRUST)
+        return max(1.0, max(1.0, self.cost(width) - self.prior.draft(width)) * scale)
+
+    def observe_copy(self, width: int, seconds: float) -> None:
+        """Feed a copy cycle's time: how far the estimate is off, learned as one factor for all
+        widths (each repeat copies its own length, too few of each to learn them apart; on the
+        tiny pair short copies ran a fifth under the estimate, the few long ones near it)."""
+        if seconds <= 0 or self.unit is None:
+            return
+        estimate = max(1.0, self.cost(width) - self.prior.draft(width))
+        scale, self.copies = self.copy_scale, self.copies + 1
+        ratio = min(max(seconds / self.unit / estimate, scale / self.SPIKE), scale * self.SPIKE)
+        self.copy_scale = self.average(scale, ratio, self.copies)
 
     @property
     def calibrated(self) -> bool:

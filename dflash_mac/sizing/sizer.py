@@ -69,6 +69,10 @@ class CopySizer(BlockSizer, Protocol):
         """Whether a copy of `copy` tokens should ride on this cycle's tree of `budget` nodes."""
         ...
 
+    def copied(self, width: int, seconds: float) -> None:
+        """A copy cycle verifying `width` tokens took `seconds` (what `copy_length` prices)."""
+        ...
+
     def plain_step(self) -> float | None:
         """A one-token step's seconds now (None: not timed yet): what a wait is priced in."""
         ...
