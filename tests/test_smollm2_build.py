@@ -140,6 +140,29 @@ def test_the_fifth_set_is_the_first_answered_at_t07(tmp_path):
     assert "prompts5" in smollm2.SAMPLED_SETS and smollm2.ANSWERS["data5"] == "prompts5"
 
 
+def test_the_sixth_set_asks_everyday_things_anew(tmp_path):
+    """Stage data6: new topics asked new ways, standalone tasks and follow-ups on the fourth
+    set's sampled chat answers (two-turn chats whose first answer is the sampled one); no
+    prompt of an earlier set nor a topic of the chat suite (held out); answered at T 0.7."""
+    chats = smollm2.answered_chats(tmp_path, lambda ids: f"answer of {len(ids)} tokens", "prompts4")
+    assert len(chats) >= 150 and all(len(m) == 1 for m, _ in chats)
+    sixth = smollm2.prompts6(chats)
+    follow = [r for r in sixth if r["messages"][-1]["content"] in smollm2.CHAT_FOLLOW_UPS6]
+    assert len(follow) == smollm2.COUNTS6["follow"]
+    assert all(r["messages"][1]["role"] == "assistant" for r in follow)
+    assert len(sixth) == 3 * len(smollm2.TOPICS6) + len(smollm2.TASKS6) + len(follow)
+    earlier = smollm2.code_prompts() + smollm2.prompts2() + smollm2.prompts3(chats)
+    firsts = {json.dumps(r["messages"]) for r in earlier}
+    assert not firsts & {json.dumps(r["messages"]) for r in sixth}
+    chat = [p.prompt[0]["content"].lower() for p in suite_prompts("chat", lambda _: None)]
+    assert not [t for t in smollm2.TOPICS6 if t.lower() in " ".join(chat)]
+    assert not {t.lower() for t in smollm2.TASKS6} & set(chat)
+    assert not set(smollm2.TOPICS6) & set(smollm2.TOPICS3 + smollm2.TOPICS2 + smollm2.TOPICS)
+    asks = [json.dumps(r["messages"]) for r in sixth]
+    assert len(set(asks)) == len(asks)
+    assert "prompts6" in smollm2.SAMPLED_SETS and smollm2.ANSWERS["data6"] == "prompts6"
+
+
 def test_a_restarted_drafter_starts_a_lineage_of_its_own():
     rows = [
         {"stage": s, "steps": n} for s, n in (("6", 3337), ("7", 4456), ("8a", 400), ("8", 1191))

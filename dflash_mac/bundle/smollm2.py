@@ -52,7 +52,7 @@ COMMITTED = OUT / "data"
 SOURCE = "smollm2-135m-gguf"  # registry [[source]]: the pinned wheel's GGUF file
 MASK_ID = 16  # `<empty_output>`: a control token the instruct model never writes
 RECOMMENDED_TEMP = 0.7
-STAGES = ("prompts", "data", "dflash2", "dflash")  # `all`; `data2`..`data5` and `eval` alone
+STAGES = ("prompts", "data", "dflash2", "dflash")  # `all`; `data2`..`data6` and `eval` alone
 CURVE = OUT / "curve.csv"  # the DFlash 2 drafter's held-out τ after every stage (campaign.py)
 ANSWERED = COMMITTED / "answered.json"  # second-set shard -> the file of its answers
 # the seed lists the prompts are written from (topics, asks, follow-ups): data, not code
@@ -83,7 +83,12 @@ COUNTS3 = {"write": 0, "ask": 160, "multi": 60, "long": 16, "chat_per_topic": 3,
 # answered greedily): sampled answers to code and everyday requests with no new prompts to
 # write, where the drafter's T 0.7 figures trail its greedy ones. The fifth (`data5`): the first
 # set's prompts answered at T 0.7 the same way (they too were answered greedily).
-SAMPLED_SETS = ("prompts3", "prompts4", "prompts5")  # answered at RECOMMENDED_TEMP, not greedily
+# The sixth (`data6`): everyday requests again (chat τ trails code τ by ~0.8): new topics asked
+# new ways, standalone tasks, and follow-ups on the fourth set's sampled chat answers.
+TOPICS6, CHAT_ASKS6, TASKS6 = SEEDS["topics6"], SEEDS["chat_asks6"], SEEDS["tasks6"]
+CHAT_FOLLOW_UPS6 = SEEDS["chat_follow_ups6"]
+COUNTS6 = {"chat_per_topic": 3, "follow": 150}
+SAMPLED_SETS = ("prompts3", "prompts4", "prompts5", "prompts6")  # answered at T 0.7, not greedily
 
 
 def fenced(code: str) -> str:
@@ -158,6 +163,22 @@ def prompts3(chats: list[tuple[list[dict], str]]) -> list[dict]:
             {"messages": [*messages, {"role": "assistant", "content": answer.strip()}, follow]}
         )
     random.Random(6).shuffle(rows)
+    return rows
+
+
+def prompts6(chats: list[tuple[list[dict], str]]) -> list[dict]:
+    """The sixth set, shuffled: new topics × new asks, standalone everyday tasks, and a
+    follow-up on each of `chats` (the fourth set's chat prompts with the target's sampled
+    answers)."""
+    rows = chat_prompts(TOPICS6, COUNTS6["chat_per_topic"], seed=7, asks=CHAT_ASKS6)
+    rows += [user(t) for t in TASKS6]
+    picked = random.Random(8).sample(chats, min(COUNTS6["follow"], len(chats)))
+    for i, (messages, answer) in enumerate(picked):
+        follow = {"role": "user", "content": CHAT_FOLLOW_UPS6[i % len(CHAT_FOLLOW_UPS6)]}
+        rows.append(
+            {"messages": [*messages, {"role": "assistant", "content": answer.strip()}, follow]}
+        )
+    random.Random(9).shuffle(rows)
     return rows
 
 
@@ -238,13 +259,13 @@ def stage_fixed(cache: Path) -> list[Path]:
     return paths
 
 
-def answered_chats(cache: Path, decode) -> list[tuple[list[dict], str]]:
-    """The second set's everyday requests (one user message, no code) with the target's
-    answers to them, from the committed shards and answers (`decode`: ids -> text)."""
+def answered_chats(cache: Path, decode, name: str = "prompts2") -> list[tuple[list[dict], str]]:
+    """A set's everyday requests (one user message, no code) with the target's answers to
+    them, from the committed shards and answers (`decode`: ids -> text)."""
     done = json.loads(ANSWERED.read_text()) if ANSWERED.exists() else {}
     chats = []
     for shard, answers in sorted(done.items()):
-        if not shard.startswith("prompts2-"):
+        if not shard.startswith(f"{name}-"):
             continue
         restore(COMMITTED / shard, cache / shard)
         rows = [json.loads(line) for line in (cache / shard).read_text().splitlines() if line]
@@ -262,14 +283,14 @@ def answered_chats(cache: Path, decode) -> list[tuple[list[dict], str]]:
 
 
 SHARD = 256  # prompts a shard: its answers take ~12 min of two cores
-SETS = ("prompts2", "prompts3", "prompts4", "prompts5")  # after the first, shard by shard
+SETS = ("prompts2", "prompts3", "prompts4", "prompts5", "prompts6")  # shard by shard
 ANSWERS = {f"data{n.removeprefix('prompts')}": n for n in SETS}  # the stage answering each
 
 
 def stage_shards(cache: Path, name: str, decode=None) -> list[Path]:
     """``cache/<name>-<i>.jsonl``: a prompt set in shards, answered and committed one by one
     (`stage_answers`), so a session's share of the work lasts (committed like the first);
-    `decode` (ids -> text) builds the third set's two-turn chats, once."""
+    `decode` (ids -> text) builds the third and sixth sets' two-turn chats, once."""
     first = cache / f"{name}-0.jsonl"
     if not restore(COMMITTED / first.name, first):
         if name == "prompts4":
@@ -278,6 +299,8 @@ def stage_shards(cache: Path, name: str, decode=None) -> list[Path]:
             rows = prompts5(cache)
         elif name == "prompts3":
             rows = prompts3(answered_chats(cache, decode))
+        elif name == "prompts6":
+            rows = prompts6(answered_chats(cache, decode, "prompts4"))
         else:
             rows = prompts2()
         for i in range(0, len(rows), SHARD):
