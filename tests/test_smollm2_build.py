@@ -72,6 +72,9 @@ def test_a_stage_row_carries_the_curve_on(tmp_path):
     campaign.append_row(curve, row)
     rows = campaign.read_rows(curve)
     assert [r["stage"] for r in rows] == ["5", "6"] and rows[1]["tau_code_greedy"] == "1.7"
+    # a stage not adopted left the drafter as it was: the next goes on from the one before it
+    campaign.append_row(curve, {**row, "stage": "7", "steps": 999, "note": "NOT ADOPTED: worse"})
+    assert campaign.stage_row(draft, curve, "8", tau)["steps"] == 921
 
 
 def test_the_second_prompt_set_is_new_and_keeps_the_suites_out():

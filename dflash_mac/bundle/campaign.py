@@ -92,13 +92,18 @@ def append_row(path: Path, row: dict) -> None:
         w.writerow({k: row.get(k, "") for k in FIELDS})
 
 
+NOT_ADOPTED = "NOT ADOPTED"  # in the note of a stage whose weights were not kept
+
+
 def stage_row(draft_dir: Path, curve: Path, stage: str, tau: dict, note: str = "") -> dict:
     """The row of a stage just trained: its summary (`dflash_training.json`) on top of the
     curve's last cumulative figures."""
     summary = json.loads((draft_dir / "dflash_training.json").read_text())
     cfg = json.loads((draft_dir / "config.json").read_text())
-    rows = read_rows(curve)
-    last = rows[-1] if rows else {}
+    # its cumulative figures go on from the last stage whose weights were kept (a stage not
+    # adopted left the committed drafter as it was)
+    kept = [r for r in read_rows(curve) if NOT_ADOPTED not in r.get("note", "")]
+    last = kept[-1] if kept else {}
     steps = int(summary.get("steps", 0))
     blocks = summary.get("blocks")
     estimated = blocks is None
