@@ -150,18 +150,29 @@ def prompts2() -> list[dict]:
     return rows
 
 
+def two_turn(chats: list[tuple[list[dict], str]], n: int, asks: list[str], seed: int) -> list[dict]:
+    """`n` of `chats` (an earlier prompt and the target's answer to it) drawn with `seed`, each
+    followed by one of `asks` in turn: two-turn chats."""
+    picked = random.Random(seed).sample(chats, min(n, len(chats)))
+    return [
+        {
+            "messages": [
+                *messages,
+                {"role": "assistant", "content": answer.strip()},
+                {"role": "user", "content": asks[i % len(asks)]},
+            ]
+        }
+        for i, (messages, answer) in enumerate(picked)
+    ]
+
+
 def prompts3(chats: list[tuple[list[dict], str]]) -> list[dict]:
     """The third set, shuffled: everyday requests on new topics (`TOPICS3` × `CHAT_ASKS3`),
     a follow-up question on each of `chats` (an earlier chat prompt and the target's answer to
     it: two-turn chats), and code asks on functions neither earlier set used."""
     rows = code_prompts(seed=0, counts=COUNTS3, skip=used_examples() + used_examples(COUNTS2))
     rows += chat_prompts(TOPICS3, COUNTS3["chat_per_topic"], seed=4, asks=CHAT_ASKS3)
-    picked = random.Random(5).sample(chats, min(COUNTS3["follow"], len(chats)))
-    for i, (messages, answer) in enumerate(picked):
-        follow = {"role": "user", "content": CHAT_FOLLOW_UPS[i % len(CHAT_FOLLOW_UPS)]}
-        rows.append(
-            {"messages": [*messages, {"role": "assistant", "content": answer.strip()}, follow]}
-        )
+    rows += two_turn(chats, COUNTS3["follow"], CHAT_FOLLOW_UPS, seed=5)
     random.Random(6).shuffle(rows)
     return rows
 
@@ -172,12 +183,7 @@ def prompts6(chats: list[tuple[list[dict], str]]) -> list[dict]:
     answers)."""
     rows = chat_prompts(TOPICS6, COUNTS6["chat_per_topic"], seed=7, asks=CHAT_ASKS6)
     rows += [user(t) for t in TASKS6]
-    picked = random.Random(8).sample(chats, min(COUNTS6["follow"], len(chats)))
-    for i, (messages, answer) in enumerate(picked):
-        follow = {"role": "user", "content": CHAT_FOLLOW_UPS6[i % len(CHAT_FOLLOW_UPS6)]}
-        rows.append(
-            {"messages": [*messages, {"role": "assistant", "content": answer.strip()}, follow]}
-        )
+    rows += two_turn(chats, COUNTS6["follow"], CHAT_FOLLOW_UPS6, seed=8)
     random.Random(9).shuffle(rows)
     return rows
 
