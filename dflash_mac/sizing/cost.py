@@ -282,15 +282,19 @@ class CostModel:
         prior's drafter pass (`CostCurve.copy`), times what copy cycles measured of that
         estimate (`observe_copy`, within `TRUST`)."""
         scale = min(max(self.copy_scale, 1 / self.TRUST), self.TRUST)
-        return max(1.0, max(1.0, self.cost(width) - self.prior.draft(width)) * scale)
+        return max(1.0, self.copy_estimate(width) * scale)
+
+    def copy_estimate(self, width: int) -> float:
+        """A copy's cost before what copy cycles measured: the cycle as wide less the pass."""
+        return max(1.0, self.cost(width) - self.prior.draft(width))
 
     def observe_copy(self, width: int, seconds: float) -> None:
-        """Feed a copy cycle's time: how far the estimate is off, learned as one factor for all
-        widths (each repeat copies its own length, too few of each to learn them apart; on the
-        tiny pair short copies ran a fifth under the estimate, the few long ones near it)."""
+        """Feed a copy cycle's time: how far `copy_estimate` is off, learned as one factor for
+        all widths (each repeat copies its own length, too few of each to learn them apart;
+        docs/bench.md has what it corrected)."""
         if seconds <= 0 or self.unit is None:
             return
-        estimate = max(1.0, self.cost(width) - self.prior.draft(width))
+        estimate = self.copy_estimate(width)
         scale, self.copies = self.copy_scale, self.copies + 1
         ratio = min(max(seconds / self.unit / estimate, scale / self.SPIKE), scale * self.SPIKE)
         self.copy_scale = self.average(scale, ratio, self.copies)
